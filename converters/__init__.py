@@ -1,0 +1,1 @@
+"""Converters: one sub-package per target (stablehlo, litert, onnx). They never import runtimes."""

@@ -1,0 +1,156 @@
+"""The TPU target: captured core ATen -> JAX -> jax.export (StableHLO) -> ``.tpu``.
+
+Importing this package registers every lowering (one module per op family).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+import torchtpu_export
+from torchtpu_export import tpu_format
+from torchtpu_export.capture import CapturedProgram
+from torchtpu_export.errors import ConversionError, InputError, UnsupportedOpError
+
+from . import (ops_elementwise, ops_index, ops_nn, ops_reduction, ops_shape,  # noqa: F401  (registration)
+               ops_misc)
+from .interpreter import check_supported, to_jax_function
+from .registry import LOWERINGS, NOT_SUPPORTED, LoweringContext, jax_dtype, lookup, lowers  # noqa: F401
+
+log = logging.getLogger("torchtpu_export")
+
+PLATFORMS = ("tpu", "cpu", "cuda", "rocm")
+KERNEL_MODES = ("auto", "pallas", "xla")
+
+# Composite ops this target lowers whole instead of letting torch decompose them.
+KEEP_WHOLE: list = []
+
+
+def _symbolic_specs(captured: CapturedProgram, narrow: bool):
+    """jax ShapeDtypeStructs for the inputs, dynamic dims as jax.export symbols with torch's bounds."""
+    symbols = sorted({d for spec in captured.inputs for d in spec.shape if isinstance(d, str)})
+    scope = None
+    if symbols:
+        constraints = []
+        for sym, rng in captured.exported.range_constraints.items():
+            name = str(sym)
+            if name not in symbols:
+                continue
+            if int(rng.lower) > 1:
+                constraints.append(f"{name} >= {int(rng.lower)}")
+            if rng.upper.is_finite:
+                constraints.append(f"{name} <= {int(rng.upper)}")
+        scope = jax.export.SymbolicScope(constraints)
+    specs = []
+    for spec in captured.inputs:
+        dtype = jax_dtype(getattr(torch, spec.dtype), narrow)
+        if any(isinstance(d, str) for d in spec.shape):
+            shape = jax.export.symbolic_shape(", ".join(str(d) for d in spec.shape), scope=scope)
+        else:
+            shape = spec.shape
+        specs.append(jax.ShapeDtypeStruct(shape, dtype))
+    return specs
+
+
+def _merge_weights(captures: Mapping[str, CapturedProgram]):
+    """One weight table for all programs; a name used with different values gets a program prefix."""
+    merged: dict[str, torch.Tensor] = {}
+    per_program: dict[str, list[str]] = {}
+    for prog, cap in captures.items():
+        names = []
+        for name, t in cap.weights.items():
+            key = name
+            if key in merged and not (merged[key] is t or (merged[key].shape == t.shape and merged[key].dtype == t.dtype
+                                                           and torch.equal(merged[key], t))):
+                key = f"{prog}.{name}"
+            merged.setdefault(key, t)
+            names.append(key)
+        per_program[prog] = names
+    return merged, per_program
+
+
+def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str] = ("tpu", "cpu"),
+                    kernels: str = "auto", narrow_64bit: bool = False) -> tpu_format.TpuArtifact:
+    """Lowers each captured program for each platform and packs them as one ``.tpu`` artifact."""
+    platforms = tuple(platforms)
+    bad = [p for p in platforms if p not in PLATFORMS]
+    if bad or not platforms:
+        raise InputError(f"unknown platform(s) {bad}; choose from {', '.join(PLATFORMS)}")
+    if kernels not in KERNEL_MODES:
+        raise InputError(f"kernels must be one of {', '.join(KERNEL_MODES)}, not {kernels!r}")
+    for cap in captures.values():
+        for p in platforms:
+            check_supported(cap, p)
+    weights, weight_names = _merge_weights(captures)
+    np_weights = {}
+    for name, t in weights.items():
+        a = _weight_array(t, narrow_64bit)
+        np_weights[name] = a
+    manifest = {
+        "format": tpu_format.FORMAT,
+        "format_version": tpu_format.FORMAT_VERSION,
+        "versions": {"torchtpu_export": torchtpu_export.__version__, "jax": jax.__version__,
+                     "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else jax.__version__,
+                     "torch": torch.__version__.split("+")[0]},
+        "platforms": list(platforms),
+        "programs": {},
+    }
+    programs: dict[str, dict[str, bytes]] = {}
+    mlir: dict[str, dict[str, str]] = {}
+    for prog, cap in captures.items():
+        wspecs = {n: jax.ShapeDtypeStruct(np_weights[n].shape, np_weights[n].dtype) for n in weight_names[prog]}
+        renames = dict(zip(cap.weights, weight_names[prog]))
+        uses_x64 = not narrow_64bit
+        programs[prog], mlir[prog] = {}, {}
+        kernel_log: list[dict] = []
+        calling_convention = None
+        for platform in platforms:
+            ctx = LoweringContext(platform, narrow_64bit=narrow_64bit, kernels=kernels)
+            fn = to_jax_function(cap, ctx, renames)
+            with jax.enable_x64(uses_x64):
+                ispecs = _symbolic_specs(cap, narrow_64bit)
+                try:
+                    exp = jax.export.export(jax.jit(fn), platforms=[platform])(wspecs, *ispecs)
+                except (UnsupportedOpError, ConversionError, InputError):
+                    raise
+                except Exception as e:
+                    raise ConversionError(f"jax.export failed for platform {platform}: {type(e).__name__}: {e}",
+                                          hint="rerun with --debug and report it") from e
+                programs[prog][platform] = bytes(exp.serialize())
+                mlir[prog][platform] = exp.mlir_module()
+                calling_convention = exp.calling_convention_version
+            kernel_log += [dict(entry, platform=platform) for entry in ctx.kernel_log]
+        manifest["programs"][prog] = {
+            "inputs": [s.to_json() for s in cap.inputs],
+            "outputs": [s.to_json() for s in cap.outputs],
+            "in_spec": pytree.treespec_dumps(cap.in_spec),
+            "out_spec": pytree.treespec_dumps(cap.out_spec),
+            "constant_inputs": {str(i): _jsonable(v) for i, v in cap.constant_inputs.items()},
+            "weights": weight_names[prog],
+            "uses_x64": uses_x64,
+            "narrow_64bit": narrow_64bit,
+            "calling_convention_version": calling_convention,
+            "kernels": kernel_log,
+            "op_histogram": cap.op_histogram(),
+        }
+    return tpu_format.TpuArtifact(manifest, programs, mlir, np_weights)
+
+
+def _weight_array(t: torch.Tensor, narrow: bool) -> np.ndarray:
+    from torchtpu_export.safetensors_io import to_numpy
+    a = to_numpy(t)
+    if narrow and a.dtype in (np.int64, np.float64, np.uint64):
+        a = a.astype({np.dtype(np.int64): np.int32, np.dtype(np.float64): np.float32,
+                      np.dtype(np.uint64): np.uint32}[a.dtype])
+    return a
+
+
+def _jsonable(v):
+    if isinstance(v, (int, float, bool, str)) or v is None:
+        return v
+    return repr(v)

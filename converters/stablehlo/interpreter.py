@@ -1,0 +1,112 @@
+"""An FX interpreter that turns a captured core-ATen graph into a JAX function."""
+from __future__ import annotations
+
+import math
+import operator
+from collections import Counter
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch.fx.node import map_arg
+
+from torchtpu_export.capture import CapturedProgram, op_name, user_source_line
+from torchtpu_export.errors import ConversionError, UnsupportedOpError
+
+from .registry import NOT_SUPPORTED, LoweringContext, lookup
+
+# Python-level ops that appear in graphs with symbolic shapes.
+_PY_OPS = {
+    operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.mod,
+    operator.neg, operator.pow, operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
+    operator.ge, operator.and_, operator.or_, math.ceil, math.floor, math.sqrt,
+    torch.sym_float, torch.sym_int, torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_sqrt,
+}
+
+
+def check_supported(captured: CapturedProgram, platform: str) -> None:
+    """Raises UnsupportedOpError for the first op of the graph that has no lowering."""
+    missing: Counter = Counter()
+    first: dict = {}
+    for node in captured.graph.nodes:
+        if node.op != "call_function" or node.target in _PY_OPS or node.target is operator.getitem:
+            continue
+        if lookup(node.target, platform) is None:
+            missing[node.target] += 1
+            first.setdefault(node.target, node)
+    if missing:
+        op, count = missing.most_common(1)[0]
+        others = [op_name(o) for o in missing if o is not op]
+        reason = NOT_SUPPORTED.get(op, "no lowering is registered for it")
+        if others:
+            reason += f" (also unsupported: {', '.join(sorted(others))})"
+        raise UnsupportedOpError(op_name(op), target=f"stablehlo ({platform})", reason=reason, count=count,
+                                 source=user_source_line(first[op]))
+
+
+def _expected_dtype(ctx: LoweringContext, val):
+    return ctx.dtype(val.dtype) if isinstance(val, torch.Tensor) else None
+
+
+def _conform(ctx: LoweringContext, node, result):
+    """Casts a rule's result to the dtype torch says the node has."""
+    meta = node.meta.get("val")
+    if isinstance(meta, torch.Tensor) and hasattr(result, "dtype"):
+        want = _expected_dtype(ctx, meta)
+        if result.dtype != np.dtype(want):
+            result = result.astype(want)
+    elif isinstance(meta, (tuple, list)) and isinstance(result, (tuple, list)):
+        result = type(result)(
+            r.astype(_expected_dtype(ctx, m)) if isinstance(m, torch.Tensor) and hasattr(r, "dtype")
+            and r.dtype != np.dtype(_expected_dtype(ctx, m)) else r
+            for r, m in zip(result, meta))
+    return result
+
+
+def to_jax_function(captured: CapturedProgram, ctx: LoweringContext, weight_names: dict | None = None) -> Callable:
+    """``fn(weights: dict, *inputs) -> list of outputs``; ``weight_names`` maps captured names to artifact names."""
+    check_supported(captured, ctx.platform)
+    weight_names = weight_names or {name: name for name in captured.weights}
+    input_index = {name: i for i, name in enumerate(captured.input_placeholders)}
+    nodes = list(captured.graph.nodes)
+
+    def fn(weights, *inputs):
+        env: dict = {}
+        for node in nodes:
+            if node.op == "placeholder":
+                if node.name in captured.weight_placeholders:
+                    env[node] = weights[weight_names[captured.weight_placeholders[node.name]]]
+                elif node.name in input_index:
+                    env[node] = inputs[input_index[node.name]]
+                else:  # a non-tensor input that torch.export specialised
+                    env[node] = None
+            elif node.op == "call_function":
+                env[node] = _run_node(ctx, node, env)
+            elif node.op == "output":
+                return [env[o] if isinstance(o, torch.fx.Node) else jnp.asarray(o) for o in node.args[0]]
+            else:
+                raise UnsupportedOpError(f"{node.op} {node.target}", target="stablehlo",
+                                         reason="graph node kind not supported", source=user_source_line(node))
+        raise ConversionError("graph has no output node")
+
+    return fn
+
+
+def _run_node(ctx: LoweringContext, node, env):
+    args = map_arg(node.args, env.__getitem__)
+    kwargs = map_arg(node.kwargs, env.__getitem__)
+    if node.target is operator.getitem or node.target in _PY_OPS:
+        return node.target(*args, **kwargs)
+    rule = lookup(node.target, ctx.platform)
+    ctx.node = node
+    try:
+        result = rule(ctx, *args, **kwargs)
+    except (UnsupportedOpError, ConversionError):
+        raise
+    except Exception as e:
+        raise ConversionError(
+            f"lowering {op_name(node.target)} failed: {type(e).__name__}: {e}"
+            + (f"\n  at {user_source_line(node)}" if user_source_line(node) else ""),
+            hint="this is a bug in torchtpu-export; rerun with --debug and report it") from e
+    return _conform(ctx, node, result)

@@ -1,0 +1,347 @@
+"""Neural-network ops: matmuls, convolution, normalisation, pooling, resampling, embeddings."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import torch
+
+from .registry import lowers
+
+aten = torch.ops.aten
+
+
+# ---- matmuls -------------------------------------------------------------------------------
+
+@lowers(aten.mm.default, aten.bmm.default)
+def matmul(ctx, a, b):
+    return jnp.matmul(a, b, preferred_element_type=_acc(a.dtype)).astype(ctx.out_dtype())
+
+
+@lowers(aten.addmm.default)
+def addmm(ctx, bias, a, b, *, beta=1, alpha=1):
+    out = jnp.matmul(a, b, preferred_element_type=_acc(a.dtype))
+    if alpha != 1:
+        out = out * alpha
+    if beta == 0:
+        return out.astype(ctx.out_dtype())
+    return (out + (bias if beta == 1 else bias * beta)).astype(ctx.out_dtype())
+
+
+def _acc(dtype):
+    # low-precision floats accumulate in f32, like torch's CPU and XLA's TPU kernels
+    return jnp.float32 if dtype in (jnp.bfloat16, jnp.float16) else dtype
+
+
+# ---- convolution ---------------------------------------------------------------------------
+
+def _dimension_numbers(nd: int):
+    spatial = "DHW"[3 - nd:] if nd <= 3 else None
+    return (f"NC{spatial}", f"OI{spatial}", f"NC{spatial}")
+
+
+def conv(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    nd = x.ndim - 2
+    stride, padding, dilation = (list(v) * nd if len(v) == 1 else list(v) for v in (stride, padding, dilation))
+    if not transposed:
+        out = lax.conv_general_dilated(x, w, window_strides=stride, padding=[(p, p) for p in padding],
+                                       rhs_dilation=dilation, dimension_numbers=_dimension_numbers(nd),
+                                       feature_group_count=groups, preferred_element_type=_acc(x.dtype))
+    else:
+        output_padding = list(output_padding) * nd if len(output_padding) == 1 else list(output_padding)
+        # (Cin, Cout/g, *k) -> (Cout, Cin/g, *k), spatially flipped: a transposed conv is a conv over
+        # the input dilated by the stride.
+        cin, cout_g = w.shape[:2]
+        k = w.shape[2:]
+        w = w.reshape((groups, cin // groups, cout_g) + k)
+        w = jnp.swapaxes(w, 1, 2).reshape((groups * cout_g, cin // groups) + k)
+        w = jnp.flip(w, axis=tuple(range(2, 2 + nd)))
+        pads = [(d * (kk - 1) - p, d * (kk - 1) - p + op) for kk, d, p, op in zip(k, dilation, padding, output_padding)]
+        out = lax.conv_general_dilated(x, w, window_strides=[1] * nd, padding=pads, lhs_dilation=stride,
+                                       rhs_dilation=dilation, dimension_numbers=_dimension_numbers(nd),
+                                       feature_group_count=groups, preferred_element_type=_acc(x.dtype))
+    out = out.astype(x.dtype)
+    if bias is not None:
+        out = out + bias.reshape((1, -1) + (1,) * nd)
+    return out
+
+
+@lowers(aten.convolution.default)
+def convolution(ctx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    return conv(x, w, bias, stride, padding, dilation, transposed, output_padding, groups)
+
+
+# ---- normalisation -------------------------------------------------------------------------
+
+def _bcast_channel(v, ndim):
+    return v.reshape((1, -1) + (1,) * (ndim - 2))
+
+
+def _batch_norm(x, w, b, mean, var, eps):
+    acc = _acc(x.dtype)
+    xf = x.astype(acc)
+    inv = lax.rsqrt(var.astype(acc) + eps)
+    out = (xf - _bcast_channel(mean.astype(acc), x.ndim)) * _bcast_channel(inv, x.ndim)
+    if w is not None:
+        out = out * _bcast_channel(w.astype(acc), x.ndim)
+    if b is not None:
+        out = out + _bcast_channel(b.astype(acc), x.ndim)
+    return out.astype(x.dtype)
+
+
+@lowers(aten._native_batch_norm_legit_no_training.default)
+def batch_norm_inference(ctx, x, w, b, running_mean, running_var, momentum, eps):
+    empty = jnp.zeros((0,), x.dtype)
+    return _batch_norm(x, w, b, running_mean, running_var, eps), empty, empty
+
+
+def _batch_stats(x):
+    axes = (0,) + tuple(range(2, x.ndim))
+    xf = x.astype(_acc(x.dtype))
+    return jnp.mean(xf, axis=axes), jnp.var(xf, axis=axes)
+
+
+@lowers(aten._native_batch_norm_legit.default)
+def batch_norm_training(ctx, x, w, b, running_mean, running_var, training, momentum, eps):
+    if not training:
+        return batch_norm_inference(ctx, x, w, b, running_mean, running_var, momentum, eps)
+    mean, var = _batch_stats(x)
+    return _batch_norm(x, w, b, mean, var, eps), mean, lax.rsqrt(var + eps)
+
+
+@lowers(aten._native_batch_norm_legit.no_stats)
+def batch_norm_no_stats(ctx, x, w, b, training, momentum, eps):
+    mean, var = _batch_stats(x)
+    return _batch_norm(x, w, b, mean, var, eps), mean, lax.rsqrt(var + eps)
+
+
+@lowers(aten.native_layer_norm.default)
+def native_layer_norm(ctx, x, normalized_shape, w, b, eps):
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    xf = x.astype(_acc(x.dtype))
+    mean = jnp.mean(xf, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=axes, keepdims=True)
+    rstd = lax.rsqrt(var + eps)
+    out = (xf - mean) * rstd
+    if w is not None:
+        out = out * w.astype(out.dtype)
+    if b is not None:
+        out = out + b.astype(out.dtype)
+    return out.astype(x.dtype), mean, rstd
+
+
+@lowers(aten.native_group_norm.default)
+def native_group_norm(ctx, x, w, b, n, c, hxw, group, eps):
+    xf = x.astype(_acc(x.dtype)).reshape((x.shape[0], group, -1))
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    rstd = lax.rsqrt(var + eps)
+    out = ((xf - mean) * rstd).reshape(x.shape)
+    if w is not None:
+        out = out * _bcast_channel(w, x.ndim)
+    if b is not None:
+        out = out + _bcast_channel(b, x.ndim)
+    return out.astype(x.dtype), mean.reshape((x.shape[0], group)), rstd.reshape((x.shape[0], group))
+
+
+# ---- pooling -------------------------------------------------------------------------------
+
+def pool_output_size(size, k, s, p, d, ceil_mode):
+    eff = d * (k - 1) + 1
+    num = size + 2 * p - eff
+    out = (-(-num // s) if ceil_mode else num // s) + 1
+    if ceil_mode and (out - 1) * s >= size + p:  # the last window must start inside the input or left pad
+        out -= 1
+    return out
+
+
+def _expand(v, nd, default=None):
+    v = list(v) if v is not None and len(v) else list(default)
+    return v * nd if len(v) == 1 else v
+
+
+def _window_geometry(x, nd, kernel, stride, padding, dilation, ceil_mode):
+    kernel = _expand(kernel, nd)
+    stride = _expand(stride, nd, kernel)
+    padding = _expand(padding, nd, [0])
+    dilation = _expand(dilation, nd, [1])
+    spatial = x.shape[-nd:]
+    out = [pool_output_size(n, k, s, p, d, ceil_mode) for n, k, s, p, d in zip(spatial, kernel, stride, padding, dilation)]
+    # right padding that covers the last (ceil-mode) window
+    hi = [max((o - 1) * s + d * (k - 1) + 1 - n - p, 0) for o, s, d, k, n, p in
+          zip(out, stride, dilation, kernel, spatial, padding)]
+    return kernel, stride, padding, dilation, out, hi
+
+
+def max_pool(x, nd, kernel, stride, padding, dilation, ceil_mode):
+    """Values and flat indices (within each spatial plane) of an N-d max pool, like torch."""
+    kernel, stride, padding, dilation, out, hi = _window_geometry(x, nd, kernel, stride, padding, dilation, ceil_mode)
+    spatial = x.shape[-nd:]
+    # Static gather: for each output position and window offset, the input position (or -1 for padding).
+    grids = np.meshgrid(*[np.arange(o) for o in out], indexing="ij")
+    offs = np.meshgrid(*[np.arange(k) for k in kernel], indexing="ij")
+    flat = np.zeros((int(np.prod(out)), int(np.prod(kernel))), np.int64)
+    valid = np.ones_like(flat, dtype=bool)
+    for axis in range(nd):
+        pos = grids[axis].reshape(-1, 1) * stride[axis] - padding[axis] + offs[axis].reshape(1, -1) * dilation[axis]
+        valid &= (pos >= 0) & (pos < spatial[axis])
+        flat = flat * spatial[axis] + np.clip(pos, 0, spatial[axis] - 1)
+    lead = x.shape[:-nd]
+    xs = x.reshape(lead + (-1,))
+    gathered = jnp.take(xs, jnp.asarray(flat.reshape(-1).astype(np.int32)), axis=-1).reshape(lead + flat.shape)
+    low = jnp.array(-jnp.inf, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
+    gathered = jnp.where(jnp.asarray(valid), gathered, low)
+    # NaN wins, as in torch
+    arg = jnp.argmax(jnp.where(jnp.isnan(gathered), jnp.inf, gathered) if jnp.issubdtype(x.dtype, jnp.floating)
+                     else gathered, axis=-1)
+    values = jnp.take_along_axis(gathered, arg[..., None], axis=-1)[..., 0]
+    index = jnp.asarray(flat)[jnp.arange(flat.shape[0]), arg]
+    shape = lead + tuple(out)
+    return values.reshape(shape), index.reshape(shape)
+
+
+@lowers(aten.max_pool2d_with_indices.default)
+def max_pool2d_with_indices(ctx, x, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+    return max_pool(x, 2, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+@lowers(aten.max_pool3d_with_indices.default)
+def max_pool3d_with_indices(ctx, x, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+    return max_pool(x, 3, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+def avg_pool(x, nd, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    kernel, stride, padding, _, out, hi = _window_geometry(x, nd, kernel, stride, padding, [1], ceil_mode)
+    lead = x.ndim - nd
+    window = (1,) * lead + tuple(kernel)
+    strides = (1,) * lead + tuple(stride)
+    pads = [(0, 0)] * lead + [(p, h) for p, h in zip(padding, hi)]
+    acc = _acc(x.dtype)
+    sums = lax.reduce_window(x.astype(acc), jnp.array(0, acc), lax.add, window, strides, pads)
+    if divisor_override:
+        div = jnp.asarray(divisor_override, acc)
+    else:
+        spatial = x.shape[lead:]
+        if count_include_pad:
+            # padded positions count, positions past the padding (ceil mode) do not
+            ones = jnp.ones(tuple(n + 2 * p for n, p in zip(spatial, padding)), acc)
+            cpads = [(0, max(h - p, 0)) for p, h in zip(padding, hi)]
+        else:
+            ones = jnp.ones(spatial, acc)
+            cpads = [(p, h) for p, h in zip(padding, hi)]
+        div = lax.reduce_window(ones, jnp.array(0, acc), lax.add, tuple(kernel), tuple(stride), cpads)
+    return (sums / div).astype(x.dtype)
+
+
+@lowers(aten.avg_pool2d.default)
+def avg_pool2d(ctx, x, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
+               divisor_override=None):
+    return avg_pool(x, 2, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+@lowers(aten.avg_pool3d.default)
+def avg_pool3d(ctx, x, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
+               divisor_override=None):
+    return avg_pool(x, 3, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+@lowers(aten.avg_pool1d.default)
+def avg_pool1d(ctx, x, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True):
+    return avg_pool(x, 1, kernel_size, stride, padding, ceil_mode, count_include_pad, None)
+
+
+def adaptive_matrix(n_in: int, n_out: int) -> np.ndarray:
+    """(n_out, n_in) averaging matrix of adaptive average pooling along one axis."""
+    m = np.zeros((n_out, n_in), np.float64)
+    for i in range(n_out):
+        start = (i * n_in) // n_out
+        end = -((-(i + 1) * n_in) // n_out)
+        m[i, start:end] = 1.0 / (end - start)
+    return m
+
+
+def adaptive_avg_pool(x, output_size):
+    nd = len(output_size)
+    out = x.astype(_acc(x.dtype))
+    for i, n_out in enumerate(output_size):
+        axis = x.ndim - nd + i
+        m = jnp.asarray(adaptive_matrix(x.shape[axis], n_out), out.dtype)
+        out = jnp.moveaxis(jnp.tensordot(out, m, axes=[[axis], [1]]), -1, axis)
+    return out.astype(x.dtype)
+
+
+@lowers(aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default, aten.adaptive_avg_pool1d.default)
+def adaptive_avg_pool_nd(ctx, x, output_size):
+    return adaptive_avg_pool(x, list(output_size))
+
+
+# ---- resampling ----------------------------------------------------------------------------
+
+def _source_scale(n_in, n_out, align_corners, scale):
+    if align_corners:
+        return (n_in - 1) / (n_out - 1) if n_out > 1 else 0.0
+    return 1.0 / scale if scale else n_in / n_out
+
+
+def linear_matrix(n_in, n_out, align_corners, scale=None) -> np.ndarray:
+    """(n_out, n_in) interpolation weights of torch's (bi)linear upsampling along one axis."""
+    r = _source_scale(n_in, n_out, align_corners, scale)
+    m = np.zeros((n_out, n_in), np.float64)
+    for i in range(n_out):
+        src = r * i if align_corners else max(r * (i + 0.5) - 0.5, 0.0)
+        i0 = min(int(math.floor(src)), n_in - 1)
+        i1 = min(i0 + 1, n_in - 1)
+        lam = src - i0
+        m[i, i0] += 1 - lam
+        m[i, i1] += lam
+    return m
+
+
+def _out_sizes(x, nd, output_size, scale_factors):
+    if output_size is not None:
+        return list(output_size), [None] * nd
+    sizes = [int(math.floor(n * s)) for n, s in zip(x.shape[-nd:], scale_factors)]
+    return sizes, list(scale_factors)
+
+
+@lowers(aten.upsample_bilinear2d.vec)
+def upsample_bilinear2d(ctx, x, output_size, align_corners, scale_factors=None):
+    sizes, scales = _out_sizes(x, 2, output_size, scale_factors)
+    out = x.astype(_acc(x.dtype))
+    for i, (n_out, s) in enumerate(zip(sizes, scales)):
+        axis = x.ndim - 2 + i
+        m = jnp.asarray(linear_matrix(x.shape[axis], n_out, align_corners, s), out.dtype)
+        out = jnp.moveaxis(jnp.tensordot(out, m, axes=[[axis], [1]]), -1, axis)
+    return out.astype(x.dtype)
+
+
+@lowers(aten.upsample_nearest2d.vec)
+def upsample_nearest2d(ctx, x, output_size, scale_factors=None):
+    sizes, scales = _out_sizes(x, 2, output_size, scale_factors)
+    out = x
+    for i, (n_out, s) in enumerate(zip(sizes, scales)):
+        axis = x.ndim - 2 + i
+        n_in = x.shape[axis]
+        r = 1.0 / s if s else n_in / n_out
+        src = np.minimum(np.floor(np.arange(n_out) * r).astype(np.int64), n_in - 1)
+        out = jnp.take(out, jnp.asarray(src.astype(np.int32)), axis=axis)
+    return out
+
+
+# ---- embeddings ----------------------------------------------------------------------------
+
+@lowers(aten.embedding.default)
+def embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return jnp.take(weight, indices, axis=0)
+
+
+@lowers(aten.native_dropout.default)
+def native_dropout(ctx, x, p, train):
+    if not train or p == 0:
+        return x, jnp.ones(x.shape, jnp.bool_)
+    keep = jax.random.bernoulli(jax.random.key(0), 1 - p, x.shape)
+    return jnp.where(keep, x / (1 - p), 0).astype(x.dtype), keep

@@ -1,0 +1,160 @@
+"""Reductions, scans, softmax, sort and top-k."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import torch
+
+from .registry import lowers
+
+aten = torch.ops.aten
+
+
+def axes(x, dim) -> tuple | None:
+    """torch's dim argument (None, int, or list; [] means all) as a tuple of axes, or None for all."""
+    if dim is None:
+        return None
+    if isinstance(dim, int):
+        dim = [dim]
+    if len(dim) == 0:
+        return None
+    return tuple(d % max(x.ndim, 1) for d in dim) if x.ndim else None
+
+
+@lowers(aten.sum.dim_IntList)
+def sum_(ctx, x, dim=None, keepdim=False, *, dtype=None):
+    return jnp.sum(ctx.cast(x, ctx.out_dtype()), axis=axes(x, dim), keepdims=keepdim)
+
+
+@lowers(aten.mean.dim)
+def mean_dim(ctx, x, dim=None, keepdim=False, *, dtype=None):
+    return jnp.mean(ctx.cast(x, ctx.out_dtype()), axis=axes(x, dim), keepdims=keepdim)
+
+
+@lowers(aten.mean.default)
+def mean(ctx, x, *, dtype=None):
+    return jnp.mean(ctx.cast(x, ctx.out_dtype()))
+
+
+@lowers(aten.prod.default)
+def prod(ctx, x, *, dtype=None):
+    return jnp.prod(ctx.cast(x, ctx.out_dtype()))
+
+
+@lowers(aten.prod.dim_int)
+def prod_dim(ctx, x, dim, keepdim=False, *, dtype=None):
+    return jnp.prod(ctx.cast(x, ctx.out_dtype()), axis=axes(x, dim), keepdims=keepdim)
+
+
+@lowers(aten.amax.default)
+def amax(ctx, x, dim=(), keepdim=False):
+    return jnp.max(x, axis=axes(x, list(dim)), keepdims=keepdim)
+
+
+@lowers(aten.amin.default)
+def amin(ctx, x, dim=(), keepdim=False):
+    return jnp.min(x, axis=axes(x, list(dim)), keepdims=keepdim)
+
+
+@lowers(aten.any.default)
+def any_(ctx, x):
+    return jnp.any(x != 0)
+
+
+@lowers(aten.any.dim, aten.any.dims)
+def any_dim(ctx, x, dim=None, keepdim=False):
+    return jnp.any(x != 0, axis=axes(x, dim), keepdims=keepdim)
+
+
+def _var(x, dim, correction, keepdim):
+    ax = axes(x, dim)
+    n = x.size if ax is None else math.prod(x.shape[a] for a in ax)
+    mean = jnp.mean(x, axis=ax, keepdims=True)
+    sq = jnp.sum(jnp.square(jnp.abs(x - mean)), axis=ax, keepdims=keepdim)
+    return sq / jnp.maximum(jnp.asarray(n - correction, sq.dtype), 0)
+
+
+@lowers(aten.var.correction)
+def var_correction(ctx, x, dim=None, *, correction=None, keepdim=False):
+    return _var(ctx.cast(x, ctx.out_dtype()), dim, 1 if correction is None else correction, keepdim)
+
+
+@lowers(aten.var.dim)
+def var_dim(ctx, x, dim=None, unbiased=True, keepdim=False):
+    return _var(ctx.cast(x, ctx.out_dtype()), dim, 1 if unbiased else 0, keepdim)
+
+
+def _arg(fn, x, dim, keepdim):
+    if dim is None:
+        out = fn(x.reshape(-1))
+        return out.reshape((1,) * x.ndim) if keepdim else out
+    return fn(x, axis=dim % max(x.ndim, 1), keepdims=keepdim) if x.ndim else jnp.zeros((), jnp.int32)
+
+
+@lowers(aten.argmax.default)
+def argmax(ctx, x, dim=None, keepdim=False):
+    return _arg(jnp.argmax, x, dim, keepdim)
+
+
+@lowers(aten.argmin.default)
+def argmin(ctx, x, dim=None, keepdim=False):
+    return _arg(jnp.argmin, x, dim, keepdim)
+
+
+@lowers(aten.max.dim)
+def max_dim(ctx, x, dim, keepdim=False):
+    if x.ndim == 0:
+        return x, jnp.zeros((), ctx.out_dtype(1))
+    return jnp.max(x, axis=dim, keepdims=keepdim), jnp.argmax(x, axis=dim, keepdims=keepdim)
+
+
+@lowers(aten.min.dim)
+def min_dim(ctx, x, dim, keepdim=False):
+    if x.ndim == 0:
+        return x, jnp.zeros((), ctx.out_dtype(1))
+    return jnp.min(x, axis=dim, keepdims=keepdim), jnp.argmin(x, axis=dim, keepdims=keepdim)
+
+
+@lowers(aten.cumsum.default)
+def cumsum(ctx, x, dim, *, dtype=None):
+    x = ctx.cast(x, ctx.out_dtype())
+    return jnp.cumsum(x, axis=dim % x.ndim) if x.ndim else x
+
+
+@lowers(aten._softmax.default)
+def softmax(ctx, x, dim, half_to_float=False):
+    x = ctx.cast(x, ctx.out_dtype())
+    return jax.nn.softmax(x, axis=dim % x.ndim) if x.ndim else jnp.ones_like(x)
+
+
+@lowers(aten._log_softmax.default)
+def log_softmax(ctx, x, dim, half_to_float=False):
+    x = ctx.cast(x, ctx.out_dtype())
+    return jax.nn.log_softmax(x, axis=dim % x.ndim) if x.ndim else jnp.zeros_like(x)
+
+
+@lowers(aten.sort.default)
+def sort(ctx, x, dim=-1, descending=False):
+    if x.ndim == 0:
+        return x, jnp.zeros((), ctx.out_dtype(1))
+    dim = dim % x.ndim
+    idx = jnp.argsort(x, axis=dim, stable=True, descending=descending)
+    return jnp.take_along_axis(x, idx, axis=dim), idx
+
+
+@lowers(aten.topk.default)
+def topk(ctx, x, k, dim=-1, largest=True, sorted=True):
+    if x.ndim == 0:
+        return x, jnp.zeros((), ctx.out_dtype(1))
+    dim = dim % x.ndim
+    xt = jnp.moveaxis(x, dim, -1)
+    if largest and not jnp.issubdtype(x.dtype, jnp.bool_):
+        vals, idx = lax.top_k(xt, k)
+    else:
+        idx = jnp.argsort(xt, axis=-1, stable=True, descending=largest)[..., :k]
+        vals = jnp.take_along_axis(xt, idx, axis=-1)
+    return jnp.moveaxis(vals, -1, dim), jnp.moveaxis(idx, -1, dim)

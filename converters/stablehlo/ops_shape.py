@@ -1,0 +1,212 @@
+"""Views, layout, concatenation, padding and tensor creation."""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import torch
+
+from .registry import lowers
+
+aten = torch.ops.aten
+
+
+def _shape(size) -> tuple:
+    return tuple(size)
+
+
+@lowers(aten.view.default)
+def view(ctx, x, size):
+    return jnp.reshape(x, _shape(size))
+
+
+@lowers(aten.permute.default)
+def permute(ctx, x, dims):
+    return jnp.transpose(x, [d % x.ndim for d in dims]) if x.ndim else x
+
+
+@lowers(aten.expand.default)
+def expand(ctx, x, size, *, implicit=False):
+    lead = len(size) - x.ndim
+    shape = tuple(x.shape[i - lead] if (s == -1 and i >= lead) else s for i, s in enumerate(size))
+    return jnp.broadcast_to(x, shape)
+
+
+@lowers(aten.unsqueeze.default)
+def unsqueeze(ctx, x, dim):
+    return jnp.expand_dims(x, dim % (x.ndim + 1))
+
+
+@lowers(aten.squeeze.dim)
+def squeeze_dim(ctx, x, dim):
+    return squeeze_dims(ctx, x, [dim])
+
+
+@lowers(aten.squeeze.dims)
+def squeeze_dims(ctx, x, dims):
+    if x.ndim == 0:
+        return x
+    axes = tuple(sorted({d % x.ndim for d in dims if x.shape[d % x.ndim] == 1}))
+    return jnp.squeeze(x, axes) if axes else x
+
+
+@lowers(aten.cat.default)
+def cat(ctx, tensors, dim=0):
+    # torch skips legacy empty 1-d tensors next to higher-rank ones
+    ranked = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)] or list(tensors)
+    dt = ctx.out_dtype()
+    ranked = [ctx.cast(t, dt) for t in ranked]
+    return jnp.concatenate(ranked, axis=dim % ranked[0].ndim)
+
+
+def _slice_bounds(size, start, end, step):
+    start = 0 if start is None else start
+    end = size if end is None else end
+    start = start + size if start < 0 else start
+    end = end + size if end < 0 else end
+    start = min(max(start, 0), size)
+    end = min(max(end, start), size)
+    return start, end, step
+
+
+@lowers(aten.slice.Tensor)
+def slice_(ctx, x, dim=0, start=None, end=None, step=1):
+    dim = dim % x.ndim
+    size = x.shape[dim]
+    if isinstance(size, int) and (start is None or isinstance(start, int)) and (end is None or isinstance(end, int)):
+        start, end, step = _slice_bounds(size, start, end, step)
+        if start == 0 and end == size and step == 1:
+            return x
+        return lax.slice_in_dim(x, start, end, step, axis=dim)
+    index = [slice(None)] * x.ndim
+    index[dim] = slice(start, end, step)
+    return x[tuple(index)]
+
+
+@lowers(aten.select.int)
+def select(ctx, x, dim, index):
+    dim = dim % x.ndim
+    return lax.index_in_dim(x, index % x.shape[dim] if isinstance(index, int) else index, axis=dim, keepdims=False)
+
+
+@lowers(aten.split_with_sizes.default)
+def split_with_sizes(ctx, x, split_sizes, dim=0):
+    dim = dim % x.ndim
+    offsets = np.cumsum([0] + list(split_sizes))
+    return [lax.slice_in_dim(x, int(a), int(b), axis=dim) for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+@lowers(aten.repeat.default)
+def repeat(ctx, x, repeats):
+    x = jnp.reshape(x, (1,) * (len(repeats) - x.ndim) + x.shape)
+    return jnp.tile(x, tuple(repeats))
+
+
+@lowers(aten.flip.default)
+def flip(ctx, x, dims):
+    return jnp.flip(x, [d % x.ndim for d in dims]) if dims and x.ndim else x
+
+
+@lowers(aten.diagonal.default)
+def diagonal(ctx, x, offset=0, dim1=0, dim2=1):
+    return jnp.diagonal(x, offset, dim1 % x.ndim, dim2 % x.ndim)
+
+
+@lowers(aten.as_strided.default)
+def as_strided(ctx, x, size, stride, storage_offset=None):
+    # Our tensors are contiguous: read element (offset + sum(i_k * stride_k)) of the flat input.
+    offset = storage_offset or 0
+    index = np.full(tuple(size), offset, dtype=np.int64)
+    for axis, (n, s) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[axis] = n
+        index = index + (np.arange(n) * s).reshape(shape)
+    return jnp.take(jnp.reshape(x, (-1,)), jnp.asarray(index.astype(np.int32)), axis=0)
+
+
+@lowers(aten.alias.default, aten.clone.default)
+def identity(ctx, x, **kwargs):
+    return x
+
+
+@lowers(aten.copy.default)
+def copy(ctx, x, src, non_blocking=False):
+    return jnp.broadcast_to(ctx.cast(src, x.dtype), x.shape)
+
+
+@lowers(aten._to_copy.default)
+def to_copy(ctx, x, **kwargs):
+    return ctx.cast(x, ctx.out_dtype())
+
+
+@lowers(aten.constant_pad_nd.default)
+def constant_pad_nd(ctx, x, pad, value=0):
+    config = [(0, 0, 0)] * x.ndim
+    for i in range(len(pad) // 2):
+        axis = x.ndim - 1 - i
+        config[axis] = (pad[2 * i], pad[2 * i + 1], 0)
+    return lax.pad(x, jnp.asarray(value, x.dtype), config)
+
+
+def _mode_pad(mode):
+    def rule(ctx, x, padding):
+        n = len(padding) // 2
+        widths = [(0, 0)] * (x.ndim - n) + [(padding[2 * (n - 1 - i)], padding[2 * (n - 1 - i) + 1]) for i in range(n)]
+        return jnp.pad(x, widths, mode=mode)
+    return rule
+
+
+lowers(aten.reflection_pad1d.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default)(_mode_pad("reflect"))
+lowers(aten.replication_pad2d.default, aten.replication_pad3d.default)(_mode_pad("edge"))
+
+
+@lowers(aten.full.default)
+def full(ctx, size, fill_value, **kwargs):
+    return jnp.full(_shape(size), fill_value, ctx.out_dtype())
+
+
+@lowers(aten.full_like.default)
+def full_like(ctx, x, fill_value, **kwargs):
+    return jnp.full(x.shape, fill_value, ctx.out_dtype())
+
+
+@lowers(aten.fill.Scalar)
+def fill(ctx, x, value):
+    return jnp.full(x.shape, value, x.dtype)
+
+
+@lowers(aten.empty.memory_format)
+def empty(ctx, size, **kwargs):
+    return jnp.zeros(_shape(size), ctx.out_dtype())
+
+
+@lowers(aten.empty_strided.default)
+def empty_strided(ctx, size, stride, **kwargs):
+    return jnp.zeros(_shape(size), ctx.out_dtype())
+
+
+@lowers(aten.scalar_tensor.default)
+def scalar_tensor(ctx, s, **kwargs):
+    return jnp.asarray(s, ctx.out_dtype())
+
+
+@lowers(aten.arange.start_step)
+def arange(ctx, start, end, step=1, **kwargs):
+    dt = ctx.out_dtype()
+    n = ctx.out_shape()[0]
+    if not isinstance(n, int):
+        return jnp.arange(start, end, step, dtype=dt)
+    # like torch: start + i * step, accumulated in double for floating outputs
+    acc = jnp.float64 if jnp.issubdtype(dt, jnp.floating) and not ctx.narrow_64bit else dt
+    return (jnp.asarray(start, acc) + jnp.arange(n, dtype=acc) * jnp.asarray(step, acc)).astype(dt)
+
+
+@lowers(aten.resize_.default)
+def resize_(ctx, x, size, memory_format=None):
+    n = math.prod(size)
+    flat = jnp.reshape(x, (-1,))
+    flat = flat[:n] if flat.shape[0] >= n else jnp.concatenate([flat, jnp.zeros((n - flat.shape[0],), x.dtype)])
+    return jnp.reshape(flat, _shape(size))

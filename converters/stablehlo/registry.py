@@ -1,0 +1,106 @@
+"""The table of JAX lowerings, keyed by ATen overload (and optionally platform).
+
+A lowering is ``rule(ctx, *args, **kwargs)``: the node's arguments with every
+fx.Node replaced by its JAX value. It returns a JAX array, or a tuple for ops
+with several results. Platform-specific rules sit beside the default rule::
+
+    @lowers(aten.gelu.default)
+    def gelu(ctx, x, approximate="none"): ...
+
+    @lowers(aten.scaled_dot_product_attention.default, platform="tpu")
+    def sdpa_tpu(ctx, q, k, v, ...): ...
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+LOWERINGS: dict[object, dict[str | None, Callable]] = {}
+
+# Ops with no lowering, and why. Kept explicit so the coverage table can say so.
+NOT_SUPPORTED: dict[object, str] = {}
+
+
+def lowers(*ops, platform: str | None = None):
+    """Registers ``rule`` as the lowering of ``ops`` (on ``platform``, or on every platform)."""
+    def register(rule):
+        for op in ops:
+            LOWERINGS.setdefault(op, {})[platform] = rule
+        return rule
+    return register
+
+
+def lookup(op, platform: str) -> Callable | None:
+    rules = LOWERINGS.get(op)
+    if not rules:
+        return None
+    return rules.get(platform) or rules.get(None)
+
+
+_TORCH_TO_JAX = {
+    torch.float32: jnp.float32, torch.float64: jnp.float64, torch.float16: jnp.float16,
+    torch.bfloat16: jnp.bfloat16, torch.int8: jnp.int8, torch.int16: jnp.int16, torch.int32: jnp.int32,
+    torch.int64: jnp.int64, torch.uint8: jnp.uint8, torch.uint16: jnp.uint16, torch.uint32: jnp.uint32,
+    torch.uint64: jnp.uint64, torch.bool: jnp.bool_, torch.complex64: jnp.complex64,
+    torch.complex128: jnp.complex128,
+}
+_NARROW = {jnp.float64: jnp.float32, jnp.int64: jnp.int32, jnp.uint64: jnp.uint32, jnp.complex128: jnp.complex64}
+
+
+def jax_dtype(dtype: torch.dtype, narrow_64bit: bool = False):
+    jd = _TORCH_TO_JAX.get(dtype)
+    if jd is None:
+        raise TypeError(f"dtype {dtype} has no JAX equivalent")
+    return _NARROW.get(jd, jd) if narrow_64bit else jd
+
+
+def _meta(x):
+    if isinstance(x, torch.fx.Node):
+        return x.meta.get("val")
+    return x
+
+
+class LoweringContext:
+    """What a rule may ask about the node it lowers: output metadata, dtypes, platform."""
+
+    def __init__(self, platform: str, *, narrow_64bit: bool = False, kernels: str = "auto"):
+        self.platform = platform
+        self.narrow_64bit = narrow_64bit
+        self.kernels = kernels
+        self.node: torch.fx.Node | None = None
+        self.kernel_log: list[dict] = []  # per hot node: kernel chosen, or why not
+
+    def dtype(self, dtype: torch.dtype):
+        """The JAX dtype this program uses for a torch dtype."""
+        return jax_dtype(dtype, self.narrow_64bit)
+
+    @property
+    def out(self):
+        """The node's output as a FakeTensor (or a tuple of them)."""
+        return self.node.meta.get("val")
+
+    def out_dtype(self, index: int | None = None):
+        val = self.out if index is None else self.out[index]
+        return self.dtype(val.dtype)
+
+    def out_shape(self, index: int | None = None) -> tuple:
+        val = self.out if index is None else self.out[index]
+        return tuple(val.shape)
+
+    def arg_meta(self, i: int):
+        """The i-th argument of the node as torch sees it (FakeTensor, number, ...)."""
+        return _meta(self.node.args[i]) if i < len(self.node.args) else None
+
+    def promoted_dtype(self, kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT):
+        """torch's computation dtype for an elementwise op over the node's tensor and number arguments."""
+        vals = [_meta(a) for a in self.node.args]
+        vals = [v for v in vals if isinstance(v, (torch.Tensor, bool, int, float, complex))]
+        compute, _ = elementwise_dtypes(*vals, type_promotion_kind=kind)
+        return self.dtype(compute)
+
+    def cast(self, x, dtype):
+        return x.astype(dtype) if jnp.result_type(x) != np.dtype(dtype) else x

@@ -1,0 +1,66 @@
+"""Runs a ``.tpu`` program on the local PJRT backend (cpu here; tpu or gpu where present)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from torchtpu_export.errors import ArtifactError, InputError
+from torchtpu_export.specs import TensorSpec, coerce_input
+from torchtpu_export.tpu_format import TpuArtifact
+
+_BACKEND_PLATFORM = {"cpu": "cpu", "tpu": "tpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm"}
+
+
+def local_platform() -> str:
+    return _BACKEND_PLATFORM.get(jax.default_backend(), jax.default_backend())
+
+
+class XlaRunner:
+    """One program of a ``.tpu`` artifact, compiled for the local backend, weights on device."""
+
+    name = "xla"
+
+    def __init__(self, artifact: TpuArtifact, program: str = "main", platform: str | None = None):
+        spec = artifact.manifest["programs"].get(program)
+        if spec is None:
+            raise InputError(f"no program {program!r} in the artifact; it has {sorted(artifact.manifest['programs'])}")
+        platform = platform or local_platform()
+        if platform not in artifact.programs[program]:
+            raise ArtifactError(
+                f"the artifact has no {platform} program (it has {sorted(artifact.programs[program])})",
+                hint=f"export it with platforms including {platform!r}")
+        version = spec.get("calling_convention_version")
+        if version is not None and not (jax.export.minimum_supported_calling_convention_version <= version
+                                        <= jax.export.maximum_supported_calling_convention_version):
+            raise ArtifactError(
+                f"the artifact uses jax.export calling convention {version}; this jax {jax.__version__} supports "
+                f"{jax.export.minimum_supported_calling_convention_version}.."
+                f"{jax.export.maximum_supported_calling_convention_version}",
+                hint="jax.export artifacts load in jax releases up to about 6 months newer: re-export it with this jax")
+        self.inputs = [TensorSpec.from_json(d) for d in spec["inputs"]]
+        self.outputs = [TensorSpec.from_json(d) for d in spec["outputs"]]
+        self.uses_x64 = bool(spec.get("uses_x64", True))
+        self.platform = platform
+        with jax.enable_x64(self.uses_x64):
+            try:
+                self.exported = jax.export.deserialize(bytearray(artifact.programs[program][platform]))
+            except Exception as e:
+                raise ArtifactError(f"the {platform} program is corrupt ({type(e).__name__}: {str(e)[:200]})",
+                                    hint="export the model again") from e
+            self.weights = {n: jax.device_put(np.asarray(artifact.weights[n])) for n in spec["weights"]}
+            self._call = jax.jit(self.exported.call)
+        avals = self.exported.in_avals[len(self.weights):]
+        if len(avals) != len(self.inputs):
+            raise ArtifactError("the manifest's inputs do not match the program's arguments")
+        self._input_dtypes = [np.dtype(a.dtype).name for a in avals]
+
+    def run(self, inputs: Sequence) -> list[np.ndarray]:
+        if len(inputs) != len(self.inputs):
+            raise InputError(f"expected {len(self.inputs)} inputs ({', '.join(str(s) for s in self.inputs)}), "
+                             f"got {len(inputs)}")
+        arrays = [coerce_input(spec, x, dtype=dt) for spec, x, dt in zip(self.inputs, inputs, self._input_dtypes)]
+        with jax.enable_x64(self.uses_x64):
+            outs = self._call(self.weights, *arrays)
+            return [np.asarray(o) for o in outs]

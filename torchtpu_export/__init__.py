@@ -1,0 +1,17 @@
+"""torchtpu-export: PyTorch models to TPU StableHLO executables and LiteRT flatbuffers.
+
+    import torchtpu_export as tte
+    edge = tte.convert(module, sample_args)              # LiteRT (.tflite)
+    prog = tte.export(module, sample_args, target="tpu")  # StableHLO (.tpu)
+"""
+__version__ = "0.1.0"
+
+from .api import SignatureSet, TpuProgram, convert, export, load, signature  # noqa: E402
+from .errors import (ArtifactError, CaptureError, ConversionError, InputError, NumericsError,  # noqa: E402
+                     OutputError, TteError, UnsafeInputError, UnsupportedOpError)
+
+__all__ = [
+    "convert", "export", "load", "signature", "SignatureSet", "TpuProgram",
+    "TteError", "InputError", "UnsafeInputError", "CaptureError", "UnsupportedOpError", "ArtifactError",
+    "NumericsError", "OutputError", "ConversionError",
+]

@@ -1,0 +1,201 @@
+"""The public API: ``export``, ``convert``, ``load``, ``signature``.
+
+This is the one layer that joins converters and runtimes: converters make
+artifacts, runtimes run them, and the objects here hold an artifact and run it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+import numpy as np
+import torch.utils._pytree as pytree
+
+from . import tpu_format
+from .capture import CapturedProgram, capture, flatten_call_args
+from .errors import InputError
+from .specs import TensorSpec
+
+log = logging.getLogger("torchtpu_export")
+
+TARGETS = ("tpu", "litert", "onnx")
+
+
+def _unflatten(outputs: list, out_spec: str | pytree.TreeSpec):
+    spec = pytree.treespec_loads(out_spec) if isinstance(out_spec, str) else out_spec
+    return pytree.tree_unflatten(outputs, spec)
+
+
+class TpuProgram:
+    """A ``.tpu`` artifact: StableHLO programs for each platform, plus weights.
+
+    ``prog(*args)`` runs the program on the local PJRT backend (cpu on a
+    machine without TPU) and returns numpy arrays in the model's output
+    structure. With several programs (``tte.signature``), pick one with
+    ``signature_name``.
+    """
+
+    def __init__(self, artifact: tpu_format.TpuArtifact):
+        self.artifact = artifact
+        self._runners: dict = {}
+
+    @property
+    def manifest(self) -> dict:
+        return self.artifact.manifest
+
+    @property
+    def signatures(self) -> list[str]:
+        return list(self.manifest["programs"])
+
+    def _program(self, signature_name: str | None) -> str:
+        if signature_name is None:
+            if len(self.signatures) != 1:
+                raise InputError(f"this artifact has several programs {self.signatures}: pass signature_name=")
+            return self.signatures[0]
+        if signature_name not in self.manifest["programs"]:
+            raise InputError(f"no program {signature_name!r}; this artifact has {self.signatures}")
+        return signature_name
+
+    def inputs(self, signature_name: str | None = None) -> list[TensorSpec]:
+        return [TensorSpec.from_json(d) for d in self.manifest["programs"][self._program(signature_name)]["inputs"]]
+
+    def outputs(self, signature_name: str | None = None) -> list[TensorSpec]:
+        return [TensorSpec.from_json(d) for d in self.manifest["programs"][self._program(signature_name)]["outputs"]]
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the ``.tpu`` file atomically."""
+        self.artifact.save(path)
+
+    def runner(self, signature_name: str | None = None, platform: str | None = None):
+        from .runtimes.xla import XlaRunner
+        key = (self._program(signature_name), platform)
+        if key not in self._runners:
+            self._runners[key] = XlaRunner(self.artifact, key[0], platform)
+        return self._runners[key]
+
+    def run_flat(self, inputs: Sequence, signature_name: str | None = None) -> list[np.ndarray]:
+        """Runs on already-flattened inputs (the manifest's input order); returns the flat outputs."""
+        return self.runner(signature_name).run(list(inputs))
+
+    def __call__(self, *args, signature_name: str | None = None, **kwargs):
+        spec = self.manifest["programs"][self._program(signature_name)]
+        constants = {int(k): v for k, v in spec.get("constant_inputs", {}).items()}
+        flat = flatten_call_args(pytree.treespec_loads(spec["in_spec"]), constants, args, kwargs)
+        return _unflatten(self.run_flat(flat, signature_name), spec["out_spec"])
+
+    def stablehlo_text(self, platform: str = "tpu", signature_name: str | None = None) -> str:
+        """The StableHLO module of one platform, as MLIR text."""
+        prog = self._program(signature_name)
+        texts = self.artifact.mlir[prog]
+        if platform not in texts:
+            raise InputError(f"no {platform} program in this artifact; it has {sorted(texts)}")
+        return texts[platform]
+
+    def kernels(self) -> list[dict]:
+        """Per hot node: the Pallas kernel chosen, or why it fell back to XLA."""
+        return [dict(k, program=p) for p, spec in self.manifest["programs"].items() for k in spec.get("kernels", [])]
+
+    def __repr__(self) -> str:
+        return f"TpuProgram(programs={self.signatures}, platforms={self.manifest['platforms']})"
+
+
+def _converter(target: str):
+    """The converter package of a target (imported on first use: each pulls in its toolchain)."""
+    import importlib
+    return importlib.import_module({"tpu": ".converters.stablehlo", "litert": ".converters.litert",
+                                    "onnx": ".converters.onnx"}[target], __package__)
+
+
+def _captures(entries: Sequence[tuple], target: str, strict_export, dynamic_shapes=None) -> dict[str, CapturedProgram]:
+    keep = _converter(target).KEEP_WHOLE
+    out = {}
+    for name, module, args, kwargs, dyn in entries:
+        out[name] = capture(module, args, kwargs, dynamic_shapes=dyn if dyn is not None else dynamic_shapes,
+                            strict_export=strict_export, keep=keep)
+    return out
+
+
+def _export_tpu(captures, *, platforms=("tpu", "cpu"), kernels="auto", narrow_64bit=False, quant_config=None):
+    from .converters import stablehlo
+    if quant_config is not None:
+        raise InputError("quant_config is not supported for the tpu target yet")
+    return TpuProgram(stablehlo.export_programs(captures, platforms=platforms, kernels=kernels,
+                                                narrow_64bit=narrow_64bit))
+
+
+def export(module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *, target: str = "tpu",
+           platforms: Sequence[str] = ("tpu", "cpu"), dynamic_shapes=None, kernels: str = "auto",
+           strict_export: bool | str = False, narrow_64bit: bool = False, quant_config=None, **options):
+    """Captures ``module`` once and converts it for ``target`` (``"tpu"``, ``"litert"`` or ``"onnx"``)."""
+    if target not in TARGETS:
+        raise InputError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    if target == "litert":
+        return convert(module, sample_args, sample_kwargs, dynamic_shapes=dynamic_shapes,
+                       quant_config=quant_config, strict_export=strict_export, **options)
+    if target == "onnx":
+        from .converters import onnx as onnx_converter
+        return onnx_converter.export(module, sample_args, sample_kwargs, dynamic_shapes=dynamic_shapes, **options)
+    if options:
+        raise InputError(f"unknown option(s) for the tpu target: {', '.join(sorted(options))}")
+    caps = _captures([("main", module, sample_args, sample_kwargs, None)], "tpu", strict_export, dynamic_shapes)
+    return _export_tpu(caps, platforms=platforms, kernels=kernels, narrow_64bit=narrow_64bit, quant_config=quant_config)
+
+
+def convert(module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *, dynamic_shapes=None,
+            quant_config=None, strict_export: bool | str = False, **options):
+    """Converts ``module`` to a LiteRT flatbuffer (a drop-in for ``litert_torch.convert``)."""
+    from .converters import litert
+    caps = _captures([("serving_default", module, sample_args, sample_kwargs, None)], "litert", strict_export,
+                     dynamic_shapes)
+    return litert.convert_programs(caps, quant_config=quant_config, **options)
+
+
+class SignatureSet:
+    """Several entry points (e.g. ``prefill`` and ``decode``) exported into one artifact, weights shared."""
+
+    def __init__(self):
+        self.entries: list[tuple] = []
+
+    def signature(self, name: str, module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *,
+                  dynamic_shapes=None) -> "SignatureSet":
+        if any(e[0] == name for e in self.entries):
+            raise InputError(f"signature {name!r} is given twice")
+        self.entries.append((name, module, tuple(sample_args) if isinstance(sample_args, (tuple, list))
+                             else (sample_args,), sample_kwargs, dynamic_shapes))
+        return self
+
+    def convert(self, *, quant_config=None, strict_export: bool | str = False, **options):
+        from .converters import litert
+        caps = _captures(self.entries, "litert", strict_export)
+        return litert.convert_programs(caps, quant_config=quant_config, **options)
+
+    def export(self, *, target: str = "tpu", strict_export: bool | str = False, **options):
+        if target == "litert":
+            return self.convert(strict_export=strict_export, **options)
+        if target != "tpu":
+            raise InputError(f"signatures can be exported for tpu or litert, not {target!r}")
+        return _export_tpu(_captures(self.entries, "tpu", strict_export), **options)
+
+
+def signature(name: str, module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *,
+              dynamic_shapes=None) -> SignatureSet:
+    """Starts a multi-signature export: ``tte.signature("prefill", m, a).signature("decode", m, b).convert()``."""
+    return SignatureSet().signature(name, module, sample_args, sample_kwargs, dynamic_shapes=dynamic_shapes)
+
+
+def load(path: str | os.PathLike):
+    """Loads a ``.tpu`` (TpuProgram), ``.tflite`` (EdgeModel) or ``.onnx`` file into its runtime."""
+    from .models import sniff_model
+    kind = sniff_model(os.fspath(path))
+    if kind == "tpu":
+        return TpuProgram(tpu_format.read(path))
+    if kind == "litert":
+        from .edge import EdgeModel
+        return EdgeModel.from_file(path)
+    if kind == "onnx":
+        from .converters.onnx import OnnxProgram
+        return OnnxProgram.from_file(path)
+    raise InputError(f"{path} is a {kind} file, not a converted artifact; convert it first "
+                     f"(torchtpu-export {os.fspath(path)} --target tpu)")
+

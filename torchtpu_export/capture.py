@@ -1,0 +1,248 @@
+"""Capture: torch.export, decomposition to core ATen, flattened inputs and outputs.
+
+Every target starts from a :class:`CapturedProgram`. The graph is core ATen
+except for the composite ops a target asked to keep whole (``keep``), which
+it lowers itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
+
+from .errors import CaptureError, InputError
+from .specs import TensorSpec, dtype_name
+
+log = logging.getLogger("torchtpu_export")
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+@dataclasses.dataclass
+class CapturedProgram:
+    """A core-ATen graph with its weights lifted out and its I/O flattened.
+
+    ``weights`` maps a weight's name (its state-dict key) to its tensor;
+    ``weight_placeholders`` maps each weight placeholder of the graph to that
+    name. ``inputs`` are the tensor leaves of ``(args, kwargs)`` flattened by
+    ``in_spec``; ``constant_inputs`` holds the non-tensor leaves, which
+    torch.export specialises (index in the flat leaves -> value).
+    """
+
+    exported: ExportedProgram
+    weights: dict[str, torch.Tensor]
+    weight_placeholders: dict[str, str]
+    inputs: list[TensorSpec]
+    input_placeholders: list[str]
+    outputs: list[TensorSpec]
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    constant_inputs: dict[int, Any]
+    sample_inputs: list[torch.Tensor]
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.exported.graph_module.graph
+
+    def flatten_inputs(self, args: Sequence, kwargs: dict | None = None) -> list:
+        """Flattens call arguments like the captured ones, returning the tensor leaves."""
+        return flatten_call_args(self.in_spec, self.constant_inputs, args, kwargs)
+
+    def op_histogram(self) -> dict[str, int]:
+        hist: dict[str, int] = {}
+        for n in self.graph.nodes:
+            if n.op == "call_function":
+                hist[op_name(n.target)] = hist.get(op_name(n.target), 0) + 1
+        return dict(sorted(hist.items()))
+
+
+def op_name(target) -> str:
+    """``aten.add.Tensor`` for an OpOverload; the qualified name for other callables."""
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', repr(target))}".lstrip(".")
+
+
+def user_source_line(node: torch.fx.Node) -> str | None:
+    """The innermost frame of the node's stack trace that is the user's code, as ``file:line: code``."""
+    frames = _FRAME_RE.findall(node.meta.get("stack_trace") or "")
+    if not frames:
+        return None
+    for path, line, fn, code in reversed(frames):
+        if not (path.startswith(_TORCH_DIR) or path.startswith(_OUR_DIR + os.sep + "torchtpu_export")):
+            return f"{path}:{line} in {fn}: {code.strip()}"
+    path, line, fn, code = frames[-1]
+    return f"{path}:{line} in {fn}: {code.strip()}"
+
+
+def to_torch(x):
+    """numpy arrays (and numpy scalars) become tensors; everything else is passed through."""
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(x))
+    if isinstance(x, np.generic):
+        return torch.tensor(x)
+    return x
+
+
+def _reorder_kwargs(in_spec: pytree.TreeSpec, kwargs: dict) -> dict:
+    kw_spec = in_spec.child(1) if in_spec.num_children == 2 else None
+    if kw_spec is None or not kw_spec.context:
+        return kwargs
+    keys = list(kw_spec.context)
+    if set(keys) != set(kwargs):
+        raise InputError(f"keyword arguments {sorted(kwargs)} do not match the captured ones {sorted(keys)}")
+    return {k: kwargs[k] for k in keys}
+
+
+def flatten_call_args(in_spec, constant_inputs, args, kwargs=None) -> list:
+    args = tuple(pytree.tree_map(to_torch, tuple(args)))
+    kwargs = _reorder_kwargs(in_spec, pytree.tree_map(to_torch, dict(kwargs or {})))
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    if spec != in_spec:
+        raise InputError(
+            f"the inputs do not have the structure of the captured ones: got {_short(spec)}, expected {_short(in_spec)}")
+    return [x for i, x in enumerate(leaves) if i not in constant_inputs]
+
+
+def _short(spec) -> str:
+    s = str(spec)
+    return s if len(s) < 200 else s[:200] + "..."
+
+
+def decomposition_table(keep: Iterable = ()) -> dict:
+    """torch.export's core-ATen decompositions, minus the ops a target lowers whole."""
+    table = torch.export.default_decompositions()
+    for op in keep:
+        table.pop(op, None)
+    return table
+
+
+@contextlib.contextmanager
+def _eval_mode(module):
+    if not isinstance(module, torch.nn.Module):
+        yield
+        return
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _export(module, args, kwargs, dynamic_shapes, strict) -> ExportedProgram:
+    if strict == "auto":
+        try:
+            return _export(module, args, kwargs, dynamic_shapes, False)
+        except CaptureError as first:
+            log.info("non-strict export failed (%s); retrying with strict=True", first)
+            try:
+                return _export(module, args, kwargs, dynamic_shapes, True)
+            except CaptureError:
+                raise first from None
+    try:
+        with _eval_mode(module), torch.no_grad():
+            return torch.export.export(module, tuple(args), kwargs or None,
+                                       dynamic_shapes=dynamic_shapes, strict=bool(strict))
+    except Exception as e:  # torch.export raises many exception types
+        first_line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        hint = "make the control flow independent of tensor values (torch.cond), or try strict_export='auto'"
+        if "dynamic" in str(e).lower() and dynamic_shapes is not None:
+            hint = "check the dynamic_shapes bounds against the model (torch.export's message above)"
+        raise CaptureError(f"torch.export could not capture the model: {type(e).__name__}: {first_line}",
+                           hint=hint) from e
+
+
+def capture(module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *,
+            dynamic_shapes=None, strict_export: bool | str = False, keep: Iterable = ()) -> CapturedProgram:
+    """Exports ``module`` (or takes an ExportedProgram) and decomposes it to core ATen.
+
+    ``keep`` names composite ops that the calling target lowers whole.
+    """
+    if strict_export not in (True, False, "auto"):
+        raise InputError(f"strict_export must be True, False or 'auto', not {strict_export!r}")
+    if isinstance(module, ExportedProgram):
+        ep = module
+        if not sample_args and not sample_kwargs and ep.example_inputs is not None:
+            sample_args, sample_kwargs = ep.example_inputs
+    elif callable(module):
+        if not isinstance(sample_args, (tuple, list)):
+            sample_args = (sample_args,)
+        sample_args = tuple(pytree.tree_map(to_torch, tuple(sample_args)))
+        sample_kwargs = pytree.tree_map(to_torch, dict(sample_kwargs or {}))
+        ep = _export(module, sample_args, sample_kwargs, dynamic_shapes, strict_export)
+    else:
+        raise InputError(f"expected a torch.nn.Module, a callable or an ExportedProgram, got {type(module).__name__}")
+    try:
+        ep = ep.run_decompositions(decomposition_table(keep))
+    except Exception as e:
+        raise CaptureError(f"decomposition to core ATen failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    return _flatten(ep, tuple(sample_args or ()), dict(sample_kwargs or {}))
+
+
+def _flatten(ep: ExportedProgram, sample_args, sample_kwargs) -> CapturedProgram:
+    sig = ep.graph_signature
+    mutated = [o for o in sig.output_specs if o.kind not in (OutputKind.USER_OUTPUT,)]
+    if mutated:
+        raise CaptureError(
+            f"the model mutates state during forward ({', '.join(str(o.target or o.arg.name) for o in mutated)}); "
+            "only stateless inference programs can be exported",
+            hint="pass state such as KV caches as explicit inputs and return the updated values as outputs")
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    weights: dict[str, torch.Tensor] = {}
+    weight_placeholders: dict[str, str] = {}
+    input_placeholders: list[str] = []
+    for spec in sig.input_specs:
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            if spec.target in ep.state_dict:
+                value = ep.state_dict[spec.target]
+            else:
+                value = ep.constants[spec.target]
+            weights[spec.target] = value.detach()
+            weight_placeholders[spec.arg.name] = spec.target
+        elif spec.kind == InputKind.USER_INPUT:
+            if isinstance(spec.arg, TensorArgument):
+                input_placeholders.append(spec.arg.name)
+        else:
+            raise CaptureError(f"unsupported input kind {spec.kind.name} ({spec.target}) in the exported program")
+
+    in_spec = ep.call_spec.in_spec
+    leaves, _ = pytree.tree_flatten((sample_args, _reorder_kwargs(in_spec, sample_kwargs)))
+    constant_inputs = {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)}
+    sample_inputs = [v for v in leaves if isinstance(v, torch.Tensor)]
+    if len(sample_inputs) != len(input_placeholders):
+        raise CaptureError(f"expected {len(input_placeholders)} tensor inputs, the samples have {len(sample_inputs)}")
+
+    inputs = [TensorSpec(name, shape_of(placeholders[name].meta["val"]), dtype_name(placeholders[name].meta["val"].dtype))
+              for name in input_placeholders]
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    outputs = []
+    for i, o in enumerate(out_node.args[0]):
+        val = o.meta["val"] if isinstance(o, torch.fx.Node) else torch.tensor(o)
+        outputs.append(TensorSpec(f"output_{i}", shape_of(val), dtype_name(val.dtype)))
+    return CapturedProgram(ep, weights, weight_placeholders, inputs, input_placeholders, outputs,
+                           in_spec, ep.call_spec.out_spec, constant_inputs, sample_inputs)
+
+
+def shape_of(val) -> tuple:
+    """A fake tensor's shape, symbolic dims as strings (``"s0"``)."""
+    return tuple(_dim(d) for d in val.shape)
+
+
+def _dim(d):
+    if isinstance(d, torch.SymInt):
+        text = str(d)
+        return int(text) if text.lstrip("-").isdigit() else text
+    return int(d)

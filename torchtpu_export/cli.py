@@ -1,0 +1,288 @@
+"""The ``torchtpu-export`` command line.
+
+    torchtpu-export MODEL --target {tpu,litert,onnx} [-o OUT] [--inputs SPEC ...] [--check]
+    torchtpu-export inspect ARTIFACT
+    torchtpu-export run ARTIFACT [--inputs x.npy ...] [-o outputs.npz]
+
+Errors print one message on stderr and exit with the code of their class
+(see ``errors.EXIT_CODES``); ``--debug`` shows the traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+import warnings
+from typing import Callable
+
+from . import __version__
+from .errors import EXIT_CODES, InputError, NumericsError, TteError
+
+log = logging.getLogger("torchtpu_export")
+
+# name -> (add_arguments(parser), run(args) -> exit code, one-line help). Other modules add theirs.
+COMMANDS: dict[str, tuple[Callable, Callable, str]] = {}
+
+_EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {what}" for code, what in sorted(EXIT_CODES.items()))
+
+
+def command(name: str, help: str):
+    def register(add_arguments):
+        def wrap(run):
+            COMMANDS[name] = (add_arguments, run, help)
+            return run
+        return wrap
+    return register
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only errors")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug logs)")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def _out(args, text: str = "") -> None:
+    if not args.quiet:
+        print(text)
+
+
+# ---- convert -------------------------------------------------------------------------------
+
+_SUFFIX = {"tpu": ".tpu", "litert": ".tflite", "onnx": ".onnx"}
+
+
+def _convert_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="torchtpu-export",
+        description="Convert a PyTorch model to a TPU StableHLO executable (.tpu), a LiteRT flatbuffer (.tflite) "
+                    "or ONNX. Other commands: " + ", ".join(f"{n} ({h})" for n, (_, _, h) in sorted(COMMANDS.items())),
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="a .pt2 from torch.export.save, a TorchScript archive, or package.module:factory")
+    p.add_argument("--target", required=True, choices=["tpu", "litert", "onnx"])
+    p.add_argument("-o", "--output", help="output file (default: the model's name with the target's suffix)")
+    p.add_argument("--inputs", nargs="+", default=None, metavar="SPEC",
+                   help="sample inputs: SHAPE:DTYPE (1x3x224x224:float32, 2x8:int64:0:1000, scalar:int64) "
+                        "or .npy/.npz files; default: the model's own example inputs")
+    p.add_argument("--check", action="store_true", help="run the artifact on the sample inputs and compare with eager")
+    p.add_argument("--tolerance", type=float, default=None, help="--check tolerance relative to the output scale")
+    p.add_argument("--platforms", default="tpu,cpu", help="tpu target: comma-separated PJRT platforms")
+    p.add_argument("--kernels", default="auto", choices=["auto", "pallas", "xla"],
+                   help="tpu target: Pallas kernels for hot ops (auto: where shapes allow)")
+    p.add_argument("--narrow-64bit", action="store_true", help="tpu target: int64/float64 become 32-bit")
+    p.add_argument("--quantize", default=None, metavar="RECIPE", help="quantization recipe (see README)")
+    p.add_argument("--strict", default="false", choices=["false", "true", "auto"], help="torch.export strict mode")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="allow loading a pickled module (torch.save); unpickling runs code from the file")
+    p.add_argument("--version", action="version", version=f"torchtpu-export {__version__}")
+    _common(p)
+    return p
+
+
+def _default_output(model: str, target: str) -> str:
+    base = os.path.basename(model)
+    stem = base.split(":")[-1] if ":" in base and not os.path.exists(model) else os.path.splitext(base)[0]
+    return stem + _SUFFIX[target]
+
+
+def _convert(args) -> int:
+    import torch
+
+    from . import api
+    from .fileio import check_writable
+    from .models import describe_inputs, load_model, parse_inputs
+    from .numerics import DEFAULT_RTOL, compare
+
+    output = args.output or _default_output(args.model, args.target)
+    check_writable(output)
+    sample = parse_inputs(args.inputs) if args.inputs else None
+    t0 = time.perf_counter()
+    model, margs, mkwargs = load_model(args.model, trust_pickle=args.trust_pickle, sample_inputs=sample)
+    if sample is not None:
+        margs, mkwargs = tuple(sample), {}
+    if not margs and not mkwargs:
+        raise InputError(f"{args.model} has no example inputs", hint="pass --inputs, e.g. --inputs 1x3x224x224:float32")
+    strict = {"false": False, "true": True, "auto": "auto"}[args.strict]
+    options = {}
+    if args.target == "tpu":
+        options = dict(platforms=tuple(p for p in args.platforms.split(",") if p), kernels=args.kernels,
+                       narrow_64bit=args.narrow_64bit)
+    if args.quantize:
+        options["quant_config"] = args.quantize
+    if isinstance(model, torch.export.ExportedProgram) and sample is not None:
+        _check_inputs_match(model, sample)
+    artifact = api.export(model, margs, mkwargs, target=args.target, strict_export=strict, **options)
+    artifact.save(output)
+    dt = time.perf_counter() - t0
+    _out(args, f"wrote {output} ({_human(os.path.getsize(output))}) in {dt:.1f} s "
+               f"[target {args.target}; inputs {describe_inputs(margs)}]")
+    report = getattr(artifact, "quant_report", None)
+    if report:
+        _out(args, str(report))
+    if args.check:
+        eager = model.module() if isinstance(model, torch.export.ExportedProgram) else model
+        with torch.no_grad():
+            ref = eager(*margs, **mkwargs)
+        import torch.utils._pytree as pytree
+        ref_leaves = [r for r in pytree.tree_leaves(ref)]
+        got = pytree.tree_leaves(artifact(*margs, **mkwargs))
+        agreement = compare(got, ref_leaves, args.tolerance or DEFAULT_RTOL)
+        if not agreement.ok:
+            raise NumericsError(f"--check failed: {agreement}",
+                                hint=f"run `torchtpu-export debug {args.model} --target {args.target}` "
+                                     "to find the first diverging op")
+        _out(args, f"check: OK ({agreement})")
+    return 0
+
+
+def _check_inputs_match(ep, sample) -> None:
+    from .capture import shape_of
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    metas = [next(p for p in placeholders if p.name == name).meta.get("val") for name in user]
+    if len(metas) != len(sample):
+        raise InputError(f"the model takes {len(metas)} inputs, --inputs gave {len(sample)}")
+    for i, (meta, x) in enumerate(zip(metas, sample)):
+        if meta is None or not hasattr(meta, "dtype"):
+            continue
+        shape = shape_of(meta)
+        if meta.dtype != x.dtype:
+            raise InputError(f"--inputs #{i + 1}: expected dtype {str(meta.dtype).removeprefix('torch.')}, "
+                             f"got {str(x.dtype).removeprefix('torch.')}")
+        if len(shape) != x.dim() or any(isinstance(d, int) and d != n for d, n in zip(shape, x.shape)):
+            raise InputError(f"--inputs #{i + 1}: expected shape {list(shape)}, got {list(x.shape)}")
+
+
+# ---- inspect -------------------------------------------------------------------------------
+
+def _inspect_args(p):
+    p.add_argument("artifact", help="a .tpu, .tflite or .onnx file")
+    p.add_argument("--json", action="store_true", help="print the description as JSON")
+
+
+@command("inspect", "inputs, outputs, op histogram, kernels and sizes of an artifact")(_inspect_args)
+def _inspect(args) -> int:
+    from .describe import describe, format_description
+    desc = describe(args.artifact)
+    print(json.dumps(desc, indent=1, sort_keys=True) if args.json else format_description(desc))
+    return 0
+
+
+# ---- run -----------------------------------------------------------------------------------
+
+def _run_args(p):
+    p.add_argument("artifact", help="a .tpu, .tflite or .onnx file")
+    p.add_argument("--inputs", nargs="+", default=None, metavar="SPEC",
+                   help=".npy/.npz files or SHAPE:DTYPE specs; default: random inputs of the artifact's shapes")
+    p.add_argument("--signature", default=None, help="program/signature to run (artifacts with several)")
+    p.add_argument("-o", "--output", default=None, help="save the outputs to this .npz file")
+
+
+@command("run", "run an artifact on inputs and print (or save) the outputs")(_run_args)
+def _run(args) -> int:
+    import numpy as np
+
+    from . import api
+    from .fileio import atomic_open
+    from .models import parse_inputs
+
+    if args.output:
+        from .fileio import check_writable
+        check_writable(args.output)
+    art = api.load(args.artifact)
+    specs = art.inputs(args.signature)
+    if args.inputs:
+        inputs = parse_inputs(args.inputs)
+    else:
+        inputs = parse_inputs([_spec_text(s) for s in specs])
+    t0 = time.perf_counter()
+    outs = art.run_flat(inputs, args.signature)
+    dt = time.perf_counter() - t0
+    for spec, o in zip(art.outputs(args.signature), outs):
+        o = np.asarray(o)
+        stats = f" min {o.min():.6g} max {o.max():.6g} mean {o.astype(np.float64).mean():.6g}" \
+            if o.size and o.dtype.kind in "fiub" else ""
+        _out(args, f"{spec.name}: {o.dtype.name}{list(o.shape)}{stats}")
+    _out(args, f"ran in {dt * 1000:.1f} ms")
+    if args.output:
+        with atomic_open(args.output) as f:
+            np.savez(f, **{s.name: np.asarray(o) for s, o in zip(art.outputs(args.signature), outs)})
+    return 0
+
+
+def _spec_text(spec) -> str:
+    if any(not isinstance(d, int) for d in spec.shape):
+        raise InputError(f"input {spec.name} has dynamic dims {list(spec.shape)}: pass --inputs")
+    shape = "x".join(str(d) for d in spec.shape) or "scalar"
+    return f"{shape}:{spec.dtype}"
+
+
+# ---- entry point ---------------------------------------------------------------------------
+
+def _setup_logging(args) -> None:
+    level = logging.ERROR if args.quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    log.setLevel(level)
+    if args.verbose < 2:  # torch and jax deprecation chatter is not for our users
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+
+
+def _load_plugins() -> None:
+    # modules that add subcommands to COMMANDS
+    import importlib
+    for mod in ("torchtpu_export.coverage", "torchtpu_export.debugger", "torchtpu_export.web"):
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        _load_plugins()
+        if argv and argv[0] in COMMANDS:
+            add_arguments, run, help_text = COMMANDS[argv[0]]
+            p = argparse.ArgumentParser(prog=f"torchtpu-export {argv[0]}", description=help_text, epilog=_EPILOG,
+                                        formatter_class=argparse.RawDescriptionHelpFormatter)
+            add_arguments(p)
+            _common(p)
+            args = p.parse_args(argv[1:])
+            _setup_logging(args)
+            return run(args)
+        args = _convert_parser().parse_args(argv)
+        _setup_logging(args)
+        return _convert(args)
+    except TteError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {e.user_message()}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted; no output file was written", file=sys.stderr)
+        return 130
+    except Exception as e:  # an internal error: short by default, full with --debug
+        if debug:
+            traceback.print_exc()
+        print(f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
+              "  hint: this is a bug in torchtpu-export; rerun with --debug and report it", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

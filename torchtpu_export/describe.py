@@ -1,0 +1,104 @@
+"""``torchtpu-export inspect``: what an artifact holds, as a dict and as text."""
+from __future__ import annotations
+
+import os
+import zipfile
+
+from .errors import ArtifactError, InputError
+
+
+def describe(path: str) -> dict:
+    from .models import sniff_model
+    kind = sniff_model(path)
+    if kind == "tpu":
+        return describe_tpu(path)
+    if kind == "litert":
+        from .edge import describe_tflite
+        return describe_tflite(path)
+    if kind == "onnx":
+        return describe_onnx(path)
+    raise InputError(f"{path} is a {kind} file, not an artifact; convert it first")
+
+
+def describe_tpu(path: str) -> dict:
+    from . import tpu_format
+    art = tpu_format.read(path)
+    with zipfile.ZipFile(path) as zf:
+        entries = {i.filename: i.file_size for i in zf.infolist()}
+    m = art.manifest
+    programs = {}
+    for name, spec in m["programs"].items():
+        programs[name] = {
+            "inputs": spec["inputs"], "outputs": spec["outputs"],
+            "platforms": sorted(spec["files"]),
+            "weights": len(spec["weights"]),
+            "op_histogram": spec.get("op_histogram", {}),
+            "kernels": spec.get("kernels", []),
+            "narrow_64bit": spec.get("narrow_64bit", False),
+            "sharding": spec.get("sharding"),
+        }
+    return {
+        "path": path, "kind": "tpu", "size": os.path.getsize(path), "format_version": m["format_version"],
+        "versions": m.get("versions", {}), "platforms": m.get("platforms", []), "programs": programs,
+        "weights": m.get("weights", {}), "entries": entries, "mesh": m.get("mesh"),
+    }
+
+
+def describe_onnx(path: str) -> dict:
+    import onnx
+    try:
+        model = onnx.load(path)
+    except Exception as e:
+        raise ArtifactError(f"cannot read {path} as ONNX ({type(e).__name__}: {str(e)[:200]})") from e
+
+    def io(values):
+        out = []
+        for v in values:
+            t = v.type.tensor_type
+            shape = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in t.shape.dim]
+            out.append({"name": v.name, "shape": shape,
+                        "dtype": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name if t.elem_type else "?"})
+        return out
+
+    hist: dict[str, int] = {}
+    for node in model.graph.node:
+        hist[node.op_type] = hist.get(node.op_type, 0) + 1
+    return {"path": path, "kind": "onnx", "size": os.path.getsize(path),
+            "programs": {"main": {"inputs": io(model.graph.input), "outputs": io(model.graph.output),
+                                  "op_histogram": dict(sorted(hist.items()))}}}
+
+
+def _io_line(d: dict) -> str:
+    return f"{d['name']}: {d['dtype']}[{', '.join(str(x) for x in d['shape'])}]"
+
+
+def format_description(desc: dict) -> str:
+    lines = [f"{desc['path']}: {desc['kind']} artifact, {desc['size']:,} bytes"]
+    if desc.get("versions"):
+        lines.append("made with " + ", ".join(f"{k} {v}" for k, v in sorted(desc["versions"].items())))
+    if desc.get("platforms"):
+        lines.append("platforms: " + ", ".join(desc["platforms"]))
+    if desc.get("mesh"):
+        lines.append(f"mesh: {desc['mesh']}")
+    weights = desc.get("weights") or {}
+    if weights.get("count") is not None:
+        lines.append(f"weights: {weights['count']} tensors, {weights.get('bytes', 0):,} bytes")
+    for name, prog in desc.get("programs", {}).items():
+        lines.append(f"{'signature' if desc['kind'] == 'litert' else 'program'} {name}:")
+        lines += ["  input  " + _io_line(i) for i in prog["inputs"]]
+        lines += ["  output " + _io_line(o) for o in prog["outputs"]]
+        hist = prog.get("op_histogram") or {}
+        if hist:
+            lines.append(f"  ops ({sum(hist.values())}): " + ", ".join(f"{k} {v}" for k, v in
+                                                                   sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))))
+        for k in prog.get("kernels") or []:
+            what = k.get("kernel") or f"xla ({k.get('reason', 'no kernel')})"
+            lines.append(f"  kernel [{k.get('platform', '?')}] {k.get('node', '?')} ({k.get('op', '?')}): {what}")
+        if prog.get("sharding"):
+            lines.append(f"  sharding: {prog['sharding']}")
+    if desc.get("entries"):
+        lines.append("entries:")
+        lines += [f"  {n}: {s:,} bytes" for n, s in sorted(desc["entries"].items())]
+    for extra in desc.get("extra_lines", []):
+        lines.append(extra)
+    return "\n".join(lines)

@@ -1,0 +1,51 @@
+"""Atomic writes: a temp file in the target directory, renamed into place on success.
+
+On any failure, Ctrl-C included, the temp file is removed and the target is
+left as it was, so a half-written artifact never exists under its real name.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+from .errors import OutputError
+
+
+def check_writable(path: str | os.PathLike) -> str:
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise OutputError(f"output path {path} is a directory", hint="give a file name, e.g. model.tpu")
+    if not os.path.isdir(directory):
+        raise OutputError(f"output directory {directory} does not exist", hint="create it first, or choose another -o")
+    if not os.access(directory, os.W_OK):
+        raise OutputError(f"output directory {directory} is not writable", hint="choose another -o")
+    return path
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w+b"):
+    """Yields a file object; on success it replaces ``path``, on failure it vanishes."""
+    path = check_writable(path)
+    directory, base = os.path.split(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
+    except OSError as e:
+        raise OutputError(f"cannot write to {directory}: {e.strerror}") from e
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_open(path) as f:
+        f.write(data)

@@ -1,0 +1,89 @@
+"""The safetensors format, written as a stream and read without copies.
+
+The layout is the standard one (8-byte header size, JSON header, raw data),
+so the ``safetensors`` package and other tools read our files. We write it
+ourselves so that weights go straight from each tensor to the output file,
+one at a time, without building the whole blob in memory.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from typing import BinaryIO, Iterable, Mapping
+
+import ml_dtypes
+import numpy as np
+import torch
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+    "C64": np.complex64,
+}
+_CODES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+def to_numpy(t) -> np.ndarray:
+    """A CPU tensor (bf16 included) as a numpy array sharing memory where possible."""
+    if isinstance(t, np.ndarray):
+        return t
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.contiguous().numpy()
+
+
+def header_for(arrays: Iterable[tuple[str, np.ndarray]], metadata: Mapping[str, str] | None = None) -> bytes:
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for name, a in arrays:
+        code = _CODES.get(a.dtype)
+        if code is None:
+            raise TypeError(f"weight {name}: dtype {a.dtype} cannot be stored in safetensors")
+        header[name] = {"dtype": code, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    raw = json.dumps(header, separators=(",", ":"), sort_keys=False).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)  # data starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write(f: BinaryIO, tensors: Mapping[str, object], metadata: Mapping[str, str] | None = None) -> int:
+    """Streams ``tensors`` (name -> torch tensor or numpy array) to ``f``; returns bytes written."""
+    arrays = [(name, to_numpy(t)) for name, t in tensors.items()]
+    head = header_for(arrays, metadata)
+    f.write(head)
+    total = len(head)
+    for _, a in arrays:
+        f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
+        total += a.nbytes
+    return total
+
+
+def read(buf) -> dict[str, np.ndarray]:
+    """Parses safetensors bytes (bytes, memoryview or mmap); arrays are views into ``buf``."""
+    mv = memoryview(buf)
+    if len(mv) < 8:
+        raise ValueError("safetensors data is truncated")
+    (n,) = struct.unpack("<Q", mv[:8])
+    if n > len(mv) - 8:
+        raise ValueError("safetensors header is truncated")
+    header = json.loads(bytes(mv[8:8 + n]))
+    base = 8 + n
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = np.dtype(_DTYPES[info["dtype"]])
+        start, end = info["data_offsets"]
+        if base + end > len(mv) or end < start:
+            raise ValueError(f"safetensors entry {name} points past the end of the data")
+        count = (end - start) // dtype.itemsize
+        if count != int(np.prod(info["shape"], dtype=np.int64)):
+            raise ValueError(f"safetensors entry {name} has a size that does not match its shape")
+        out[name] = np.frombuffer(mv[base + start:base + end], dtype=dtype, count=count).reshape(info["shape"])
+    return out
