@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import logging
 import os
 import re
@@ -152,11 +153,14 @@ def _export(module, args, kwargs, dynamic_shapes, strict) -> ExportedProgram:
                 return _export(module, args, kwargs, dynamic_shapes, True)
             except CaptureError:
                 raise first from None
+    stderr = io.StringIO()
     try:
-        with _eval_mode(module), torch.no_grad():
+        # torch.export prints partial graphs to stderr on failure: keep them for -vv, not for the user
+        with _eval_mode(module), torch.no_grad(), contextlib.redirect_stderr(stderr):
             return torch.export.export(module, tuple(args), kwargs or None,
                                        dynamic_shapes=dynamic_shapes, strict=bool(strict))
     except Exception as e:  # torch.export raises many exception types
+        log.debug("torch.export failed; its stderr:\n%s", stderr.getvalue())
         first_line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         hint = "make the control flow independent of tensor values (torch.cond), or try strict_export='auto'"
         if "dynamic" in str(e).lower() and dynamic_shapes is not None:

@@ -30,6 +30,13 @@ COMMANDS: dict[str, tuple[Callable, Callable, str]] = {}
 _EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {what}" for code, what in sorted(EXIT_CODES.items()))
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line plus a hint, like every other error (exit code 2)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message}\n  hint: see `{self.prog} --help`\n")
+
+
 def command(name: str, help: str):
     def register(add_arguments):
         def wrap(run):
@@ -64,7 +71,7 @@ _SUFFIX = {"tpu": ".tpu", "litert": ".tflite", "onnx": ".onnx"}
 
 
 def _convert_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="torchtpu-export",
         description="Convert a PyTorch model to a TPU StableHLO executable (.tpu), a LiteRT flatbuffer (.tflite) "
                     "or ONNX. Other commands: " + ", ".join(f"{n} ({h})" for n, (_, _, h) in sorted(COMMANDS.items())),
@@ -234,7 +241,9 @@ def _setup_logging(args) -> None:
     level = logging.ERROR if args.quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     log.setLevel(level)
-    if args.verbose < 2:  # torch and jax deprecation chatter is not for our users
+    if args.verbose < 2:  # torch and jax chatter is not for our users
+        import torch
+        torch._logging.set_logs(all=logging.ERROR)
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         warnings.filterwarnings("ignore", category=UserWarning, module="torch")
@@ -258,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         _load_plugins()
         if argv and argv[0] in COMMANDS:
             add_arguments, run, help_text = COMMANDS[argv[0]]
-            p = argparse.ArgumentParser(prog=f"torchtpu-export {argv[0]}", description=help_text, epilog=_EPILOG,
+            p = _Parser(prog=f"torchtpu-export {argv[0]}", description=help_text, epilog=_EPILOG,
                                         formatter_class=argparse.RawDescriptionHelpFormatter)
             add_arguments(p)
             _common(p)

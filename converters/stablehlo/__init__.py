@@ -41,10 +41,11 @@ def _symbolic_specs(captured: CapturedProgram, narrow: bool):
             name = str(sym)
             if name not in symbols:
                 continue
-            if int(rng.lower) > 1:
-                constraints.append(f"{name} >= {int(rng.lower)}")
-            if rng.upper.is_finite:
-                constraints.append(f"{name} <= {int(rng.upper)}")
+            lower, upper = _finite_int(rng.lower), _finite_int(rng.upper)
+            if lower is not None and lower > 1:
+                constraints.append(f"{name} >= {lower}")
+            if upper is not None:
+                constraints.append(f"{name} <= {upper}")
         scope = jax.export.SymbolicScope(constraints)
     specs = []
     for spec in captured.inputs:
@@ -55,6 +56,15 @@ def _symbolic_specs(captured: CapturedProgram, narrow: bool):
             shape = spec.shape
         specs.append(jax.ShapeDtypeStruct(shape, dtype))
     return specs
+
+
+def _finite_int(bound) -> int | None:
+    """A range bound from torch's shape env as an int, or None when unbounded (torch's int_oo)."""
+    try:
+        value = int(bound)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return None
+    return value if abs(value) < 2 ** 62 else None
 
 
 def _merge_weights(captures: Mapping[str, CapturedProgram]):
