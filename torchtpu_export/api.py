@@ -108,11 +108,12 @@ def _converter(target: str):
 
 
 def _captures(entries: Sequence[tuple], target: str, strict_export, dynamic_shapes=None) -> dict[str, CapturedProgram]:
-    keep = _converter(target).KEEP_WHOLE
+    converter = _converter(target)
     out = {}
     for name, module, args, kwargs, dyn in entries:
         out[name] = capture(module, args, kwargs, dynamic_shapes=dyn if dyn is not None else dynamic_shapes,
-                            strict_export=strict_export, keep=keep)
+                            strict_export=strict_export, keep=converter.KEEP_WHOLE,
+                            lowerable=getattr(converter, "lowerable", None))
     return out
 
 

@@ -10,9 +10,10 @@ import contextlib
 import dataclasses
 import io
 import logging
+import operator
 import os
 import re
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -170,10 +171,13 @@ def _export(module, args, kwargs, dynamic_shapes, strict) -> ExportedProgram:
 
 
 def capture(module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *,
-            dynamic_shapes=None, strict_export: bool | str = False, keep: Iterable = ()) -> CapturedProgram:
+            dynamic_shapes=None, strict_export: bool | str = False, keep: Iterable = (),
+            lowerable: Callable | None = None) -> CapturedProgram:
     """Exports ``module`` (or takes an ExportedProgram) and decomposes it to core ATen.
 
-    ``keep`` names composite ops that the calling target lowers whole.
+    ``keep`` names composite ops that the calling target lowers whole. ``lowerable(op)`` says
+    whether the target has a rule for ``op``: when every op of the exported graph has one and
+    none mutates, decomposition (a full retrace, most of a warm capture's time) is skipped.
     """
     if strict_export not in (True, False, "auto"):
         raise InputError(f"strict_export must be True, False or 'auto', not {strict_export!r}")
@@ -189,11 +193,29 @@ def capture(module, sample_args: Sequence = (), sample_kwargs: dict | None = Non
         ep = _export(module, sample_args, sample_kwargs, dynamic_shapes, strict_export)
     else:
         raise InputError(f"expected a torch.nn.Module, a callable or an ExportedProgram, got {type(module).__name__}")
+    if lowerable is not None and natively_lowerable(ep, lowerable):
+        log.debug("every op has a native lowering: decomposition skipped")
+        return _flatten(ep, tuple(sample_args or ()), dict(sample_kwargs or {}))
     try:
         ep = ep.run_decompositions(decomposition_table(keep))
     except Exception as e:
         raise CaptureError(f"decomposition to core ATen failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     return _flatten(ep, tuple(sample_args or ()), dict(sample_kwargs or {}))
+
+
+def natively_lowerable(ep: ExportedProgram, lowerable: Callable) -> bool:
+    """True if every node is a functional op the target lowers (so no decomposition is needed)."""
+    for node in ep.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op != "call_function":
+            return False
+        target = node.target
+        if target is operator.getitem:
+            continue
+        if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable or not lowerable(target):
+            return False
+    return not any(o.kind != OutputKind.USER_OUTPUT for o in ep.graph_signature.output_specs)
 
 
 def _flatten(ep: ExportedProgram, sample_args, sample_kwargs) -> CapturedProgram:

@@ -15,10 +15,11 @@ import torch.utils._pytree as pytree
 import torchtpu_export
 from torchtpu_export import tpu_format
 from torchtpu_export.capture import CapturedProgram
+from torchtpu_export.core_ops import core_aten_ops
 from torchtpu_export.errors import ConversionError, InputError, UnsupportedOpError
 
-from . import (ops_elementwise, ops_index, ops_nn, ops_reduction, ops_shape,  # noqa: F401  (registration)
-               ops_misc)
+from . import (ops_composite, ops_elementwise, ops_index, ops_misc, ops_nn,  # noqa: F401  (registration)
+               ops_reduction, ops_shape)
 from .interpreter import check_supported, to_jax_function
 from .registry import LOWERINGS, NOT_SUPPORTED, LoweringContext, jax_dtype, lookup, lowers  # noqa: F401
 
@@ -29,6 +30,12 @@ KERNEL_MODES = ("auto", "pallas", "xla")
 
 # Composite ops this target lowers whole instead of letting torch decompose them.
 KEEP_WHOLE: list = []
+KEEP_WHOLE += [op for op in LOWERINGS if op not in core_aten_ops() and op not in KEEP_WHOLE]
+
+
+def lowerable(op) -> bool:
+    """Whether this target has a rule for ``op`` (capture skips decomposition when all ops do)."""
+    return op in LOWERINGS
 
 
 def _symbolic_specs(captured: CapturedProgram, narrow: bool):
