@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
+from . import progress
 from .errors import CaptureError, InputError
 from .specs import TensorSpec, dtype_name
 
@@ -190,14 +191,16 @@ def capture(module, sample_args: Sequence = (), sample_kwargs: dict | None = Non
             sample_args = (sample_args,)
         sample_args = tuple(pytree.tree_map(to_torch, tuple(sample_args)))
         sample_kwargs = pytree.tree_map(to_torch, dict(sample_kwargs or {}))
-        ep = _export(module, sample_args, sample_kwargs, dynamic_shapes, strict_export)
+        with progress.stage("capture"):
+            ep = _export(module, sample_args, sample_kwargs, dynamic_shapes, strict_export)
     else:
         raise InputError(f"expected a torch.nn.Module, a callable or an ExportedProgram, got {type(module).__name__}")
     if lowerable is not None and natively_lowerable(ep, lowerable):
         log.debug("every op has a native lowering: decomposition skipped")
         return _flatten(ep, tuple(sample_args or ()), dict(sample_kwargs or {}))
     try:
-        ep = ep.run_decompositions(decomposition_table(keep))
+        with progress.stage("decompose"):
+            ep = ep.run_decompositions(decomposition_table(keep))
     except Exception as e:
         raise CaptureError(f"decomposition to core ATen failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     return _flatten(ep, tuple(sample_args or ()), dict(sample_kwargs or {}))

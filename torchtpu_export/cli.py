@@ -10,6 +10,7 @@ Errors print one message on stderr and exit with the code of their class
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -62,7 +63,9 @@ def _human(n: float) -> str:
 
 def _out(args, text: str = "") -> None:
     if not args.quiet:
-        print(text)
+        from . import progress
+        progress.clear_line()
+        print(text, flush=True)
 
 
 # ---- convert -------------------------------------------------------------------------------
@@ -109,7 +112,6 @@ def _convert(args) -> int:
     from . import api
     from .fileio import check_writable
     from .models import describe_inputs, load_model, parse_inputs
-    from .numerics import DEFAULT_RTOL, compare
 
     output = args.output or _default_output(args.model, args.target)
     check_writable(output)
@@ -138,18 +140,27 @@ def _convert(args) -> int:
     if report:
         _out(args, str(report))
     if args.check:
-        eager = model.module() if isinstance(model, torch.export.ExportedProgram) else model
-        with torch.no_grad():
-            ref = eager(*margs, **mkwargs)
-        import torch.utils._pytree as pytree
-        ref_leaves = [r for r in pytree.tree_leaves(ref)]
-        got = pytree.tree_leaves(artifact(*margs, **mkwargs))
-        agreement = compare(got, ref_leaves, args.tolerance or DEFAULT_RTOL)
-        if not agreement.ok:
-            raise NumericsError(f"--check failed: {agreement}",
-                                hint=f"run `torchtpu-export debug {args.model} --target {args.target}` "
-                                     "to find the first diverging op")
-        _out(args, f"check: OK ({agreement})")
+        from . import progress
+        with progress.stage("check"):
+            return _check(args, model, margs, mkwargs, artifact)
+    return 0
+
+
+def _check(args, model, margs, mkwargs, artifact) -> int:
+    import torch
+    import torch.utils._pytree as pytree
+
+    from .numerics import DEFAULT_RTOL, compare
+    eager = model.module() if isinstance(model, torch.export.ExportedProgram) else model
+    with torch.no_grad():
+        ref = pytree.tree_leaves(eager(*margs, **mkwargs))
+    got = pytree.tree_leaves(artifact(*margs, **mkwargs))
+    agreement = compare(got, ref, args.tolerance or DEFAULT_RTOL)
+    if not agreement.ok:
+        raise NumericsError(f"--check failed: {agreement}",
+                            hint=f"run `torchtpu-export debug {args.model} --target {args.target}` "
+                                 "to find the first diverging op")
+    _out(args, f"check: OK ({agreement})")
     return 0
 
 
@@ -276,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
             return run(args)
         args = _convert_parser().parse_args(argv)
         _setup_logging(args)
-        return _convert(args)
+        from . import progress
+        with progress.bar() if not args.quiet else contextlib.nullcontext():
+            return _convert(args)
     except TteError as e:
         if debug:
             traceback.print_exc()

@@ -25,7 +25,7 @@ from typing import Mapping
 
 import numpy as np
 
-from . import safetensors_io
+from . import progress, safetensors_io
 from .errors import ArtifactError, InputError
 from .fileio import atomic_open
 
@@ -65,7 +65,7 @@ class TpuArtifact:
         self.manifest["weights"] = {"file": WEIGHTS, "count": len(self.weights),
                                     "bytes": int(sum(w.nbytes for w in self.weights.values()))}
         manifest = json.dumps(self.manifest, indent=1, sort_keys=True).encode()
-        with atomic_open(path) as f, zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        with progress.stage("write"), atomic_open(path) as f, zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
             _write_entry(zf, MANIFEST, manifest)
             for name in sorted(files):
                 _write_entry(zf, name, files[name])

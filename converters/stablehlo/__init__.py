@@ -13,7 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import torchtpu_export
-from torchtpu_export import tpu_format
+from torchtpu_export import progress, tpu_format
 from torchtpu_export.capture import CapturedProgram
 from torchtpu_export.core_ops import core_aten_ops
 from torchtpu_export.errors import ConversionError, InputError, UnsupportedOpError
@@ -129,7 +129,7 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
         for platform in platforms:
             ctx = LoweringContext(platform, narrow_64bit=narrow_64bit, kernels=kernels)
             fn = to_jax_function(cap, ctx, renames)
-            with jax.enable_x64(uses_x64):
+            with jax.enable_x64(uses_x64), progress.stage(f"lower ({platform})"):
                 ispecs = _symbolic_specs(cap, narrow_64bit)
                 try:
                     exp = jax.export.export(jax.jit(fn), platforms=[platform])(wspecs, *ispecs)

@@ -91,7 +91,7 @@ def group_norm(ctx, x, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabl
 
 @lowers(aten.max_pool2d.default)
 def max_pool2d(ctx, x, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
-    return ops_nn.max_pool(x, 2, kernel_size, stride, padding, dilation, ceil_mode)[0]
+    return ops_nn.max_pool_values(x, 2, kernel_size, stride, padding, dilation, ceil_mode)
 
 
 @lowers(aten.adaptive_avg_pool2d.default, aten.adaptive_avg_pool3d.default)

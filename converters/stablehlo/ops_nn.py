@@ -177,6 +177,17 @@ def _window_geometry(x, nd, kernel, stride, padding, dilation, ceil_mode):
     return kernel, stride, padding, dilation, out, hi
 
 
+def max_pool_values(x, nd, kernel, stride, padding, dilation, ceil_mode):
+    """The values of an N-d max pool: one reduce_window (fast), for graphs that never read the indices."""
+    kernel, stride, padding, dilation, out, hi = _window_geometry(x, nd, kernel, stride, padding, dilation, ceil_mode)
+    lead = x.ndim - nd
+    low = jnp.array(-jnp.inf, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else \
+        jnp.array(jnp.iinfo(x.dtype).min, x.dtype)
+    return lax.reduce_window(x, low, lax.max, (1,) * lead + tuple(kernel), (1,) * lead + tuple(stride),
+                             [(0, 0)] * lead + [(p, h) for p, h in zip(padding, hi)],
+                             window_dilation=(1,) * lead + tuple(dilation))
+
+
 def max_pool(x, nd, kernel, stride, padding, dilation, ceil_mode):
     """Values and flat indices (within each spatial plane) of an N-d max pool, like torch."""
     kernel, stride, padding, dilation, out, hi = _window_geometry(x, nd, kernel, stride, padding, dilation, ceil_mode)
@@ -204,14 +215,17 @@ def max_pool(x, nd, kernel, stride, padding, dilation, ceil_mode):
     return values.reshape(shape), index.reshape(shape)
 
 
-@lowers(aten.max_pool2d_with_indices.default)
-def max_pool2d_with_indices(ctx, x, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
-    return max_pool(x, 2, kernel_size, stride, padding, dilation, ceil_mode)
+def _max_pool_rule(nd):
+    def rule(ctx, x, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+        if 1 not in ctx.used_outputs():
+            values = max_pool_values(x, nd, kernel_size, stride, padding, dilation, ceil_mode)
+            return values, jnp.zeros(values.shape, ctx.out_dtype(1))  # indices: never read
+        return max_pool(x, nd, kernel_size, stride, padding, dilation, ceil_mode)
+    return rule
 
 
-@lowers(aten.max_pool3d_with_indices.default)
-def max_pool3d_with_indices(ctx, x, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
-    return max_pool(x, 3, kernel_size, stride, padding, dilation, ceil_mode)
+lowers(aten.max_pool2d_with_indices.default)(_max_pool_rule(2))
+lowers(aten.max_pool3d_with_indices.default)(_max_pool_rule(3))
 
 
 def avg_pool(x, nd, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override):

@@ -91,6 +91,11 @@ class LoweringContext:
         val = self.out if index is None else self.out[index]
         return tuple(val.shape)
 
+    def used_outputs(self) -> set[int]:
+        """Which results of a multi-output node are read (through getitem) by the rest of the graph."""
+        import operator
+        return {u.args[1] for u in self.node.users if u.target is operator.getitem}
+
     def arg_meta(self, i: int):
         """The i-th argument of the node as torch sees it (FakeTensor, number, ...)."""
         return _meta(self.node.args[i]) if i < len(self.node.args) else None
