@@ -43,13 +43,21 @@ class XlaRunner:
         self.outputs = [TensorSpec.from_json(d) for d in spec["outputs"]]
         self.uses_x64 = bool(spec.get("uses_x64", True))
         self.platform = platform
+        self.mesh, self._input_shardings = None, None
         with jax.enable_x64(self.uses_x64):
             try:
                 self.exported = jax.export.deserialize(bytearray(artifact.programs[program][platform]))
             except Exception as e:
                 raise ArtifactError(f"the {platform} program is corrupt ({type(e).__name__}: {str(e)[:200]})",
                                     hint="export the model again") from e
-            self.weights = {n: jax.device_put(np.asarray(artifact.weights[n])) for n in spec["weights"]}
+            plan = spec.get("sharding")
+            if plan:
+                self.mesh = _local_mesh(artifact.manifest["mesh"])
+                wsh = {n: _named(self.mesh, s) for n, s in plan["weights"].items()}
+                self._input_shardings = [_named(self.mesh, s) for s in plan["inputs"]]
+            else:
+                wsh = {}
+            self.weights = {n: jax.device_put(np.asarray(artifact.weights[n]), wsh.get(n)) for n in spec["weights"]}
             self._call = jax.jit(self.exported.call)
         avals = self.exported.in_avals[len(self.weights):]
         if len(avals) != len(self.inputs):
@@ -62,5 +70,28 @@ class XlaRunner:
                              f"got {len(inputs)}")
         arrays = [coerce_input(spec, x, dtype=dt) for spec, x, dt in zip(self.inputs, inputs, self._input_dtypes)]
         with jax.enable_x64(self.uses_x64):
+            if self._input_shardings:
+                arrays = [jax.device_put(a, sh) for a, sh in zip(arrays, self._input_shardings)]
             outs = self._call(self.weights, *arrays)
             return [np.asarray(o) for o in outs]
+
+
+def _named(mesh, spec):
+    from jax.sharding import NamedSharding, PartitionSpec
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def _local_mesh(mesh_spec: dict):
+    """The artifact's mesh over this machine's first devices (on CPU, XLA_FLAGS can make 8)."""
+    from jax.sharding import Mesh
+    names = [a for a, _ in mesh_spec["axes"]]
+    shape = [int(n) for _, n in mesh_spec["axes"]]
+    need = int(np.prod(shape))
+    devices = jax.devices()
+    if len(devices) < need:
+        raise ArtifactError(
+            f"this program is sharded over {need} devices ({', '.join(f'{a}={n}' for a, n in mesh_spec['axes'])}); "
+            f"this machine has {len(devices)}",
+            hint=f"run it on {need} chips; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={need} "
+                 "before starting Python")
+    return Mesh(np.array(devices[:need]).reshape(shape), names)

@@ -117,18 +117,25 @@ def _captures(entries: Sequence[tuple], target: str, strict_export, dynamic_shap
     return out
 
 
-def _export_tpu(captures, *, platforms=("tpu", "cpu"), kernels="auto", narrow_64bit=False, quant_config=None):
+def _export_tpu(captures, *, platforms=("tpu", "cpu"), kernels="auto", narrow_64bit=False, quant_config=None,
+                mesh=None, sharding=None):
     from .converters import stablehlo
     if quant_config is not None:
         raise InputError("quant_config is not supported for the tpu target yet")
     return TpuProgram(stablehlo.export_programs(captures, platforms=platforms, kernels=kernels,
-                                                narrow_64bit=narrow_64bit))
+                                                narrow_64bit=narrow_64bit, mesh=mesh, sharding=sharding))
 
 
 def export(module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *, target: str = "tpu",
            platforms: Sequence[str] = ("tpu", "cpu"), dynamic_shapes=None, kernels: str = "auto",
-           strict_export: bool | str = False, narrow_64bit: bool = False, quant_config=None, **options):
-    """Captures ``module`` once and converts it for ``target`` (``"tpu"``, ``"litert"`` or ``"onnx"``)."""
+           strict_export: bool | str = False, narrow_64bit: bool = False, quant_config=None, mesh=None,
+           sharding: str | None = None, **options):
+    """Captures ``module`` once and converts it for ``target`` (``"tpu"``, ``"litert"`` or ``"onnx"``).
+
+    TPU options: ``platforms``, ``kernels`` (Pallas kernels for hot ops), ``narrow_64bit``, and
+    ``mesh=(("data", 1), ("model", 8))`` with ``sharding="tensor_parallel"`` for a program sharded
+    over several chips.
+    """
     if target not in TARGETS:
         raise InputError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
     if target == "litert":
@@ -140,7 +147,8 @@ def export(module, sample_args: Sequence = (), sample_kwargs: dict | None = None
     if options:
         raise InputError(f"unknown option(s) for the tpu target: {', '.join(sorted(options))}")
     caps = _captures([("main", module, sample_args, sample_kwargs, None)], "tpu", strict_export, dynamic_shapes)
-    return _export_tpu(caps, platforms=platforms, kernels=kernels, narrow_64bit=narrow_64bit, quant_config=quant_config)
+    return _export_tpu(caps, platforms=platforms, kernels=kernels, narrow_64bit=narrow_64bit, quant_config=quant_config,
+                       mesh=mesh, sharding=sharding)
 
 
 def convert(module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *, dynamic_shapes=None,

@@ -91,6 +91,10 @@ def _convert_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", default="auto", choices=["auto", "pallas", "xla"],
                    help="tpu target: Pallas kernels for hot ops (auto: where shapes allow)")
     p.add_argument("--narrow-64bit", action="store_true", help="tpu target: int64/float64 become 32-bit")
+    p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                   help="tpu target: shard over a device mesh, e.g. data=1,model=8")
+    p.add_argument("--sharding", default=None, choices=["tensor_parallel", "data_parallel", "replicated"],
+                   help="tpu target with --mesh: how weights and inputs are split (default tensor_parallel)")
     p.add_argument("--quantize", default=None, metavar="RECIPE", help="quantization recipe (see README)")
     p.add_argument("--strict", default="false", choices=["false", "true", "auto"], help="torch.export strict mode")
     p.add_argument("--trust-pickle", action="store_true",
@@ -126,7 +130,7 @@ def _convert(args) -> int:
     options = {}
     if args.target == "tpu":
         options = dict(platforms=tuple(p for p in args.platforms.split(",") if p), kernels=args.kernels,
-                       narrow_64bit=args.narrow_64bit)
+                       narrow_64bit=args.narrow_64bit, mesh=_parse_mesh(args.mesh), sharding=args.sharding)
     if args.quantize:
         options["quant_config"] = args.quantize
     if isinstance(model, torch.export.ExportedProgram) and sample is not None:
@@ -162,6 +166,15 @@ def _check(args, model, margs, mkwargs, artifact) -> int:
                                  "to find the first diverging op")
     _out(args, f"check: OK ({agreement})")
     return 0
+
+
+def _parse_mesh(text: str | None):
+    if not text:
+        return None
+    try:
+        return tuple((name, int(size)) for name, size in (item.split("=") for item in text.split(",")))
+    except ValueError:
+        raise InputError(f"bad --mesh {text!r}", hint="use AXIS=SIZE pairs, e.g. --mesh data=1,model=8") from None
 
 
 def _check_inputs_match(ep, sample) -> None:

@@ -79,7 +79,8 @@ def format_description(desc: dict) -> str:
     if desc.get("platforms"):
         lines.append("platforms: " + ", ".join(desc["platforms"]))
     if desc.get("mesh"):
-        lines.append(f"mesh: {desc['mesh']}")
+        axes = desc["mesh"]["axes"]
+        lines.append(f"mesh: {', '.join(f'{a}={n}' for a, n in axes)} ({desc['mesh']['devices']} devices)")
     weights = desc.get("weights") or {}
     if weights.get("count") is not None:
         lines.append(f"weights: {weights['count']} tensors, {weights.get('bytes', 0):,} bytes")
@@ -94,8 +95,14 @@ def format_description(desc: dict) -> str:
         for k in prog.get("kernels") or []:
             what = k.get("kernel") or f"xla ({k.get('reason', 'no kernel')})"
             lines.append(f"  kernel [{k.get('platform', '?')}] {k.get('node', '?')} ({k.get('op', '?')}): {what}")
-        if prog.get("sharding"):
-            lines.append(f"  sharding: {prog['sharding']}")
+        plan = prog.get("sharding")
+        if plan:
+            sharded = {w: s for w, s in plan["weights"].items() if any(s)}
+            lines.append(f"  sharding {plan['mode']}: {len(plan['column_parallel'])} column-parallel, "
+                         f"{len(plan['row_parallel'])} row-parallel, {len(plan['weights']) - len(sharded)} replicated")
+            lines += [f"  shard {w}: [{', '.join(a or '-' for a in s)}]" for w, s in sorted(sharded.items())]
+            lines += [f"  shard input {i}: [{', '.join(a or '-' for a in s)}]" for i, s in enumerate(plan["inputs"])
+                      if any(s)]
     if desc.get("entries"):
         lines.append("entries:")
         lines += [f"  {n}: {s:,} bytes" for n, s in sorted(desc["entries"].items())]

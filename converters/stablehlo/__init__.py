@@ -18,6 +18,7 @@ from torchtpu_export.capture import CapturedProgram
 from torchtpu_export.core_ops import core_aten_ops
 from torchtpu_export.errors import ConversionError, InputError, UnsupportedOpError
 
+from . import sharding as sharding_plans
 from . import (ops_composite, ops_elementwise, ops_index, ops_misc, ops_nn,  # noqa: F401  (registration)
                ops_reduction, ops_shape)
 from .interpreter import check_supported, to_jax_function
@@ -92,8 +93,13 @@ def _merge_weights(captures: Mapping[str, CapturedProgram]):
 
 
 def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str] = ("tpu", "cpu"),
-                    kernels: str = "auto", narrow_64bit: bool = False) -> tpu_format.TpuArtifact:
-    """Lowers each captured program for each platform and packs them as one ``.tpu`` artifact."""
+                    kernels: str = "auto", narrow_64bit: bool = False, mesh=None,
+                    sharding: str | None = None) -> tpu_format.TpuArtifact:
+    """Lowers each captured program for each platform and packs them as one ``.tpu`` artifact.
+
+    With ``mesh`` (e.g. ``(("data", 1), ("model", 8))``) the programs are sharded over that many
+    devices following ``sharding`` (default ``"tensor_parallel"``; see sharding.py).
+    """
     platforms = tuple(platforms)
     bad = [p for p in platforms if p not in PLATFORMS]
     if bad or not platforms:
@@ -103,6 +109,9 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
     for cap in captures.values():
         for p in platforms:
             check_supported(cap, p)
+    mesh_axes = sharding_plans.parse_mesh(mesh)
+    if sharding is not None and not mesh_axes:
+        raise InputError("sharding= needs a mesh=, e.g. mesh=(('data', 1), ('model', 8))")
     weights, weight_names = _merge_weights(captures)
     np_weights = {}
     for name, t in weights.items():
@@ -117,6 +126,9 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
         "platforms": list(platforms),
         "programs": {},
     }
+    if mesh_axes:
+        manifest["mesh"] = {"axes": [[k, v] for k, v in mesh_axes.items()],
+                            "devices": sharding_plans.devices_needed(mesh_axes)}
     programs: dict[str, dict[str, bytes]] = {}
     mlir: dict[str, dict[str, str]] = {}
     for prog, cap in captures.items():
@@ -126,13 +138,15 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
         programs[prog], mlir[prog] = {}, {}
         kernel_log: list[dict] = []
         calling_convention = None
+        plan = sharding_plans.plan(cap, mesh_axes, sharding or "tensor_parallel") if mesh_axes else None
+        jit_kwargs = _jit_shardings(plan, renames, len(cap.outputs)) if plan else {}
         for platform in platforms:
             ctx = LoweringContext(platform, narrow_64bit=narrow_64bit, kernels=kernels)
             fn = to_jax_function(cap, ctx, renames)
             with jax.enable_x64(uses_x64), progress.stage(f"lower ({platform})"):
                 ispecs = _symbolic_specs(cap, narrow_64bit)
                 try:
-                    exp = jax.export.export(jax.jit(fn), platforms=[platform])(wspecs, *ispecs)
+                    exp = jax.export.export(jax.jit(fn, **jit_kwargs), platforms=[platform])(wspecs, *ispecs)
                 except (UnsupportedOpError, ConversionError, InputError):
                     raise
                 except Exception as e:
@@ -155,7 +169,22 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
             "kernels": kernel_log,
             "op_histogram": cap.op_histogram(),
         }
+        if plan:
+            plan["weights"] = {renames[k]: v for k, v in plan["weights"].items()}
+            plan["column_parallel"] = [renames[k] for k in plan["column_parallel"]]
+            plan["row_parallel"] = [renames[k] for k in plan["row_parallel"]]
+            manifest["programs"][prog]["sharding"] = plan
     return tpu_format.TpuArtifact(manifest, programs, mlir, np_weights)
+
+
+def _jit_shardings(plan: dict, renames: dict, n_outputs: int) -> dict:
+    from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+    axes = plan["mesh"]
+    mesh = AbstractMesh(tuple(axes.values()), tuple(axes))
+    weights = {renames[k]: NamedSharding(mesh, PartitionSpec(*v)) for k, v in plan["weights"].items()}
+    inputs = [NamedSharding(mesh, PartitionSpec(*s)) for s in plan["inputs"]]
+    outputs = [NamedSharding(mesh, PartitionSpec()) for _ in range(n_outputs)]
+    return {"in_shardings": (weights, *inputs), "out_shardings": outputs}
 
 
 def _weight_array(t: torch.Tensor, narrow: bool) -> np.ndarray:

@@ -1,0 +1,134 @@
+"""Sharded TPU programs: a device mesh, and a plan that says how each weight is split over it.
+
+``tensor_parallel`` is Megatron-style: a linear layer whose input is replicated is
+column-parallel (its output features split over the ``model`` axis), and a linear layer whose
+input is already split that way is row-parallel (its input features split; XLA inserts the
+all-reduce). Splits propagate through elementwise ops, reshapes, attention and concatenation;
+norms, embeddings and convolutions stay replicated. Inputs are split over the ``data`` axis on
+their batch dim when it divides. The plan decides only where data lives: XLA's sharding
+propagation keeps the program exact whatever the plan, so a weight whose dims do not divide
+is simply replicated.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Mapping, Sequence
+
+import torch
+
+from torchtpu_export.capture import CapturedProgram
+from torchtpu_export.errors import InputError
+
+aten = torch.ops.aten
+
+SHARDING_MODES = ("tensor_parallel", "data_parallel", "replicated")
+
+# Ops through which a feature split flows unchanged (for this planner's purpose).
+_FLOW = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
+    aten.transpose.int, aten.t.default, aten.expand.default, aten.clone.default, aten.alias.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.slice.Tensor, aten.select.int,
+    aten.cat.default, aten.repeat_interleave.self_int, aten.repeat.default, aten.contiguous.default,
+    aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, operator.getitem,
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default,
+    aten.mul.Scalar, aten.add.Scalar, aten.div.Scalar, aten.silu.default, aten.gelu.default,
+    aten.relu.default, aten.sigmoid.default, aten.tanh.default, aten.where.self, aten._to_copy.default,
+    aten.to.dtype, aten.bmm.default, aten.matmul.default, aten._softmax.default, aten.softmax.int,
+    aten.scaled_dot_product_attention.default, aten.exp.default, aten.pow.Tensor_Scalar,
+}
+
+
+def parse_mesh(mesh) -> dict[str, int]:
+    """``(("data", 1), ("model", 8))`` or ``{"data": 1, "model": 8}`` -> an ordered dict of axis sizes."""
+    if mesh is None:
+        return {}
+    items = list(mesh.items()) if isinstance(mesh, Mapping) else list(mesh)
+    try:
+        axes = {str(name): int(size) for name, size in items}
+    except (TypeError, ValueError):
+        raise InputError(f"mesh must be pairs of (axis name, size), e.g. (('data', 1), ('model', 8)); got {mesh!r}")
+    if not axes or any(size < 1 for size in axes.values()):
+        raise InputError(f"mesh axis sizes must be positive; got {mesh!r}")
+    return axes
+
+
+def _weight_of(node, captured: CapturedProgram) -> tuple[str, bool] | None:
+    """(weight name, transposed) if ``node`` is a weight placeholder, possibly through permute/t."""
+    transposed = False
+    while node.op == "call_function" and node.target in (aten.permute.default, aten.t.default, aten.transpose.int):
+        transposed = not transposed
+        node = node.args[0]
+    if node.op == "placeholder" and node.name in captured.weight_placeholders:
+        return captured.weight_placeholders[node.name], transposed
+    return None
+
+
+def _matmul_weight(node, captured):
+    """For linear-like nodes: (activation input, weight name, weight-is-[out,in], bias name or None)."""
+    t = node.target
+    if t is aten.linear.default:
+        w = _weight_of(node.args[1], captured)
+        bias = _weight_of(node.args[2], captured) if len(node.args) > 2 and node.args[2] is not None else None
+        if w and not w[1]:
+            return node.args[0], w[0], True, bias[0] if bias else None
+    elif t is aten.addmm.default:
+        w = _weight_of(node.args[2], captured)
+        bias = _weight_of(node.args[0], captured)
+        if w:
+            return node.args[1], w[0], w[1], bias[0] if bias else None
+    elif t in (aten.mm.default, aten.matmul.default):
+        w = _weight_of(node.args[1], captured)
+        if w:
+            return node.args[0], w[0], w[1], None
+    return None
+
+
+def plan(captured: CapturedProgram, mesh: Mapping[str, int], mode: str) -> dict:
+    """Per weight and input: a partition spec (a list with an axis name or None per dim)."""
+    if mode not in SHARDING_MODES:
+        raise InputError(f"sharding must be one of {', '.join(SHARDING_MODES)}, not {mode!r}")
+    model_axis = "model" if "model" in mesh else None
+    data_axis = "data" if "data" in mesh else None
+    n_model = mesh.get("model", 1)
+    weights = {name: [None] * t.dim() for name, t in captured.weights.items()}
+    column, row = [], []
+    if mode == "tensor_parallel" and model_axis and n_model > 1:
+        split: dict = {}  # node -> True when its value is split over the model axis
+        for node in captured.graph.nodes:
+            if node.op != "call_function":
+                continue
+            mm = _matmul_weight(node, captured)
+            if mm is not None:
+                act, wname, out_first, bias = mm
+                shape = captured.weights[wname].shape
+                out_dim, in_dim = (0, 1) if out_first else (1, 0)
+                if split.get(act) and shape[in_dim] % n_model == 0:
+                    weights[wname][in_dim] = model_axis
+                    row.append(wname)
+                    split[node] = False
+                elif not split.get(act) and shape[out_dim] % n_model == 0:
+                    weights[wname][out_dim] = model_axis
+                    if bias:
+                        weights[bias][0] = model_axis
+                    column.append(wname)
+                    split[node] = True
+                continue
+            if node.target in _FLOW:
+                split[node] = any(split.get(a) for a in node.all_input_nodes)
+    inputs = []
+    for spec, sample in zip(captured.inputs, captured.sample_inputs):
+        s = [None] * len(spec.shape)
+        if mode in ("tensor_parallel", "data_parallel") and data_axis and mesh[data_axis] > 1 and s \
+                and isinstance(spec.shape[0], int) and spec.shape[0] % mesh[data_axis] == 0:
+            s[0] = data_axis
+        inputs.append(s)
+    if mode == "data_parallel":
+        column, row = [], []
+    return {"mode": mode, "mesh": dict(mesh), "weights": weights, "inputs": inputs,
+            "column_parallel": column, "row_parallel": row}
+
+
+def devices_needed(mesh: Mapping[str, int]) -> int:
+    return math.prod(mesh.values()) if mesh else 1
+
