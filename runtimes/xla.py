@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 from torchtpu_export.errors import ArtifactError, InputError
-from torchtpu_export.specs import TensorSpec, coerce_input
+from torchtpu_export.specs import TensorSpec, check_dims, coerce_input
 from torchtpu_export.tpu_format import TpuArtifact
 
 _BACKEND_PLATFORM = {"cpu": "cpu", "tpu": "tpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm"}
@@ -42,6 +42,7 @@ class XlaRunner:
         self.inputs = [TensorSpec.from_json(d) for d in spec["inputs"]]
         self.outputs = [TensorSpec.from_json(d) for d in spec["outputs"]]
         self.uses_x64 = bool(spec.get("uses_x64", True))
+        self.dims = {k: tuple(v) for k, v in spec.get("dims", {}).items()}
         self.platform = platform
         self.mesh, self._input_shardings = None, None
         with jax.enable_x64(self.uses_x64):
@@ -69,6 +70,7 @@ class XlaRunner:
             raise InputError(f"expected {len(self.inputs)} inputs ({', '.join(str(s) for s in self.inputs)}), "
                              f"got {len(inputs)}")
         arrays = [coerce_input(spec, x, dtype=dt) for spec, x, dt in zip(self.inputs, inputs, self._input_dtypes)]
+        check_dims(self.inputs, arrays, self.dims)
         with jax.enable_x64(self.uses_x64):
             if self._input_shardings:
                 arrays = [jax.device_put(a, sh) for a, sh in zip(arrays, self._input_shardings)]

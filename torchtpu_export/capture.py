@@ -53,6 +53,7 @@ class CapturedProgram:
     out_spec: pytree.TreeSpec
     constant_inputs: dict[int, Any]
     sample_inputs: list[torch.Tensor]
+    dim_ranges: dict[str, tuple] = dataclasses.field(default_factory=dict)  # symbolic dim -> (min, max or None)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -163,9 +164,16 @@ def _export(module, args, kwargs, dynamic_shapes, strict) -> ExportedProgram:
                                        dynamic_shapes=dynamic_shapes, strict=bool(strict))
     except Exception as e:  # torch.export raises many exception types
         log.debug("torch.export failed; its stderr:\n%s", stderr.getvalue())
-        first_line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        first_line = lines[0] if lines else type(e).__name__
+        detail = next((ln[2:] for ln in lines[1:] if ln.startswith("- ")), "")
+        if detail:
+            first_line += f" {detail}"
         hint = "make the control flow independent of tensor values (torch.cond), or try strict_export='auto'"
-        if "dynamic" in str(e).lower() and dynamic_shapes is not None:
+        if "specialized it to be a constant (0)" in first_line or "specialized it to be a constant (1)" in first_line:
+            hint = "torch.export specialises dims whose sample size is 0 or 1: give sample inputs of size >= 2 " \
+                   "in every dynamic dim"
+        elif "dynamic" in str(e).lower() and dynamic_shapes is not None:
             hint = "check the dynamic_shapes bounds against the model (torch.export's message above)"
         raise CaptureError(f"torch.export could not capture the model: {type(e).__name__}: {first_line}",
                            hint=hint) from e
@@ -261,8 +269,20 @@ def _flatten(ep: ExportedProgram, sample_args, sample_kwargs) -> CapturedProgram
     for i, o in enumerate(out_node.args[0]):
         val = o.meta["val"] if isinstance(o, torch.fx.Node) else torch.tensor(o)
         outputs.append(TensorSpec(f"output_{i}", shape_of(val), dtype_name(val.dtype)))
+    symbols = {d for spec in inputs for d in spec.shape if isinstance(d, str)}
+    dim_ranges = {str(sym): (_finite_int(rng.lower) or 0, _finite_int(rng.upper))
+                  for sym, rng in ep.range_constraints.items() if str(sym) in symbols}
     return CapturedProgram(ep, weights, weight_placeholders, inputs, input_placeholders, outputs,
-                           in_spec, ep.call_spec.out_spec, constant_inputs, sample_inputs)
+                           in_spec, ep.call_spec.out_spec, constant_inputs, sample_inputs, dim_ranges)
+
+
+def _finite_int(bound) -> int | None:
+    """A range bound from torch's shape env as an int, or None when unbounded (torch's int_oo)."""
+    try:
+        value = int(bound)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return None
+    return value if abs(value) < 2 ** 62 else None
 
 
 def shape_of(val) -> tuple:

@@ -73,3 +73,20 @@ def coerce_input(spec: TensorSpec, x, *, dtype: str | None = None) -> np.ndarray
                 raise InputError(f"input {spec.name}: values do not fit in {want.name}")
         a = a.astype(want)
     return a
+
+
+def check_dims(specs, arrays, ranges: dict | None = None) -> None:
+    """Symbolic dims must take one size across all inputs, within the exported range."""
+    bound: dict[str, int] = {}
+    for spec, a in zip(specs, arrays):
+        for d, n in zip(spec.shape, a.shape):
+            if not isinstance(d, str):
+                continue
+            if bound.setdefault(d, n) != n:
+                raise InputError(f"dynamic dim {d} is {bound[d]} in one input and {n} in {spec.name}; "
+                                 "inputs must agree")
+            lo, hi = (ranges or {}).get(d, (0, None))
+            if n < lo or (hi is not None and n > hi):
+                raise InputError(f"input {spec.name}: dynamic dim {d} = {n} is outside the exported range "
+                                 f"[{lo}, {hi if hi is not None else 'inf'}]",
+                                 hint="export again with wider dynamic_shapes bounds")

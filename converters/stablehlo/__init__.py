@@ -41,16 +41,11 @@ def lowerable(op) -> bool:
 
 def _symbolic_specs(captured: CapturedProgram, narrow: bool):
     """jax ShapeDtypeStructs for the inputs, dynamic dims as jax.export symbols with torch's bounds."""
-    symbols = sorted({d for spec in captured.inputs for d in spec.shape if isinstance(d, str)})
     scope = None
-    if symbols:
+    if captured.dim_ranges:
         constraints = []
-        for sym, rng in captured.exported.range_constraints.items():
-            name = str(sym)
-            if name not in symbols:
-                continue
-            lower, upper = _finite_int(rng.lower), _finite_int(rng.upper)
-            if lower is not None and lower > 1:
+        for name, (lower, upper) in sorted(captured.dim_ranges.items()):
+            if lower > 1:
                 constraints.append(f"{name} >= {lower}")
             if upper is not None:
                 constraints.append(f"{name} <= {upper}")
@@ -64,15 +59,6 @@ def _symbolic_specs(captured: CapturedProgram, narrow: bool):
             shape = spec.shape
         specs.append(jax.ShapeDtypeStruct(shape, dtype))
     return specs
-
-
-def _finite_int(bound) -> int | None:
-    """A range bound from torch's shape env as an int, or None when unbounded (torch's int_oo)."""
-    try:
-        value = int(bound)
-    except (TypeError, ValueError, AttributeError, OverflowError):
-        return None
-    return value if abs(value) < 2 ** 62 else None
 
 
 def _merge_weights(captures: Mapping[str, CapturedProgram]):
@@ -168,6 +154,7 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
             "calling_convention_version": calling_convention,
             "kernels": kernel_log,
             "op_histogram": cap.op_histogram(),
+            "dims": {k: list(v) for k, v in sorted(cap.dim_ranges.items())},
         }
         if plan:
             plan["weights"] = {renames[k]: v for k, v in plan["weights"].items()}
