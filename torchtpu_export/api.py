@@ -10,6 +10,7 @@ import os
 from typing import Sequence
 
 import numpy as np
+import torch
 import torch.utils._pytree as pytree
 
 from . import tpu_format
@@ -39,6 +40,7 @@ class TpuProgram:
     def __init__(self, artifact: tpu_format.TpuArtifact):
         self.artifact = artifact
         self._runners: dict = {}
+        self.quant_report = None  # set by export(..., quant_config=...)
 
     @property
     def manifest(self) -> dict:
@@ -120,10 +122,27 @@ def _captures(entries: Sequence[tuple], target: str, strict_export, dynamic_shap
 def _export_tpu(captures, *, platforms=("tpu", "cpu"), kernels="auto", narrow_64bit=False, quant_config=None,
                 mesh=None, sharding=None):
     from .converters import stablehlo
-    if quant_config is not None:
-        raise InputError("quant_config is not supported for the tpu target yet")
-    return TpuProgram(stablehlo.export_programs(captures, platforms=platforms, kernels=kernels,
-                                                narrow_64bit=narrow_64bit, mesh=mesh, sharding=sharding))
+    prog = TpuProgram(stablehlo.export_programs(captures, platforms=platforms, kernels=kernels,
+                                                narrow_64bit=narrow_64bit, mesh=mesh, sharding=sharding,
+                                                quant_config=quant_config))
+    if quant_config is not None and "cpu" in platforms:
+        prog.quant_report = _quant_report(prog, captures, quant_config)
+    return prog
+
+
+def _quant_report(prog, captures, quant_config):
+    """Size before and after, and the error against the float model (torch eager) on the sample inputs."""
+    from .quant import measure, parse
+    recipe = parse(quant_config, "tpu").recipe
+    name, cap = next(iter(captures.items()))
+    with torch.no_grad():
+        ref = cap.exported.module()(*cap.sample_inputs) if not cap.constant_inputs else None
+    if ref is None:
+        return None
+    got = prog.run_flat(cap.sample_inputs, signature_name=name if len(captures) > 1 else None)
+    float_bytes = sum(t.numel() * t.element_size() for c in captures.values() for t in c.weights.values())
+    return measure(recipe, pytree.tree_leaves(ref), got, float_bytes,
+                   sum(w.nbytes for w in prog.artifact.weights.values()))
 
 
 def export(module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *, target: str = "tpu",

@@ -17,7 +17,9 @@ from torchtpu_export import progress, tpu_format
 from torchtpu_export.capture import CapturedProgram
 from torchtpu_export.core_ops import core_aten_ops
 from torchtpu_export.errors import ConversionError, InputError, UnsupportedOpError
+from torchtpu_export.quant import parse as parse_quant
 
+from . import quantize
 from . import sharding as sharding_plans
 from . import (ops_composite, ops_elementwise, ops_index, ops_misc, ops_nn,  # noqa: F401  (registration)
                ops_reduction, ops_shape)
@@ -80,7 +82,7 @@ def _merge_weights(captures: Mapping[str, CapturedProgram]):
 
 def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str] = ("tpu", "cpu"),
                     kernels: str = "auto", narrow_64bit: bool = False, mesh=None,
-                    sharding: str | None = None) -> tpu_format.TpuArtifact:
+                    sharding: str | None = None, quant_config=None) -> tpu_format.TpuArtifact:
     """Lowers each captured program for each platform and packs them as one ``.tpu`` artifact.
 
     With ``mesh`` (e.g. ``(("data", 1), ("model", 8))``) the programs are sharded over that many
@@ -99,10 +101,9 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
     if sharding is not None and not mesh_axes:
         raise InputError("sharding= needs a mesh=, e.g. mesh=(('data', 1), ('model', 8))")
     weights, weight_names = _merge_weights(captures)
-    np_weights = {}
-    for name, t in weights.items():
-        a = _weight_array(t, narrow_64bit)
-        np_weights[name] = a
+    np_weights = {name: _weight_array(t, narrow_64bit) for name, t in weights.items()}
+    quant = parse_quant(quant_config, "tpu")
+    float_dtype, dequantize = quantize.apply(quant, captures, np_weights, weight_names) if quant else (None, {})
     manifest = {
         "format": tpu_format.FORMAT,
         "format_version": tpu_format.FORMAT_VERSION,
@@ -127,8 +128,8 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
         plan = sharding_plans.plan(cap, mesh_axes, sharding or "tensor_parallel") if mesh_axes else None
         jit_kwargs = _jit_shardings(plan, renames, len(cap.outputs)) if plan else {}
         for platform in platforms:
-            ctx = LoweringContext(platform, narrow_64bit=narrow_64bit, kernels=kernels)
-            fn = to_jax_function(cap, ctx, renames)
+            ctx = LoweringContext(platform, narrow_64bit=narrow_64bit, kernels=kernels, float_dtype=float_dtype)
+            fn = to_jax_function(cap, ctx, renames, dequantize)
             with jax.enable_x64(uses_x64), progress.stage(f"lower ({platform})"):
                 ispecs = _symbolic_specs(cap, narrow_64bit)
                 try:
@@ -156,6 +157,10 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
             "op_histogram": cap.op_histogram(),
             "dims": {k: list(v) for k, v in sorted(cap.dim_ranges.items())},
         }
+        if quant:
+            manifest["programs"][prog]["quantization"] = {
+                "recipe": quant.recipe,
+                "weights": {n: {"scale": s, "axis": a} for n, (s, a) in dequantize.items() if n in weight_names[prog]}}
         if plan:
             plan["weights"] = {renames[k]: v for k, v in plan["weights"].items()}
             plan["column_parallel"] = [renames[k] for k in plan["column_parallel"]]

@@ -64,27 +64,53 @@ def _conform(ctx: LoweringContext, node, result):
     return result
 
 
-def to_jax_function(captured: CapturedProgram, ctx: LoweringContext, weight_names: dict | None = None) -> Callable:
-    """``fn(weights: dict, *inputs) -> list of outputs``; ``weight_names`` maps captured names to artifact names."""
+def to_jax_function(captured: CapturedProgram, ctx: LoweringContext, weight_names: dict | None = None,
+                    dequantize: dict | None = None) -> Callable:
+    """``fn(weights: dict, *inputs) -> list of outputs``; ``weight_names`` maps captured names to artifact names.
+
+    ``dequantize`` maps an artifact weight name to ``(scale name, axis)``: that weight is stored
+    quantized and is rebuilt as ``values * scale`` where the program reads it, which XLA fuses
+    into the consuming matmul. Inputs enter and outputs leave in their declared dtypes even when
+    the program computes in another (``ctx.dtype`` maps them, e.g. to bfloat16).
+    """
     check_supported(captured, ctx.platform)
     weight_names = weight_names or {name: name for name in captured.weights}
     input_index = {name: i for i, name in enumerate(captured.input_placeholders)}
     nodes = list(captured.graph.nodes)
+    dequantize = dequantize or {}
+
+    def _weight(weights, name):
+        if name not in dequantize:
+            return weights[name]
+        scale_name, axis = dequantize[name]
+        q = weights[name]
+        shape = [1] * q.ndim
+        shape[axis] = -1
+        compute = ctx.dtype(torch.float32)
+        return q.astype(compute) * weights[scale_name].astype(compute).reshape(shape)
+
+    def _declared(value, node):
+        meta = node.meta.get("val")
+        if isinstance(meta, torch.Tensor) and hasattr(value, "dtype"):
+            return ctx.cast(value, ctx.io_dtype(meta.dtype))
+        return value
 
     def fn(weights, *inputs):
         env: dict = {}
         for node in nodes:
             if node.op == "placeholder":
                 if node.name in captured.weight_placeholders:
-                    env[node] = weights[weight_names[captured.weight_placeholders[node.name]]]
+                    env[node] = _weight(weights, weight_names[captured.weight_placeholders[node.name]])
                 elif node.name in input_index:
-                    env[node] = inputs[input_index[node.name]]
+                    x = inputs[input_index[node.name]]
+                    env[node] = ctx.cast(x, ctx.dtype(node.meta["val"].dtype))
                 else:  # a non-tensor input that torch.export specialised
                     env[node] = None
             elif node.op == "call_function":
                 env[node] = _run_node(ctx, node, env)
             elif node.op == "output":
-                return [env[o] if isinstance(o, torch.fx.Node) else jnp.asarray(o) for o in node.args[0]]
+                return [_declared(env[o], o) if isinstance(o, torch.fx.Node) else jnp.asarray(o)
+                        for o in node.args[0]]
             else:
                 raise UnsupportedOpError(f"{node.op} {node.target}", target="stablehlo",
                                          reason="graph node kind not supported", source=user_source_line(node))

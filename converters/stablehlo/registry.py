@@ -67,15 +67,23 @@ def _meta(x):
 class LoweringContext:
     """What a rule may ask about the node it lowers: output metadata, dtypes, platform."""
 
-    def __init__(self, platform: str, *, narrow_64bit: bool = False, kernels: str = "auto"):
+    def __init__(self, platform: str, *, narrow_64bit: bool = False, kernels: str = "auto",
+                 float_dtype=None):
         self.platform = platform
         self.narrow_64bit = narrow_64bit
+        self.float_dtype = float_dtype  # e.g. bfloat16: the program computes all floats in it
         self.kernels = kernels
         self.node: torch.fx.Node | None = None
         self.kernel_log: list[dict] = []  # per hot node: kernel chosen, or why not
 
     def dtype(self, dtype: torch.dtype):
-        """The JAX dtype this program uses for a torch dtype."""
+        """The JAX dtype this program computes with for a torch dtype."""
+        if self.float_dtype is not None and dtype.is_floating_point:
+            return self.float_dtype
+        return jax_dtype(dtype, self.narrow_64bit)
+
+    def io_dtype(self, dtype: torch.dtype):
+        """The dtype a program input or output keeps at the boundary."""
         return jax_dtype(dtype, self.narrow_64bit)
 
     @property

@@ -1,0 +1,108 @@
+"""Quantization recipes (names, options) and the report every quantized conversion returns.
+
+Recipes per target:
+- tpu: ``int8_weight_only`` (int8 per-channel matmul weights, dequantised inside the matmul),
+  ``bf16`` (weights and compute in bfloat16; inputs and outputs keep their dtypes);
+- litert: ``fp16``, ``dynamic_int8``, ``int8`` (see converters/litert).
+
+``quant_config`` is a recipe name, or a dict ``{"recipe": NAME, ...options}``
+(e.g. ``{"recipe": "int8", "calibration": [sample_args, ...], "integer_io": False}``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from .errors import InputError
+from .specs import as_numpy
+
+RECIPES = {
+    "tpu": ("int8_weight_only", "bf16"),
+    "litert": ("fp16", "dynamic_int8", "int8"),
+}
+
+
+@dataclasses.dataclass
+class QuantConfig:
+    recipe: str
+    options: dict = dataclasses.field(default_factory=dict)
+
+
+def parse(quant_config, target: str) -> QuantConfig | None:
+    """Validates ``quant_config`` for ``target``; None means float."""
+    if quant_config is None:
+        return None
+    if isinstance(quant_config, QuantConfig):
+        cfg = quant_config
+    elif isinstance(quant_config, str):
+        cfg = QuantConfig(quant_config)
+    elif isinstance(quant_config, dict) and "recipe" in quant_config:
+        cfg = QuantConfig(quant_config["recipe"], {k: v for k, v in quant_config.items() if k != "recipe"})
+    else:
+        raise InputError(f"quant_config must be a recipe name or a dict with 'recipe', not {quant_config!r}")
+    if cfg.recipe not in RECIPES.get(target, ()):
+        raise InputError(f"unknown quantization recipe {cfg.recipe!r} for the {target} target",
+                         hint=f"choose one of {', '.join(RECIPES.get(target, ()))}")
+    return cfg
+
+
+def per_channel_int8(w: np.ndarray, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 quantization with one scale per slice along ``axis``: (int8 values, float32 scales)."""
+    w = np.asarray(w, np.float32)
+    reduce_axes = tuple(i for i in range(w.ndim) if i != axis)
+    amax = np.max(np.abs(w), axis=reduce_axes, keepdims=True) if reduce_axes else np.abs(w)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    return q, scale.reshape(-1)
+
+
+@dataclasses.dataclass
+class QuantReport:
+    """What quantization cost and saved, measured on the sample inputs against the float model."""
+
+    recipe: str
+    float_bytes: int
+    quant_bytes: int
+    max_abs_err: float
+    max_rel_err: float
+    cosine: float
+    top1_agreement: float | None  # fraction of rows whose argmax agrees (for logits-like outputs)
+
+    @property
+    def shrink(self) -> float:
+        return self.float_bytes / self.quant_bytes if self.quant_bytes else float("inf")
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        top1 = f", top-1 agreement {self.top1_agreement:.1%}" if self.top1_agreement is not None else ""
+        return (f"quantization {self.recipe}: weights {self.float_bytes / 2**20:.2f} MB -> "
+                f"{self.quant_bytes / 2**20:.2f} MB ({self.shrink:.2f}x smaller); error vs float: "
+                f"max abs {self.max_abs_err:.3g}, rel to output scale {self.max_rel_err:.3g}, "
+                f"cosine {self.cosine:.5f}{top1}")
+
+
+def measure(recipe: str, float_outputs: Sequence[Any], quant_outputs: Sequence[Any], float_bytes: int,
+            quant_bytes: int) -> QuantReport:
+    """Compares quantized outputs with float ones (all floating outputs together)."""
+    f = [as_numpy(x).astype(np.float64) for x in float_outputs]
+    q = [as_numpy(x).astype(np.float64) for x in quant_outputs]
+    pairs = [(a, b) for a, b in zip(f, q) if a.dtype.kind == "f" and a.size]
+    if not pairs:
+        return QuantReport(recipe, float_bytes, quant_bytes, 0.0, 0.0, 1.0, None)
+    fa = np.concatenate([a.ravel() for a, _ in pairs])
+    qa = np.concatenate([b.ravel() for _, b in pairs])
+    err = np.abs(fa - qa)
+    scale = np.abs(fa).max() or 1.0
+    denom = np.linalg.norm(fa) * np.linalg.norm(qa)
+    cosine = float(fa @ qa / denom) if denom else 1.0
+    first = pairs[0]
+    top1 = None
+    if first[0].ndim >= 1 and first[0].shape[-1] > 1:
+        top1 = float(np.mean(first[0].reshape(-1, first[0].shape[-1]).argmax(-1)
+                             == first[1].reshape(-1, first[1].shape[-1]).argmax(-1)))
+    return QuantReport(recipe, int(float_bytes), int(quant_bytes), float(err.max()), float(err.max() / scale),
+                       cosine, top1)
