@@ -7,11 +7,12 @@
 __version__ = "0.1.0"
 
 from .api import SignatureSet, TpuProgram, convert, export, load, signature  # noqa: E402
+from .debugger import DebugReport, debug  # noqa: E402
 from .errors import (ArtifactError, CaptureError, ConversionError, InputError, NumericsError,  # noqa: E402
                      OutputError, TteError, UnsafeInputError, UnsupportedOpError)
 
 __all__ = [
-    "convert", "export", "load", "signature", "SignatureSet", "TpuProgram",
+    "convert", "export", "load", "signature", "SignatureSet", "TpuProgram", "debug", "DebugReport",
     "TteError", "InputError", "UnsafeInputError", "CaptureError", "UnsupportedOpError", "ArtifactError",
     "NumericsError", "OutputError", "ConversionError",
 ]

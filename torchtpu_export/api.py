@@ -130,6 +130,16 @@ def _export_tpu(captures, *, platforms=("tpu", "cpu"), kernels="auto", narrow_64
     return prog
 
 
+def build(target: str, captures: dict[str, CapturedProgram], **options):
+    """Converts already-captured programs for ``target``; the result has ``run_flat`` (tpu: cpu platform only)."""
+    if target == "tpu":
+        return _export_tpu(captures, **{"platforms": ("cpu",), **options})
+    if target == "litert":
+        from .converters import litert
+        return litert.convert_programs(captures, **options)
+    raise InputError(f"cannot build {target!r} from captured programs")
+
+
 def _quant_report(prog, captures, quant_config):
     """Size before and after, and the error against the float model (torch eager) on the sample inputs."""
     from .quant import measure, parse

@@ -320,4 +320,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the imported module's main: plugins register their commands there, not in __main__
+    from torchtpu_export.cli import main as _main
+    sys.exit(_main())
