@@ -19,6 +19,8 @@ from torchtpu_export.errors import ConversionError, InputError, UnsupportedOpErr
 
 from . import (ops_elementwise, ops_index, ops_nn, ops_reduction, ops_shape,  # noqa: F401  (registration)
                ops_misc)
+from . import ops_hot  # noqa: F401  (registration)
+from .fusion import fuse_hot_ops
 from .interpreter import check_supported, to_jax_function
 from .registry import LOWERINGS, NOT_SUPPORTED, LoweringContext, jax_dtype, lookup, lowers  # noqa: F401
 
@@ -28,7 +30,7 @@ PLATFORMS = ("tpu", "cpu", "cuda", "rocm")
 KERNEL_MODES = ("auto", "pallas", "xla")
 
 # Composite ops this target lowers whole instead of letting torch decompose them.
-KEEP_WHOLE: list = []
+KEEP_WHOLE: list = [*ops_hot.KEEP_WHOLE]
 
 
 def _symbolic_specs(captured: CapturedProgram, narrow: bool):
@@ -84,6 +86,7 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
     if kernels not in KERNEL_MODES:
         raise InputError(f"kernels must be one of {', '.join(KERNEL_MODES)}, not {kernels!r}")
     for cap in captures.values():
+        fuse_hot_ops(cap)
         for p in platforms:
             check_supported(cap, p)
     weights, weight_names = _merge_weights(captures)
