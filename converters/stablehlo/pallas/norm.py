@@ -1,9 +1,9 @@
 """Fused RMSNorm and LayerNorm over the last dim: one read of x, one write, float32 inside.
 
 x is viewed as (rows, D); a block holds whole rows, so each row's statistics
-come from one block. The grid covers the rows with blocks of ``block_rows``;
-the last block may stick out past the array: rows are independent, and Pallas
-drops writes outside the array.
+come from one block. The grid covers the rows with blocks of ``block_rows``
+(all rows, or a multiple of the sublane tile); the last block may stick out
+past the array: rows are independent, and Pallas drops writes outside it.
 """
 from __future__ import annotations
 
@@ -52,7 +52,9 @@ def plan_norm(shape, normalized_ndim: int, dtype, *, force: bool = False) -> Nor
                      forcible=True)
     sub = sublanes(dtype)
     per_block = max(sub, BLOCK_BYTES // (round_up(dim, LANES) * 4) // sub * sub)
-    return NormPlan(rows, dim, min(per_block, 1024, round_up(rows, sub)))
+    per_block = min(per_block, 1024)
+    # all rows in one block when they fit: a block equal to the array is valid at any row count
+    return NormPlan(rows, dim, rows if rows <= per_block else per_block)
 
 
 def rms_norm(x, weight, eps: float, *, normalized_ndim: int = 1, out_dtype=None, plan: NormPlan | None = None,
