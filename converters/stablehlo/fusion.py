@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from torchtpu_export.capture import CapturedProgram
+from torchtpu_export.capture import CapturedProgram, shape_of
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -25,11 +25,9 @@ def _val(node):
 
 
 def _shape(node) -> tuple | None:
-    """The node's static shape, or None (not a tensor, or symbolic dims)."""
+    """The node's shape (symbolic dims as strings, comparable by name), or None for a non-tensor."""
     val = _val(node)
-    if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
-        return None
-    return tuple(val.shape)
+    return shape_of(val) if isinstance(val, torch.Tensor) else None
 
 
 def _only_user(node, user) -> bool:
@@ -89,6 +87,8 @@ def fuse_rms_norm(graph: fx.Graph) -> int:
         if not (_is(norm, aten.mul.Tensor) and {norm.args[0], norm.args[1]} == {x, rsqrt}):
             continue
         normalized = list(xshape[nd - len(dims):])
+        if not all(isinstance(n, int) for n in normalized):
+            continue
         final, weight = norm, None
         if len(norm.users) == 1:
             scaled = next(iter(norm.users))
@@ -124,7 +124,8 @@ def _repeat_interleaved(node):
     if out is None or big is None or small is None or len(out) != 4 or len(big) != 5 or len(small) != 5:
         return None
     b, hkv, rep, s, d = big
-    if small != (b, hkv, 1, s, d) or out != (b, hkv * rep, s, d):
+    if not (isinstance(hkv, int) and isinstance(rep, int)) or small != (b, hkv, 1, s, d) \
+            or out != (b, hkv * rep, s, d):
         return None
     if _is(lifted, aten.unsqueeze.default) and lifted.args[1] in (2, -3):
         source = lifted.args[0]

@@ -77,6 +77,7 @@ def scaled_dot_product_attention(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is
     e = q.shape[-1]
     scale = 1.0 / math.sqrt(e) if scale is None else scale
     lq, s = q.shape[-2], k.shape[-2]
+    out_shape = q.shape[:-1] + v.shape[-1:]
     grouped = enable_gqa and q.shape[-3] != k.shape[-3]
     if grouped:
         # (..., Hkv, rep, L, E) against (..., Hkv, 1, S, E): each kv head serves rep query heads
@@ -88,7 +89,7 @@ def scaled_dot_product_attention(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is
     if is_causal:
         scores = jnp.where(jnp.tril(jnp.ones((lq, s), jnp.bool_)), scores, -jnp.inf)
     if attn_mask is not None:
-        mask = attn_mask.reshape((1,) * (len(ctx.out.shape) - attn_mask.ndim) + _shape(attn_mask))
+        mask = attn_mask.reshape((1,) * (len(out_shape) - attn_mask.ndim) + _shape(attn_mask))
         if grouped:
             heads = mask.shape[-3]
             mask = mask.reshape(mask.shape[:-3] + ((hkv, rep) if heads != 1 else (1, 1)) + mask.shape[-2:])
@@ -102,7 +103,7 @@ def scaled_dot_product_attention(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is
     total = jnp.sum(weights, axis=-1, keepdims=True)
     weights = weights / jnp.where(total == 0.0, 1.0, total)
     out = jnp.einsum("...qk,...kd->...qd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(ctx.out_shape()).astype(out_dtype)
+    return out.reshape(out_shape).astype(out_dtype)
 
 
 @lowers(aten.scaled_dot_product_attention.default, platform="tpu")
