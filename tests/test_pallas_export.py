@@ -87,6 +87,25 @@ def test_tpu_lowering_agrees_in_interpret_mode(case):
     assert agreement.ok, agreement
 
 
+class _MaskedGQA(torch.nn.Module):
+    def forward(self, q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.2)
+
+
+def test_gqa_bool_mask_with_fully_masked_row_agrees_on_both_lowerings():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=g) for shape in ((2, 4, 128, 64), (2, 2, 128, 64), (2, 2, 128, 64)))
+    mask = torch.rand(2, 1, 128, 128, generator=g) > 0.5
+    mask[1, 0, 3] = False  # torch gives 0 for this query row, not nan
+    args = (q, k, v, mask)
+    ref = _eager(_MaskedGQA(), args)
+    prog = tte.export(_MaskedGQA(), args)
+    assert _tpu_entries(prog)[0]["kernel"] == "pallas.flash_attention"
+    assert compare(pytree.tree_leaves(prog(*args)), ref, rtol=1e-5).ok
+    out, _ = _tpu_lowering_on_cpu(_MaskedGQA(), args)
+    assert compare(out, ref, rtol=1e-5).ok
+
+
 def test_unfit_shapes_fall_back_visibly_and_agree():
     model, args = zoo.gpt()  # head_dim 32, seq 32: too small for the attention kernel
     prog = tte.export(model, args)
