@@ -135,11 +135,13 @@ def debug(module, sample_args: Sequence = (), sample_kwargs: dict | None = None,
         raise InputError(f"debug supports the litert and tpu targets, not {target!r}")
     (captured,) = api._captures([("main", module, tuple(sample_args), sample_kwargs, None)], target,
                                 strict_export).values()
+    # build first: a target may rewrite the graph (fusing patterns into single ops) and the
+    # intermediates compared must be those of the graph it converts
+    final_values = api.build(target, {"main": captured}, **options).run_flat(captured.sample_inputs)
     eager = _eager_values(captured)
     out_node = next(n for n in captured.graph.nodes if n.op == "output")
     final_ref = [eager[o.name] if isinstance(o, torch.fx.Node) else o for o in out_node.args[0]]
-    final = compare(api.build(target, {"main": captured}, **options).run_flat(captured.sample_inputs),
-                    final_ref, rtol)
+    final = compare(final_values, final_ref, rtol)
     taps = _taps(captured)
     method = "exposed intermediates"
     first = None

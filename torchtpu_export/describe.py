@@ -94,6 +94,8 @@ def format_description(desc: dict) -> str:
                                                                    sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))))
         for k in prog.get("kernels") or []:
             what = k.get("kernel") or f"xla ({k.get('reason', 'no kernel')})"
+            if k.get("kernel") and k.get("detail"):
+                what += f" ({k['detail']})"
             lines.append(f"  kernel [{k.get('platform', '?')}] {k.get('node', '?')} ({k.get('op', '?')}): {what}")
         plan = prog.get("sharding")
         if plan:

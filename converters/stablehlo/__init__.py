@@ -21,8 +21,9 @@ from torchtpu_export.quant import parse as parse_quant
 
 from . import quantize
 from . import sharding as sharding_plans
-from . import (ops_composite, ops_elementwise, ops_index, ops_misc, ops_nn,  # noqa: F401  (registration)
+from . import (ops_composite, ops_elementwise, ops_hot, ops_index, ops_misc, ops_nn,  # noqa: F401  (registration)
                ops_reduction, ops_shape)
+from .fusion import fuse_hot_ops
 from .interpreter import check_supported, to_jax_function
 from .registry import LOWERINGS, NOT_SUPPORTED, LoweringContext, jax_dtype, lookup, lowers  # noqa: F401
 
@@ -32,7 +33,7 @@ PLATFORMS = ("tpu", "cpu", "cuda", "rocm")
 KERNEL_MODES = ("auto", "pallas", "xla")
 
 # Composite ops this target lowers whole instead of letting torch decompose them.
-KEEP_WHOLE: list = []
+KEEP_WHOLE: list = [*ops_hot.KEEP_WHOLE]
 KEEP_WHOLE += [op for op in LOWERINGS if op not in core_aten_ops() and op not in KEEP_WHOLE]
 
 
@@ -95,6 +96,7 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
     if kernels not in KERNEL_MODES:
         raise InputError(f"kernels must be one of {', '.join(KERNEL_MODES)}, not {kernels!r}")
     for cap in captures.values():
+        fuse_hot_ops(cap)
         for p in platforms:
             check_supported(cap, p)
     mesh_axes = sharding_plans.parse_mesh(mesh)
