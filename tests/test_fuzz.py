@@ -26,6 +26,11 @@ class Tiny(torch.nn.Module):
         return torch.relu(self.l(x))
 
 
+class Artifacts(dict):
+    def __repr__(self):  # hypothesis prints fixtures of failing examples: keep it short
+        return f"<artifacts {sorted(self)}>"
+
+
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
     d = tmp_path_factory.mktemp("fuzz")
@@ -33,7 +38,7 @@ def artifacts(tmp_path_factory):
     m, x = Tiny(), torch.randn(2, 4)
     tte.export(m, (x,), platforms=("cpu",)).save(d / "m.tpu")
     torch.export.save(torch.export.export(m, (x,)), d / "m.pt2")
-    return {"tpu": (d / "m.tpu").read_bytes(), "pt2": (d / "m.pt2").read_bytes(), "dir": d}
+    return Artifacts(tpu=(d / "m.tpu").read_bytes(), pt2=(d / "m.pt2").read_bytes())
 
 
 def mutate(data: bytes, ops) -> bytes:

@@ -79,3 +79,13 @@ def test_sharding_needs_mesh_and_valid_mode():
         tte.export(m, args, sharding="tensor_parallel")
     with pytest.raises(tte.InputError, match="sharding must be one of"):
         tte.export(m, args, mesh=(("model", 2),), sharding="pipeline")
+
+
+def test_sharded_program_falls_back_from_pallas_visibly():
+    m, args = zoo.llama(dim=256, heads=2, kv_heads=1, head_dim=128, seq=256, max_seq=256, layers=1)
+    prog = tte.export(m, args, platforms=("tpu",), mesh=(("data", 1), ("model", 2)))
+    entries = prog.kernels()
+    assert entries and all("kernel" not in e for e in entries)
+    assert all("sharded" in e["reason"] for e in entries)
+    with pytest.raises(tte.UnsupportedOpError, match="sharded"):
+        tte.export(m, args, platforms=("tpu",), mesh=(("model", 2),), kernels="pallas")

@@ -156,5 +156,27 @@ def check_manifest(manifest, path: str = "artifact") -> None:
     for name, spec in programs.items():
         if not isinstance(spec, dict) or not isinstance(spec.get("files"), dict) or "weights" not in spec:
             raise ArtifactError(f"{path}: manifest entry for program {name!r} is incomplete")
+        _check_program(spec, f"{path}: program {name!r}")
     if not isinstance(manifest.get("weights"), dict) or "file" not in manifest["weights"]:
         raise ArtifactError(f"{path}: manifest has no weights entry")
+
+
+def _check_program(spec: dict, where: str) -> None:
+    """The fields a program entry must have, with the types readers rely on."""
+    import torch.utils._pytree as pytree
+    ok = (isinstance(spec.get("weights"), list) and all(isinstance(w, str) for w in spec["weights"])
+          and all(isinstance(f, str) for f in spec["files"].values()))
+    for key in ("inputs", "outputs"):
+        items = spec.get(key)
+        ok = ok and isinstance(items, list) and all(
+            isinstance(d, dict) and isinstance(d.get("name"), str) and isinstance(d.get("dtype"), str)
+            and isinstance(d.get("shape"), list) and all(isinstance(x, (int, str)) for x in d["shape"])
+            for d in items)
+    if not ok:
+        raise ArtifactError(f"{where} has malformed fields in the manifest", hint="export the model again")
+    for key in ("in_spec", "out_spec"):
+        try:
+            pytree.treespec_loads(spec[key])
+        except Exception as e:
+            raise ArtifactError(f"{where}: the manifest's {key} is not a valid pytree spec ({type(e).__name__})",
+                                hint="export the model again") from e

@@ -130,7 +130,8 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
         plan = sharding_plans.plan(cap, mesh_axes, sharding or "tensor_parallel") if mesh_axes else None
         jit_kwargs = _jit_shardings(plan, renames, len(cap.outputs)) if plan else {}
         for platform in platforms:
-            ctx = LoweringContext(platform, narrow_64bit=narrow_64bit, kernels=kernels, float_dtype=float_dtype)
+            ctx = LoweringContext(platform, narrow_64bit=narrow_64bit, kernels=kernels, float_dtype=float_dtype,
+                                  sharded=bool(mesh_axes))
             fn = to_jax_function(cap, ctx, renames, dequantize)
             with jax.enable_x64(uses_x64), progress.stage(f"lower ({platform})"):
                 ispecs = _symbolic_specs(cap, narrow_64bit)

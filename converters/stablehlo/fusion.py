@@ -108,9 +108,17 @@ def fuse_rms_norm(graph: fx.Graph) -> int:
 def _repeat_interleaved(node):
     """(source, repeats, chain) when ``node`` is ``source.repeat_interleave(repeats, dim=1)`` of a 4-D tensor.
 
-    Both ``repeat_interleave`` and HF's ``x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)``
-    capture as view(clone(expand(unsqueeze(x, 2)))); a tiled ``repeat`` does not match.
+    Decomposed, both ``repeat_interleave`` and HF's ``x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)``
+    capture as view(clone(expand(unsqueeze(x, 2)))); graphs that skip decomposition keep
+    ``aten.repeat_interleave.self_int`` itself. A tiled ``repeat`` does not match.
     """
+    if _is(node, aten.repeat_interleave.self_int):
+        source, rep = node.args[0], node.args[1]
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        shape = _shape(source)
+        if shape is None or len(shape) != 4 or dim not in (1, -3) or not isinstance(rep, int):
+            return None
+        return source, rep, (node,)
     if not _is(node, *_VIEWS):
         return None
     expand = node.args[0]
@@ -158,15 +166,12 @@ def fold_repeated_kv_into_gqa(graph: fx.Graph) -> int:
 
 # ---- int8 weight-only linear -----------------------------------------------------------------
 
-def _dequantized_transpose(node):
-    """(w, scale) when ``node`` is ``(w.to(float) * scale[:, None]).T`` with w int8 (N, K), scale (N,)."""
-    if not (_is(node, aten.permute.default) and list(node.args[1]) == [1, 0]):
+def _dequantized(node):
+    """(w, scale, chain) when ``node`` is ``w.to(float) * scale[:, None]`` with w int8 (N, K), scale (N,)."""
+    if not _is(node, aten.mul.Tensor):
         return None
-    mul = node.args[0]
-    if not _is(mul, aten.mul.Tensor):
-        return None
-    for conv, col in (mul.args[:2], mul.args[1::-1]):
-        if not _is(conv, aten._to_copy.default) or _val(conv.args[0]) is None \
+    for conv, col in (node.args[:2], node.args[1::-1]):
+        if not _is(conv, aten._to_copy.default, aten.to.dtype) or _val(conv.args[0]) is None \
                 or _val(conv.args[0]).dtype != torch.int8 or _shape(conv.args[0]) is None:
             continue
         w = conv.args[0]
@@ -176,8 +181,16 @@ def _dequantized_transpose(node):
         if _is(col, aten.unsqueeze.default) and col.args[1] in (1, -1) or _is(col, *_VIEWS):
             scale = col.args[0]
             if _shape(scale) == (n,):
-                return w, scale, (node, mul, conv, col)
+                return w, scale, (node, conv, col)
     return None
+
+
+def _dequantized_transpose(node):
+    """(w, scale, chain) when ``node`` is ``(w.to(float) * scale[:, None]).T``."""
+    if not (_is(node, aten.permute.default) and list(node.args[1]) == [1, 0]):
+        return None
+    found = _dequantized(node.args[0])
+    return None if found is None else (found[0], found[1], (node, *found[2]))
 
 
 def fuse_int8_weight_matmul(graph: fx.Graph) -> int:
@@ -188,9 +201,15 @@ def fuse_int8_weight_matmul(graph: fx.Graph) -> int:
             bias, x, wt = None, *node.args[:2]
         elif _is(node, aten.addmm.default) and node.kwargs.get("beta", 1) == 1 and node.kwargs.get("alpha", 1) == 1:
             bias, x, wt = node.args[:3]
+        elif _is(node, aten.linear.default):  # graphs that skip decomposition keep F.linear whole
+            x, w_expr = node.args[:2]
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            found = _dequantized(w_expr)
+            wt = None
         else:
             continue
-        found = _dequantized_transpose(wt)
+        if wt is not None:
+            found = _dequantized_transpose(wt)
         if found is None:
             continue
         w, scale, chain = found

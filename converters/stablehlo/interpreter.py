@@ -79,11 +79,12 @@ def to_jax_function(captured: CapturedProgram, ctx: LoweringContext, weight_name
     nodes = list(captured.graph.nodes)
     dequantize = dequantize or {}
 
-    def _weight(weights, name):
+    def _weight(weights, name, node):
         if name not in dequantize:
             return weights[name]
         scale_name, axis = dequantize[name]
         q = weights[name]
+        ctx.quantized_weights[node.name] = (q, weights[scale_name], axis)
         shape = [1] * q.ndim
         shape[axis] = -1
         compute = ctx.dtype(torch.float32)
@@ -97,10 +98,11 @@ def to_jax_function(captured: CapturedProgram, ctx: LoweringContext, weight_name
 
     def fn(weights, *inputs):
         env: dict = {}
+        ctx.quantized_weights = {}
         for node in nodes:
             if node.op == "placeholder":
                 if node.name in captured.weight_placeholders:
-                    env[node] = _weight(weights, weight_names[captured.weight_placeholders[node.name]])
+                    env[node] = _weight(weights, weight_names[captured.weight_placeholders[node.name]], node)
                 elif node.name in input_index:
                     x = inputs[input_index[node.name]]
                     env[node] = ctx.cast(x, ctx.dtype(node.meta["val"].dtype))

@@ -35,6 +35,9 @@ KEEP_WHOLE = [aten.scaled_dot_product_attention.default, aten.rms_norm.default]
 def use_kernel(ctx, kernel: str, fit) -> bool:
     """Whether the node lowers to ``kernel`` (fit is its plan or an Unfit); logs the choice."""
     entry = {"node": ctx.node.name, "op": op_name(ctx.node.target)}
+    if ctx.sharded:
+        # XLA cannot partition a Mosaic kernel; it would need a shard_map per kernel
+        fit = Unfit("the program is sharded over a mesh, and Pallas kernels are not partitioned automatically")
     if ctx.kernels == "xla":
         entry["reason"] = "kernels='xla'"
     elif isinstance(fit, Unfit):
@@ -164,6 +167,15 @@ def native_layer_norm_tpu(ctx, x, normalized_shape, weight, bias, eps):
     return out, mean, rstd
 
 
+@lowers(aten.layer_norm.default, platform="tpu")
+def layer_norm_tpu(ctx, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    # the composite op, as graphs that skip decomposition to core ATen carry it
+    fit = plan_norm(_shape(x), len(normalized_shape), x.dtype, force=ctx.kernels == "pallas")
+    if not use_kernel(ctx, "layer_norm", fit):
+        return _default(aten.layer_norm.default)(ctx, x, normalized_shape, weight, bias, eps)
+    return layer_norm(x, weight, bias, eps, normalized_ndim=len(normalized_shape), plan=fit)
+
+
 # ---- int8 weight-only matmul -----------------------------------------------------------------
 
 @lowers(aten._weight_int8pack_mm.default)
@@ -174,7 +186,61 @@ def weight_int8pack_mm(ctx, x, w, scales):
 
 @lowers(aten._weight_int8pack_mm.default, platform="tpu")
 def weight_int8pack_mm_tpu(ctx, x, w, scales):
-    fit = plan_int8_matmul(_shape(x), _shape(w), x.dtype, w.dtype, force=ctx.kernels == "pallas")
+    # leading batch dims (F.linear kept whole) fold into M: the kernel takes (M, K) x (N, K)
+    lead = x.shape[:-1]
+    x2 = x.reshape((-1, x.shape[-1])) if x.ndim != 2 else x
+    fit = plan_int8_matmul(_shape(x2), _shape(w), x.dtype, w.dtype, force=ctx.kernels == "pallas")
     if use_kernel(ctx, "int8_matmul", fit):
-        return int8_matmul(x, w, scales, out_dtype=ctx.out_dtype(), plan=fit)
+        out = int8_matmul(x2, w, scales, out_dtype=ctx.out_dtype(), plan=fit)
+        return out.reshape(lead + (w.shape[0],)) if x.ndim != 2 else out
     return weight_int8pack_mm(ctx, x, w, scales)
+
+
+# ---- weights quantized by the int8_weight_only recipe ----------------------------------------
+
+def _quantized_weight(ctx, arg_index: int, transposed: bool):
+    """(int8 [N, K], scales [N]) if the node's argument is a weight the int8_weight_only recipe stored
+    quantized per output channel, reached directly (linear) or through one transpose (addmm/mm)."""
+    node = ctx.node.args[arg_index] if arg_index < len(ctx.node.args) else None
+    if transposed:
+        if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
+                and (node.target is aten.t.default or node.target is aten.permute.default
+                     and list(node.args[1]) == [1, 0])):
+            return None
+        node = node.args[0]
+    if not isinstance(node, torch.fx.Node) or node.name not in ctx.quantized_weights:
+        return None
+    q, scales, axis = ctx.quantized_weights[node.name]
+    return (q, scales) if axis == 0 and q.ndim == 2 else None
+
+
+def _int8_linear(ctx, x, q, scales, bias):
+    lead = x.shape[:-1]
+    x2 = x.reshape((-1, x.shape[-1]))
+    fit = plan_int8_matmul(_shape(x2), _shape(q), x.dtype, q.dtype, force=ctx.kernels == "pallas")
+    if not use_kernel(ctx, "int8_matmul", fit):
+        return None
+    out = int8_matmul(x2, q, scales.astype(x.dtype), out_dtype=ctx.out_dtype(), plan=fit)
+    out = out.reshape(lead + (q.shape[0],))
+    return out if bias is None else out + bias.astype(out.dtype)
+
+
+@lowers(aten.linear.default, platform="tpu")
+def linear_tpu(ctx, x, w, bias=None):
+    qw = _quantized_weight(ctx, 1, transposed=False)
+    out = _int8_linear(ctx, x, *qw, bias) if qw else None
+    return out if out is not None else _default(aten.linear.default)(ctx, x, w, bias)
+
+
+@lowers(aten.addmm.default, platform="tpu")
+def addmm_tpu(ctx, bias, x, w, *, beta=1, alpha=1):
+    qw = _quantized_weight(ctx, 2, transposed=True) if beta == 1 and alpha == 1 else None
+    out = _int8_linear(ctx, x, *qw, bias) if qw else None
+    return out if out is not None else _default(aten.addmm.default)(ctx, bias, x, w, beta=beta, alpha=alpha)
+
+
+@lowers(aten.mm.default, platform="tpu")
+def mm_tpu(ctx, x, w):
+    qw = _quantized_weight(ctx, 1, transposed=True)
+    out = _int8_linear(ctx, x, *qw, None) if qw else None
+    return out if out is not None else _default(aten.mm.default)(ctx, x, w)

@@ -68,13 +68,16 @@ class LoweringContext:
     """What a rule may ask about the node it lowers: output metadata, dtypes, platform."""
 
     def __init__(self, platform: str, *, narrow_64bit: bool = False, kernels: str = "auto",
-                 float_dtype=None):
+                 float_dtype=None, sharded: bool = False):
         self.platform = platform
         self.narrow_64bit = narrow_64bit
         self.float_dtype = float_dtype  # e.g. bfloat16: the program computes all floats in it
+        self.sharded = sharded  # the program is partitioned over a device mesh
         self.kernels = kernels
         self.node: torch.fx.Node | None = None
         self.kernel_log: list[dict] = []  # per hot node: kernel chosen, or why not
+        # placeholder name -> (int8 values, scales, channel axis) for weights stored quantized
+        self.quantized_weights: dict[str, tuple] = {}
 
     def dtype(self, dtype: torch.dtype):
         """The JAX dtype this program computes with for a torch dtype."""
