@@ -407,7 +407,7 @@ def generate(prefill, decode, prompt, steps: int, max_seq: int):
     """Greedy decoding with callables ``prefill(tokens)`` and ``decode(token, pos, k, v)``; returns token ids."""
     import numpy as np
     logits, k, v = prefill(prompt)
-    tokens = list(np.asarray(prompt)[0])
+    tokens = [int(t) for t in np.asarray(prompt)[0]]
     nxt = int(np.asarray(logits)[0, -1].argmax())
     for step in range(steps):
         tokens.append(nxt)
