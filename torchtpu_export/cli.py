@@ -320,4 +320,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m torchtpu_export.cli`: plugins register their commands in the imported module
+    # torchtpu_export.cli, not in this __main__ copy of it, so run that module's main
+    from torchtpu_export.cli import main as _imported_main
+    sys.exit(_imported_main())

@@ -140,10 +140,16 @@ class WebServer(ThreadingHTTPServer):
 
     def __init__(self, models: dict[str, bytes], *, web_dir: Path, host: str, port: int,
                  inputs: dict[str, bytes] | None = None, labels: list[str] | None = None):
-        self.models, self.web_dir, self.inputs, self.labels = models, web_dir, inputs or {}, labels
+        self.models, self.web_dir, self.inputs, self.labels = dict(models), web_dir, inputs or {}, labels
         super().__init__((host, port), _Handler)
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.server_address[1]}/"
+
+    def add_model(self, name: str, data: bytes, *, check_dtypes: bool = True) -> str:
+        """Serves one more model at ``/models/NAME``; returns that URL path."""
+        _check_model(name, data, check_dtypes)
+        self.models[name] = data
+        return f"/models/{name}"
 
     def route(self, path: str) -> tuple[bytes | Path, str] | None:
         """The body (bytes or a file) and content type for a URL path, or None for 404."""
@@ -228,15 +234,8 @@ def start_server(models: list[str | os.PathLike] | dict[str, bytes], *, host: st
     blobs = dict(models) if isinstance(models, dict) else _read_models(models)
     if not blobs:
         raise InputError("no model to serve", hint="pass a .tflite file")
-    first = None
-    for name, data in blobs.items():
-        if not name.endswith(".tflite") or "/" in name:
-            raise InputError(f"model name {name!r} must be a file name ending in .tflite")
-        sigs = describe_tflite(data, name)
-        if check_dtypes:
-            check_web_dtypes(sigs, name)
-        first = first or sigs
-    served_inputs = _load_inputs(inputs, next(iter(first.values()))) if inputs else None
+    sigs = [_check_model(name, data, check_dtypes) for name, data in blobs.items()]
+    served_inputs = _load_inputs(inputs, next(iter(sigs[0].values()))) if inputs else None
     label_list = _read_labels(labels) if labels is not None else None
     try:
         server = WebServer(blobs, web_dir=web_dir, host=host, port=port, inputs=served_inputs, labels=label_list)
@@ -245,6 +244,15 @@ def start_server(models: list[str | os.PathLike] | dict[str, bytes], *, host: st
                          hint="pick another --port (0 takes any free one)") from None
     threading.Thread(target=server.serve_forever, name="tte-web", daemon=True).start()
     return server
+
+
+def _check_model(name: str, data: bytes, check_dtypes: bool) -> dict:
+    if not name.endswith(".tflite") or "/" in name or name.startswith("."):
+        raise InputError(f"model name {name!r} must be a file name ending in .tflite")
+    sigs = describe_tflite(data, name)
+    if check_dtypes:
+        check_web_dtypes(sigs, name)
+    return sigs
 
 
 def _read_models(paths) -> dict[str, bytes]:

@@ -4,8 +4,10 @@
 //
 // Reads one JSON request a line on stdin, {"id": 1, "call": "run", "args": {...}}, calls
 // window.tte[call](args) in the page, and writes {"id": 1, "ok": true, "result": ...} (or
-// "ok": false with "error") a line on stdout. One browser serves every request; it closes
-// when stdin ends. Page console output goes to stderr.
+// "ok": false with "error") a line on stdout. A request with "page": "classify.html" (a URL
+// relative to URL, or absolute) goes to that page, opened in a tab of the same browser on
+// first use. One browser serves every request; it closes when stdin ends. Page console
+// output goes to stderr.
 import {createInterface} from 'node:readline';
 import {chromium} from 'playwright-core';
 
@@ -33,18 +35,29 @@ async function main() {
            '--disable-component-update', '--disable-sync'],
   });
   try {
-    const page = await browser.newPage();
-    page.on('console', (msg) => process.stderr.write(`[page ${msg.type()}] ${msg.text()}\n`));
-    page.on('pageerror', (err) => process.stderr.write(`[page error] ${err.message}\n`));
-    await page.goto(opts.url);
-    await page.waitForFunction(() => window.tteReady === true, null, {timeout: 60000});
-    await write({ready: true, userAgent: await page.evaluate(() => navigator.userAgent)});
+    const context = await browser.newContext();
+    const pages = new Map();  // absolute URL -> page
+    const open = async (url) => {
+      if (!pages.has(url)) {
+        const page = await context.newPage();
+        const tag = new URL(url).pathname;
+        page.on('console', (msg) => process.stderr.write(`[${tag} ${msg.type()}] ${msg.text()}\n`));
+        page.on('pageerror', (err) => process.stderr.write(`[${tag} error] ${err.message}\n`));
+        await page.goto(url);
+        await page.waitForFunction(() => window.tteReady === true, null, {timeout: 60000});
+        pages.set(url, page);
+      }
+      return pages.get(url);
+    };
+    const first = await open(opts.url);
+    await write({ready: true, userAgent: await first.evaluate(() => navigator.userAgent)});
     const lines = createInterface({input: process.stdin, crlfDelay: Infinity});
     for await (const line of lines) {
       if (!line.trim()) continue;
       let request = {};
       try {
         request = JSON.parse(line);
+        const page = request.page ? await open(new URL(request.page, opts.url).href) : first;
         const result = await page.evaluate(
             async ([call, args]) => {
               if (typeof window.tte?.[call] !== 'function') throw new Error(`the page has no tte.${call}()`);
@@ -57,7 +70,7 @@ async function main() {
         await write({id: request.id, ok: false, error: message});
       }
     }
-    if (opts.screenshot) await page.screenshot({path: opts.screenshot, fullPage: true});
+    if (opts.screenshot) await [...pages.values()].at(-1).screenshot({path: opts.screenshot, fullPage: true});
   } finally {
     await browser.close();
   }

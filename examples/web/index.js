@@ -107,6 +107,9 @@ async function loadGivenInputs() {
   }
 }
 
+let lastRun = Promise.resolve();
+let lastResult = null;  // the inputs and outputs of the last click on Run
+
 async function runPage() {
   $('run').disabled = true;
   try {
@@ -114,6 +117,7 @@ async function runPage() {
     const inputs = {...randomInputs(spec), ...given};
     const repeats = Math.max(0, Math.min(1000, Number($('repeats').value) || 0));
     const result = await runModel(current, inputs, {signature: $('signature').value, repeats});
+    lastResult = {inputs, outputs: result.outputs};
     showResult(result, {'fetch model': current.timings.fetchMs, 'compile (wasm)': current.timings.compileMs,
                         'first run': result.firstRunMs, [`median of ${repeats} runs`]: median(result.runMs)});
     setStatus('done');
@@ -126,12 +130,26 @@ async function runPage() {
 
 // ---- the scripting API ---------------------------------------------------------------------------
 
-function encodeOutputs(outputs) {
+function encodeTensors(outputs) {
   return Object.fromEntries(Object.entries(outputs).map(([name, o]) =>
     [name, {dtype: o.dtype, shape: o.shape, b64: toBase64(o.data)}]));
 }
 
+function tableText(id) {
+  return Array.from($(id).querySelectorAll('tbody tr'), (tr) => Array.from(tr.cells, (td) => td.textContent));
+}
+
 window.tte = {
+  /** Clicks Run as a person would (the model the page shows); returns the status line and tables. */
+  async clickRun({repeats = 3} = {}) {
+    await started.catch(() => {});
+    $('repeats').value = repeats;
+    $('run').click();
+    await lastRun;
+    return {status: $('status').textContent, error: $('status').className === 'error',
+            outputs: tableText('outputs'), timings: tableText('timings'),
+            data: lastResult && {inputs: encodeTensors(lastResult.inputs), outputs: encodeTensors(lastResult.outputs)}};
+  },
   /** Loads (and caches) a model; returns its signatures, size and load timings. */
   async load(url) {
     const m = await getModel(url);
@@ -143,7 +161,7 @@ window.tte = {
     const decoded = Object.fromEntries(Object.entries(inputs).map(([name, t]) =>
       [name, {dtype: t.dtype, shape: t.shape, data: fromBase64(t.b64, t.dtype)}]));
     const r = await runModel(m, decoded, {signature, repeats});
-    return {signature: r.signature, outputs: encodeOutputs(r.outputs),
+    return {signature: r.signature, outputs: encodeTensors(r.outputs),
             timings: {fetchMs: m.timings.fetchMs, compileMs: m.timings.compileMs, firstRunMs: r.firstRunMs,
                       medianRunMs: median(r.runMs), runs: r.runMs.length}};
   },
@@ -158,13 +176,14 @@ async function main() {
   sel.replaceChildren(...models.map((m) => new Option(`${m.name} (${(m.bytes / 1024).toFixed(1)} KB)`, m.url)));
   sel.addEventListener('change', () => selectModel(sel.value).catch((e) => setStatus(String(e.message ?? e), true)));
   $('signature').addEventListener('change', () => { given = {}; showInputs(); });
-  $('run').addEventListener('click', runPage);
+  $('run').addEventListener('click', () => { lastRun = runPage(); });
   firstModelName = models[0]?.name;
   window.tteReady = true;
   if (models.length) await selectModel(models[0].url);
 }
 
-main().catch((e) => {
+const started = main();
+started.catch((e) => {
   window.tteReady = true;  // the API still reports errors per call
   setStatus(String(e.message ?? e), true);
 });
