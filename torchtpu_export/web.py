@@ -213,6 +213,9 @@ class _Handler(SimpleHTTPRequestHandler):
         self.send_header("Content-Type", mime)
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Cache-Control", "no-store")  # a re-served model must not come from the cache
+        # cross-origin isolation gives the page SharedArrayBuffer, which LiteRT.js's threaded wasm needs
+        self.send_header("Cross-Origin-Opener-Policy", "same-origin")
+        self.send_header("Cross-Origin-Embedder-Policy", "require-corp")
         self.end_headers()
         if send_body:
             self.wfile.write(data)

@@ -98,7 +98,7 @@ async function useModel(url) {
   $('model-info').textContent = `${url}: input ${inp.name} float32 [${inp.shape}] (${layout}` +
       (layout === 'NCHW' ? ', transposed from the canvas in JS' : '') + ')';
   $('run').disabled = false;
-  setStatus(`compiled in ${current.timings.compileMs.toFixed(1)} ms (wasm)`);
+  setStatus(`compiled in ${current.timings.compileMs.toFixed(1)} ms (wasm, ${current.threads ? 'multi' : 'single'}-threaded)`);
 }
 
 async function classify({norm = $('norm').value, repeats = 5} = {}) {
@@ -114,7 +114,7 @@ async function classify({norm = $('norm').value, repeats = 5} = {}) {
   const top = Array.from(probs.keys()).sort((a, b) => probs[b] - probs[a]).slice(0, 5)
       .map((i) => ({index: i, label: labels?.[i] ?? `class ${i}`, probability: probs[i]}));
   const timings = {prepMs, firstRunMs: result.firstRunMs, medianRunMs: median(result.runMs),
-                   compileMs: current.timings.compileMs};
+                   compileMs: current.timings.compileMs, threads: current.threads};
   const body = $('top').querySelector('tbody');
   body.replaceChildren(...top.map((t, k) => {
     const tr = document.createElement('tr');

@@ -95,7 +95,8 @@ async function selectModel(url) {
   if (url === '/models/' + firstModelName) await loadGivenInputs();
   showInputs();
   $('run').disabled = false;
-  setStatus(`${url} compiled in ${current.timings.compileMs.toFixed(1)} ms (wasm)`);
+  setStatus(`${url} compiled in ${current.timings.compileMs.toFixed(1)} ms ` +
+            `(wasm, ${current.threads ? 'multi-threaded' : 'single-threaded'})`);
 }
 
 async function loadGivenInputs() {
@@ -153,7 +154,8 @@ window.tte = {
   /** Loads (and caches) a model; returns its signatures, size and load timings. */
   async load(url) {
     const m = await getModel(url);
-    return {signatures: m.signatures, defaultSignature: m.defaultSignature, bytes: m.bytes, timings: m.timings};
+    return {signatures: m.signatures, defaultSignature: m.defaultSignature, bytes: m.bytes, threads: m.threads,
+            timings: m.timings};
   },
   /** {model, signature?, inputs: {name: {dtype, shape, b64}}, repeats?} -> {outputs, timings}. */
   async run({model, signature = null, inputs, repeats = 0}) {
@@ -163,7 +165,7 @@ window.tte = {
     const r = await runModel(m, decoded, {signature, repeats});
     return {signature: r.signature, outputs: encodeTensors(r.outputs),
             timings: {fetchMs: m.timings.fetchMs, compileMs: m.timings.compileMs, firstRunMs: r.firstRunMs,
-                      medianRunMs: median(r.runMs), runs: r.runMs.length}};
+                      medianRunMs: median(r.runMs), runs: r.runMs.length, threads: m.threads}};
   },
 };
 

@@ -1,6 +1,6 @@
 // Loads .tflite models with LiteRT.js (WASM backend) and runs them on typed arrays.
 // Shared by index.html (any model), classify.html (the image demo) and driver.mjs (tests).
-import {loadAndCompile, loadLiteRt, Tensor} from '@litertjs/core';
+import {loadAndCompile, loadLiteRt, supportsFeature, Tensor} from '@litertjs/core';
 
 // Served by `torchtpu-export serve-web` out of node_modules: never a CDN.
 export const WASM_DIR = '/vendor/@litertjs/core/wasm/';
@@ -9,10 +9,21 @@ export const WASM_DIR = '/vendor/@litertjs/core/wasm/';
 export const ARRAYS = {float32: Float32Array, int32: Int32Array, uint8: Uint8Array};
 
 let liteRtLoading = null;
+export const runtime = {threads: false};
 
-/** Loads the LiteRT.js wasm module once per page. */
+/**
+ * Loads the LiteRT.js wasm module once per page: the multi-threaded build where the page is
+ * cross-origin isolated (serve-web sends the COOP/COEP headers that SharedArrayBuffer needs)
+ * and the browser has wasm threads and relaxed SIMD (unless the URL says ?threads=0), else the
+ * single-threaded one.
+ */
 export function initLiteRt(wasmDir = WASM_DIR) {
-  liteRtLoading ??= loadLiteRt(wasmDir);
+  liteRtLoading ??= (async () => {
+    const allowed = new URLSearchParams(globalThis.location?.search ?? '').get('threads') !== '0';  // ?threads=0
+    runtime.threads = allowed && Boolean(globalThis.crossOriginIsolated) && await supportsFeature('relaxedSimd') &&
+        await supportsFeature('threads');
+    return loadLiteRt(wasmDir, {threads: runtime.threads});
+  })();
   return liteRtLoading;
 }
 
@@ -45,7 +56,7 @@ export async function loadModel(url, accelerator = 'wasm') {
     signatures[key] = {inputs: runner.getInputDetails().map(detailsOf),
                        outputs: runner.getOutputDetails().map(detailsOf)};
   }
-  return {model, url, bytes: bytes.length, signatures, defaultSignature: model.key,
+  return {model, url, bytes: bytes.length, signatures, defaultSignature: model.key, threads: runtime.threads,
           timings: {fetchMs: t1 - t0, compileMs: t2 - t1}};
 }
 
