@@ -22,6 +22,7 @@ import json
 import logging
 import mimetypes
 import os
+import socket
 import sys
 import threading
 from http import HTTPStatus
@@ -141,6 +142,8 @@ class WebServer(ThreadingHTTPServer):
     def __init__(self, models: dict[str, bytes], *, web_dir: Path, host: str, port: int,
                  inputs: dict[str, bytes] | None = None, labels: list[str] | None = None):
         self.models, self.web_dir, self.inputs, self.labels = dict(models), web_dir, inputs or {}, labels
+        if ":" in host:
+            self.address_family = socket.AF_INET6
         super().__init__((host, port), _Handler)
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.server_address[1]}/"

@@ -121,7 +121,8 @@ async function runPage() {
     lastResult = {inputs, outputs: result.outputs};
     showResult(result, {'fetch model': current.timings.fetchMs, 'compile (wasm)': current.timings.compileMs,
                         'first run': result.firstRunMs, [`median of ${repeats} runs`]: median(result.runMs)});
-    setStatus('done');
+    const source = spec.inputs.every((i) => given[i.name]) ? 'given' : Object.keys(given).length ? 'given and random' : 'random';
+    setStatus(`ran ${$('signature').value} on ${source} inputs (wasm, ${current.threads ? 'multi' : 'single'}-threaded)`);
   } catch (e) {
     setStatus(String(e.message ?? e), true);
   } finally {
@@ -153,12 +154,14 @@ window.tte = {
   },
   /** Loads (and caches) a model; returns its signatures, size and load timings. */
   async load(url) {
+    await started.catch(() => {});  // the page's own first load and run come first
     const m = await getModel(url);
     return {signatures: m.signatures, defaultSignature: m.defaultSignature, bytes: m.bytes, threads: m.threads,
             timings: m.timings};
   },
   /** {model, signature?, inputs: {name: {dtype, shape, b64}}, repeats?} -> {outputs, timings}. */
   async run({model, signature = null, inputs, repeats = 0}) {
+    await started.catch(() => {});
     const m = await getModel(model);
     const decoded = Object.fromEntries(Object.entries(inputs).map(([name, t]) =>
       [name, {dtype: t.dtype, shape: t.shape, data: fromBase64(t.b64, t.dtype)}]));
@@ -181,7 +184,11 @@ async function main() {
   $('run').addEventListener('click', () => { lastRun = runPage(); });
   firstModelName = models[0]?.name;
   window.tteReady = true;
-  if (models.length) await selectModel(models[0].url);
+  if (models.length) {
+    await selectModel(models[0].url);
+    lastRun = runPage();  // show outputs and timings right away: given inputs, else random ones
+    await lastRun;
+  }
 }
 
 const started = main();
