@@ -116,21 +116,27 @@ def test_runner_page_shows_outputs_and_timings(browser):
                    interpreter_outputs(fx.mlp_model(), inputs), "runner page")
 
 
-def test_given_inputs_are_used(tmp_path, browser):
+def test_given_inputs_are_used_in_signature_order(tmp_path, browser):
     from torchtpu_export import web
-    x = np.linspace(-2, 2, 16, dtype=np.float64).reshape(2, 8)  # float64 on disk: cast to the model's float32
-    np.save(tmp_path / "x.npy", x)
-    (tmp_path / "m.tflite").write_bytes(fx.mlp_model())
-    srv = web.start_server([tmp_path / "m.tflite"], port=0, inputs=[str(tmp_path / "x.npy")])
+    model = fx.difference_model()
+    assert [t["name"] for t in web.describe_tflite(model)["serving_default"]["inputs"]] == ["zeta", "alpha"]
+    zeta = np.linspace(-2, 2, 4)                 # float64 on disk: cast to the model's float32
+    alpha = np.array([3, 1, 4, 1], np.int64)     # integers are fine for a float input too
+    np.save(tmp_path / "first.npy", zeta)
+    np.save(tmp_path / "second.npy", alpha)
+    (tmp_path / "diff.tflite").write_bytes(model)
+    srv = web.start_server([tmp_path / "diff.tflite"], port=0,
+                           inputs=[str(tmp_path / "first.npy"), str(tmp_path / "second.npy")])
     try:
         shown = browser.call("clickRun", {"repeats": 0}, page=srv.url)
+        details = browser.call("load", "/models/diff.tflite", page=srv.url)
     finally:
         srv.shutdown()
         srv.server_close()
-    fed = decode(shown["data"]["inputs"]["x"])
-    np.testing.assert_array_equal(fed, x.astype(np.float32))
-    assert_matches({k: decode(v) for k, v in shown["data"]["outputs"].items()},
-                   interpreter_outputs(fx.mlp_model(), {"x": fed}), "runner page, given inputs")
+    assert [i["name"] for i in details["signatures"]["serving_default"]["inputs"]] == ["zeta", "alpha"]
+    assert shown["status"].startswith("ran serving_default on given inputs"), shown["status"]
+    got = decode(shown["data"]["outputs"]["output_0"])
+    np.testing.assert_array_equal(got, zeta.astype(np.float32) - alpha.astype(np.float32))
 
 
 def check_classify_page(server, browser, name: str, model: bytes) -> dict:

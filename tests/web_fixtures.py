@@ -1,7 +1,8 @@
 """Tiny .tflite test fixtures written with flatbuffers, for the browser tests.
 
 They let the LiteRT.js harness be tested without the torch->LiteRT converter: a float
-MLP (FULLY_CONNECTED, RELU, ADD), an int32 embedding lookup (GATHER, int32 ADD), image
+MLP (FULLY_CONNECTED, RELU, ADD), an int32 embedding lookup (GATHER, int32 ADD), a
+two-input difference (SUB) whose signature order is not alphabetical, image
 classifiers in NHWC and NCHW layout (MEAN, FULLY_CONNECTED), and one-op CAST models
 used to find which tensor dtypes LiteRT.js accepts. Weights are seeded.
 """
@@ -108,6 +109,16 @@ def embedding_model(seq: int = 6, vocab: int = 16, dim: int = 4) -> bytes:
     g.op(fb.BuiltinOperator.GATHER, [table, ids], [emb], fb.BuiltinOptions.GatherOptions, opts)
     g.op(fb.BuiltinOperator.ADD, [ids, one], [nxt], fb.BuiltinOptions.AddOptions, fb.AddOptionsT())
     return g.finish([ids], [emb, nxt])
+
+
+def difference_model(n: int = 4) -> bytes:
+    """(zeta, alpha) -> zeta - alpha: two inputs whose signature order is not alphabetical."""
+    g = _Graph()
+    zeta = g.tensor("zeta", (n,), np.float32)
+    alpha = g.tensor("alpha", (n,), np.float32)
+    out = g.tensor("output_0", (n,), np.float32)
+    g.op(fb.BuiltinOperator.SUB, [zeta, alpha], [out], fb.BuiltinOptions.SubOptions, fb.SubOptionsT())
+    return g.finish([zeta, alpha], [out])
 
 
 def image_classifier(size: int = 32, classes: int = 10, layout: str = "NHWC") -> bytes:

@@ -51,25 +51,39 @@ _MIME = {".js": "text/javascript", ".mjs": "text/javascript", ".wasm": "applicat
 def describe_tflite(data: bytes, name: str = "model") -> dict:
     """Signatures of a .tflite flatbuffer as ``{key: {"inputs": [...], "outputs": [...]}}``.
 
-    Each tensor is ``{"name", "shape", "dtype"}``, in the signature's order.
+    Each tensor is ``{"name", "shape", "dtype"}`` (-1 for a dynamic dim), in the SignatureDef's
+    order: the order LiteRT.js and CompiledModel use (the Python interpreter sorts names).
     """
-    from ai_edge_litert.interpreter import Interpreter
+    from ai_edge_litert import schema_py_generated as schema
+
+    if len(data) < 8 or data[4:8] != b"TFL3":
+        raise ArtifactError(f"{name} is not a valid .tflite flatbuffer (no TFL3 identifier)")
+    dtypes = {v: k.lower() for k, v in vars(schema.TensorType).items() if not k.startswith("_")}
     try:
-        interp = Interpreter(model_content=data)
-        sigs = interp.get_signature_list()
-    except (ValueError, RuntimeError) as e:
-        raise ArtifactError(f"{name} is not a valid .tflite flatbuffer: {str(e).splitlines()[0]}") from None
-    out = {}
-    for key, names in sigs.items():
-        runner = interp.get_signature_runner(key)
-        ins, outs = runner.get_input_details(), runner.get_output_details()
-        out[key] = {side: [{"name": n, "shape": [int(d) for d in details[n]["shape"]],
-                            "dtype": details[n]["dtype"].__name__} for n in names[side]]
-                    for side, details in (("inputs", ins), ("outputs", outs))}
+        model = schema.Model.GetRootAs(data, 0)
+        out = {}
+        for i in range(model.SignatureDefsLength()):
+            sig = model.SignatureDefs(i)
+            graph = model.Subgraphs(sig.SubgraphIndex())
+            out[sig.SignatureKey().decode()] = {
+                "inputs": [_tensor_spec(graph, sig.Inputs(j), dtypes) for j in range(sig.InputsLength())],
+                "outputs": [_tensor_spec(graph, sig.Outputs(j), dtypes) for j in range(sig.OutputsLength())]}
+    except Exception as e:  # a damaged flatbuffer fails anywhere inside the generated readers
+        raise ArtifactError(f"{name} is not a valid .tflite flatbuffer: {type(e).__name__}: {e}") from None
     if not out:
         raise ArtifactError(f"{name} has no signatures; LiteRT.js runs models through their signatures",
                             hint="convert it with torchtpu-export, which writes a serving_default signature")
     return out
+
+
+def _tensor_spec(graph, tensor_map, dtypes: dict) -> dict:
+    t = graph.Tensors(tensor_map.TensorIndex())
+    if t.ShapeSignatureLength():
+        shape = t.ShapeSignatureAsNumpy()
+    else:
+        shape = t.ShapeAsNumpy() if t.ShapeLength() else []
+    return {"name": tensor_map.Name().decode(), "shape": [int(d) for d in shape],
+            "dtype": dtypes.get(t.Type(), str(t.Type()))}
 
 
 def check_web_dtypes(signatures: dict, name: str) -> None:
