@@ -246,15 +246,15 @@ def start_server(models: list[str | os.PathLike] | dict[str, bytes], *, host: st
                  labels: str | os.PathLike | None = None, check_dtypes: bool = True) -> WebServer:
     """Binds the server (``port=0`` picks a free port) and serves it from a daemon thread.
 
-    ``models`` are .tflite paths, or ``{file name: flatbuffer bytes}``. Stop it with ``shutdown()``
-    then ``server_close()``.
+    ``models`` are .tflite paths, or ``{file name: flatbuffer bytes}`` (``add_model`` serves more
+    later). Stop it with ``shutdown()`` then ``server_close()``.
     """
     web_dir = Path(web_dir) if web_dir is not None else WEB_DIR
     _check_web_dir(web_dir)
     blobs = dict(models) if isinstance(models, dict) else _read_models(models)
-    if not blobs:
-        raise InputError("no model to serve", hint="pass a .tflite file")
     sigs = [_check_model(name, data, check_dtypes) for name, data in blobs.items()]
+    if inputs and not sigs:
+        raise InputError("--inputs needs a model to feed")
     served_inputs = _load_inputs(inputs, next(iter(sigs[0].values()))) if inputs else None
     label_list = _read_labels(labels) if labels is not None else None
     try:
