@@ -1,0 +1,112 @@
+"""Conversion time and peak memory against weight bytes (100 MB, 1 GB, 3 GB of weights).
+
+    python benchmarks/scale.py                          # tpu and litert, 0.1/1/3 GB
+    python benchmarks/scale.py --sizes 0.1,1 --targets tpu -o benchmarks/RESULTS-scale.md
+
+Each point runs in a fresh process: build a model of N bytes of float32 weights (embedding tables
+plus an MLP head, like a recommender), convert it, write the artifact, and report wall time and
+the process's peak RSS, minus the RSS after building the model (the model itself holds the
+weights once). The target: time and memory grow linearly with the weights, memory within
+1.5x the weight bytes plus a fixed overhead.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def build(gbytes: float):
+    import torch
+
+    class Tables(torch.nn.Module):
+        def __init__(self, rows_per_table: int, tables: int, dim: int = 128):
+            super().__init__()
+            self.tables = torch.nn.ModuleList(torch.nn.Embedding(rows_per_table, dim) for _ in range(tables))
+            self.head = torch.nn.Linear(dim * tables, 16)
+
+        def forward(self, idx):
+            return self.head(torch.cat([t(idx[:, i]) for i, t in enumerate(self.tables)], dim=-1))
+
+    tables = max(1, int(round(gbytes * 4)))  # tables of about 256 MB each
+    rows = int(gbytes * 2**30 / (tables * 128 * 4))
+    with torch.no_grad():
+        model = Tables(rows, tables).eval()
+    idx = torch.randint(0, rows, (4, tables))
+    return model, (idx,)
+
+
+def worker(target: str, gbytes: float) -> dict:
+    sys.path.insert(0, REPO)
+    import torchtpu_export as tte
+    model, args = build(gbytes)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    base = _rss_mb()
+    out = os.path.join(tempfile.mkdtemp(), "model" + {"tpu": ".tpu", "litert": ".tflite"}[target])
+    t = time.perf_counter()
+    artifact = tte.export(model, args, target=target, **({"platforms": ("tpu", "cpu")} if target == "tpu" else {}))
+    artifact.save(out)
+    seconds = time.perf_counter() - t
+    peak = _rss_mb()
+    size = os.path.getsize(out)
+    os.unlink(out)
+    return {"target": target, "weight_mb": weight_bytes / 2**20, "seconds": seconds, "peak_rss_mb": peak,
+            "growth_mb": peak - base, "file_mb": size / 2**20}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--sizes", default="0.1,1,3", help="weight sizes in GB")
+    p.add_argument("--targets", default="tpu,litert")
+    p.add_argument("-o", "--output")
+    args = p.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker[0], float(args.worker[1]))))
+        return 0
+    rows = []
+    for target in args.targets.split(","):
+        for size in args.sizes.split(","):
+            proc = subprocess.run([sys.executable, __file__, "--worker", target, size], capture_output=True,
+                                  text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+            if proc.returncode:
+                rows.append({"target": target, "weight_mb": float(size) * 1024,
+                             "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:120]})
+            else:
+                rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    lines = [f"Conversion at scale, {datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores "
+             f"(`python benchmarks/scale.py --sizes {args.sizes}`)", "",
+             "| target | weights (MB) | convert + write (s) | MB/s | peak RSS (MB) | RSS growth over the model (MB) "
+             "| growth / weights | file (MB) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['target']} | {r['weight_mb']:.0f} | error: {r['error']} | | | | | |")
+            continue
+        lines.append(f"| {r['target']} | {r['weight_mb']:.0f} | {r['seconds']:.1f} | {r['weight_mb'] / r['seconds']:.0f} "
+                     f"| {r['peak_rss_mb']:.0f} | {r['growth_mb']:.0f} | {r['growth_mb'] / r['weight_mb']:.2f} "
+                     f"| {r['file_mb']:.0f} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
