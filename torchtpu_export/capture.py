@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import operator
 import os
 import re
 from typing import Any, Iterable, Sequence
@@ -128,6 +129,30 @@ def decomposition_table(keep: Iterable = ()) -> dict:
     return table
 
 
+# Nodes torch.export leaves in graphs that compute nothing.
+_BOOKKEEPING = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default}
+
+
+def _needs_decomposition(ep: ExportedProgram, table: dict, keep: Iterable) -> bool:
+    """False when every op is already core ATen (and functional) or kept whole by the target.
+
+    Then run_decompositions, a second full trace of the model, would change nothing.
+    """
+    keep = set(keep)
+    if not keep:
+        return True
+    for node in ep.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem or node.target in _BOOKKEEPING:
+            continue
+        t = node.target
+        if t in keep:
+            continue
+        if not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable or t in table \
+                or torch.Tag.core not in t.tags:
+            return True
+    return False
+
+
 @contextlib.contextmanager
 def _eval_mode(module):
     if not isinstance(module, torch.nn.Module):
@@ -185,8 +210,11 @@ def capture(module, sample_args: Sequence = (), sample_kwargs: dict | None = Non
         ep = _export(module, sample_args, sample_kwargs, dynamic_shapes, strict_export)
     else:
         raise InputError(f"expected a torch.nn.Module, a callable or an ExportedProgram, got {type(module).__name__}")
+    keep = list(keep)
+    table = decomposition_table(keep)
     try:
-        ep = ep.run_decompositions(decomposition_table(keep))
+        if _needs_decomposition(ep, table, keep):
+            ep = ep.run_decompositions(table)
     except Exception as e:
         raise CaptureError(f"decomposition to core ATen failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     return _flatten(ep, tuple(sample_args or ()), dict(sample_kwargs or {}))
