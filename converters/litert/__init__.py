@@ -82,8 +82,8 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
         signatures[name] = {
             "inputs": [s.to_json() for s in cap.inputs],
             "outputs": [s.to_json() for s in cap.outputs],
-            "in_spec": pytree.treespec_dumps(cap.in_spec),
-            "out_spec": pytree.treespec_dumps(cap.out_spec),
+            "in_spec": _spec_text(cap.in_spec),
+            "out_spec": _spec_text(cap.out_spec),
             "constant_inputs": {str(i): _jsonable(v) for i, v in cap.constant_inputs.items()},
         }
     metadata = {
@@ -92,6 +92,23 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
         "signatures": signatures,
     }
     return LiteRtFlatbuffer(serialize(graphs, metadata), signatures)
+
+
+def _spec_text(spec: pytree.TreeSpec) -> str:
+    """A pytree spec as text; named tuples without a serialisation name (torch.return_types) become tuples."""
+    try:
+        return pytree.treespec_dumps(spec)
+    except NotImplementedError:
+        def plain(x):
+            if isinstance(x, tuple):
+                return tuple(plain(v) for v in x)
+            if isinstance(x, list):
+                return [plain(v) for v in x]
+            if isinstance(x, dict):
+                return {k: plain(v) for k, v in x.items()}
+            return x
+        tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+        return pytree.treespec_dumps(pytree.tree_structure(plain(tree)))
 
 
 def _jsonable(v):

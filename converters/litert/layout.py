@@ -318,22 +318,12 @@ def assign_nhwc_layout(g: Graph) -> Graph:
                 cut.pairwise(v(x), v(y), 0, _cost(x), _cost(x), 0)
             else:
                 need0(y)
-        elif kind == "reshape":
+        elif kind in ("reshape", "transpose"):
             x = op.inputs[0]
             e = {}
             for lx in (0, 1) if v(x) is not None else (0,):
                 for ly in (0, 1) if v(y) is not None else (0,):
-                    ok = reshape_keeps_order(x.shape, perm_of(lx, x.rank), y.shape, perm_of(ly, y.rank))
-                    e[lx, ly] = 0 if ok else _cost(x)
-            _add_table(cut, v(x), v(y), e)
-        elif kind == "transpose":
-            x = op.inputs[0]
-            q = tuple(int(p) for p in op.inputs[1].data)
-            e = {}
-            for lx in (0, 1) if v(x) is not None else (0,):
-                for ly in (0, 1) if v(y) is not None else (0,):
-                    c = _compose(_compose(inverse(perm_of(lx, x.rank)), q), perm_of(ly, y.rank))
-                    e[lx, ly] = 0 if _is_trivial(c, _phys_shape(x, lx)) else _cost(x)
+                    e[lx, ly] = min(c for _, _, c in _realizations(op, kind, lx, ly, {lx}))
             _add_table(cut, v(x), v(y), e)
         else:
             for x in op.inputs:
@@ -345,6 +335,35 @@ def assign_nhwc_layout(g: Graph) -> Graph:
     side = cut.solve()
     labels = {k: int(side[n]) for k, n in var.items()}
     return _rewrite(g, labels)
+
+
+def _move_cost(t: Tensor) -> int:
+    """What changing ``t``'s layout costs: a TRANSPOSE, or nothing when only size-1 dims move."""
+    if t.rank not in TO_CHANNELS_LAST or _is_trivial(TO_CHANNELS_LAST[t.rank], t.shape):
+        return 0
+    return _cost(t)
+
+
+def _realizations(op: Op, kind: str, lx: int, ly: int, have) -> list:
+    """Ways to compute a RESHAPE or TRANSPOSE whose input is available in ``have`` and whose output is
+    wanted in ``ly``: (input label, output label, cost), counting every TRANSPOSE it takes."""
+    x, y = op.inputs[0], op.outputs[0]
+    xs = (0, 1) if _variable(x) else (0,)
+    ys = (0, 1) if _variable(y) else (0,)
+    out = []
+    for a in xs:
+        for b in ys:
+            cost = (0 if a in have else _move_cost(x)) + (0 if b == ly else _move_cost(y))
+            if kind == "reshape":
+                if not reshape_keeps_order(x.shape, perm_of(a, x.rank), y.shape, perm_of(b, y.rank)):
+                    continue
+            else:
+                q = tuple(int(p) for p in op.inputs[1].data)
+                c = _compose(_compose(inverse(perm_of(a, x.rank)), q), perm_of(b, y.rank))
+                if not _is_trivial(c, _phys_shape(x, a)):
+                    cost += _cost(x)
+            out.append((a, b, cost))
+    return out
 
 
 def _add_table(cut: _Cut, a, b, e: dict) -> None:
@@ -429,17 +448,23 @@ def _const_in(t: Tensor, label: int, rank: int | None = None) -> Tensor:
     return Tensor(t.name, data.shape, t.dtype, data)
 
 
-def _rewrite_reshape(rw: _Rewriter, op: Op, ly: int) -> None:
+def _rewrite_move(rw: _Rewriter, op: Op, kind: str, ly: int) -> None:
+    """A RESHAPE or TRANSPOSE computed the cheapest way from the layouts its input has."""
     x, y = op.inputs[0], op.outputs[0]
     have = rw.avail.get(id(x)) or {0: x}
-    # prefer a layout x already has, then the one it was assigned
-    candidates = list(have) + ([rw.label(x)] if _variable(x) else [])
-    for out_label in dict.fromkeys([ly, 0]):
-        for lx in dict.fromkeys(candidates):
-            if reshape_keeps_order(x.shape, perm_of(lx, x.rank), y.shape, perm_of(out_label, y.rank)):
-                rw.emit(op, [rw.get(x, lx), _shape_const(_phys_shape(y, out_label))], out_label)
-                return
-    rw.emit(op, [rw.get(x, 0), _shape_const(y.shape)], 0)
+    a, b, _ = min(_realizations(op, kind, 0, ly, set(have)), key=lambda r: (r[2], r[0] != 0, r[1] != ly))
+    src = rw.get(x, a)
+    if kind == "reshape":
+        rw.emit(op, [src, _shape_const(_phys_shape(y, b))], b)
+        return
+    q = tuple(int(p) for p in op.inputs[1].data)
+    c = _compose(_compose(inverse(perm_of(a, x.rank)), q), perm_of(b, y.rank))
+    if c == tuple(range(len(c))):
+        rw.produced(y, b, src)
+    else:
+        out = rw.phys(y, b)
+        rw._move(src, out, c)
+        rw.produced(y, b, out)
 
 
 def _rewrite(g: Graph, labels: dict[int, int]) -> Graph:
@@ -482,27 +507,8 @@ def _rewrite(g: Graph, labels: dict[int, int]) -> Graph:
             axes_t = Tensor(op.inputs[1].name, (len(axes),) if op.inputs[1].rank else (), np.int32,
                             np.asarray(axes if op.inputs[1].rank else axes[0], np.int32))
             rw.emit(op, [rw.get(x, lx), axes_t], to)
-        elif kind == "reshape":
-            _rewrite_reshape(rw, op, ly)
-        elif kind == "transpose":
-            x = op.inputs[0]
-            q = tuple(int(p) for p in op.inputs[1].data)
-            have = rw.avail.get(id(x)) or {0: x}
-            best = None
-            for lx in have:
-                c = _compose(_compose(inverse(perm_of(lx, x.rank)), q), perm_of(ly, y.rank))
-                if best is None or (c == tuple(range(len(c)))) or _is_trivial(c, have[lx].shape):
-                    best = (lx, c)
-                    if c == tuple(range(len(c))):
-                        break
-            lx, c = best
-            src = have[lx]
-            if c == tuple(range(len(c))):
-                rw.produced(y, ly, src)
-            else:
-                out = rw.phys(y, ly)
-                rw._move(src, out, c)
-                rw.produced(y, ly, out)
+        elif kind in ("reshape", "transpose"):
+            _rewrite_move(rw, op, kind, ly)
         else:
             rw.emit(op, [x if x is None or x.is_const else rw.get(x, 0) for x in op.inputs], 0)
     outputs = []

@@ -350,7 +350,7 @@ def isnan(ctx, x):
 def isinf(ctx, x):
     if x.dtype.kind != "f":
         return ctx.const(np.zeros(x.shape, bool))
-    return ctx.op("EQUAL", [ctx.op("ABS", [x], shape=x.shape), ctx.const(np.asarray(np.inf, x.dtype))])
+    return ctx.op("EQUAL", [ctx.op("ABS", [x], shape=x.shape, dtype=x.dtype), ctx.const(np.asarray(np.inf, x.dtype))])
 
 
 # ---- comparisons and logic -----------------------------------------------------------------

@@ -212,3 +212,59 @@ def sort(ctx, x, *args, **kwargs):
         return x, ctx.const(np.zeros((), np.int32))
     dim = dim % x.rank
     return _top_k(ctx, x, x.shape[dim], dim, bool(descending))
+
+
+def _abs_pow_sum(ctx, x, p, dims, keepdim):
+    a = ctx.op("ABS", [x], shape=x.shape)
+    if p == 1:
+        return reduce(ctx, "SUM", a, dims, keepdim)
+    if p == 2:
+        return ctx.op("SQRT", [reduce(ctx, "SUM", ctx.op("MUL", [x, x], shape=x.shape), dims, keepdim)],
+                      shape=_kept(x, dims, keepdim))
+    if p == float("inf"):
+        return reduce(ctx, "REDUCE_MAX", a, dims, keepdim)
+    if p == float("-inf"):
+        return reduce(ctx, "REDUCE_MIN", a, dims, keepdim)
+    if p == 0:
+        nz = ctx.cast(ctx.op("NOT_EQUAL", [x, ctx.const(np.zeros((), x.dtype))], shape=x.shape, dtype=BOOL), x.dtype)
+        return reduce(ctx, "SUM", nz, dims, keepdim)
+    s = reduce(ctx, "SUM", ctx.op("POW", [a, ctx.const(np.asarray(p, x.dtype))], shape=x.shape), dims, keepdim)
+    return ctx.op("POW", [s, ctx.const(np.asarray(1.0 / p, x.dtype))], shape=s.shape)
+
+
+def _kept(x, dims, keepdim):
+    axes = _axes(dims, x.rank)
+    return tuple(1 if i in axes else d for i, d in enumerate(x.shape)) if keepdim else \
+        tuple(d for i, d in enumerate(x.shape) if i not in axes)
+
+
+@builds(aten.linalg_vector_norm.default)
+def vector_norm(ctx, x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    x = ctx.cast(x, ctx.out_dtype())
+    if x.rank == 0:
+        return ctx.op("ABS", [x])
+    return _abs_pow_sum(ctx, x, float(ord), dim, keepdim)
+
+
+def _pair_distances(ctx, a, b, p):
+    # (..., P, M) and (..., R, M) -> (..., P, R): the differences of every pair, reduced over M
+    lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    pa, ra, m = a.shape[-2], b.shape[-2], a.shape[-1]
+    a4 = ctx.reshape(a, a.shape[:-2] + (pa, 1, m))
+    b4 = ctx.reshape(b, b.shape[:-2] + (1, ra, m))
+    d = ctx.op("SUB", [a4, b4], shape=tuple(lead) + (pa, ra, m))
+    return _abs_pow_sum(ctx, d, float(p), [d.rank - 1], False)
+
+
+@builds(aten._cdist_forward.default)
+def cdist(ctx, a, b, p, compute_mode=None):
+    return _pair_distances(ctx, a, b, p)
+
+
+@builds(aten._pdist_forward.default)
+def pdist(ctx, x, p=2.0):
+    n = x.shape[0]
+    full = _pair_distances(ctx, x, x, p)
+    i, j = np.triu_indices(n, 1)
+    flat = ctx.reshape(full, (n * n,))
+    return ctx.op("GATHER", [flat, (i * n + j).astype(np.int32)], shape=(len(i),), axis=0)

@@ -165,12 +165,16 @@ class BuildContext:
         """Emits ``code`` and returns its output tensor (or list, when ``outputs`` is given).
 
         Inputs that are numbers or arrays become constants. The output takes ``shape``
-        and ``dtype``, by default those torch gives the node.
+        and ``dtype``; without ``shape`` it is the node's result (torch's shape and dtype),
+        with ``shape`` but no ``dtype`` an intermediate of its first input's dtype.
         """
         ins = [x if x is None or isinstance(x, Tensor) else self.const(x) for x in inputs]
         if outputs is None:
-            out = self.tensor(self.out_shape() if shape is None else shape,
-                              self.out_dtype() if dtype is None else dtype)
+            if dtype is None:
+                # an intermediate (shape given) has its first input's dtype; the node's result, torch's
+                first = ins[1] if code in ("SELECT", "SELECT_V2") else next((t for t in ins if t is not None), None)
+                dtype = first.dtype if shape is not None and first is not None else self.out_dtype()
+            out = self.tensor(self.out_shape() if shape is None else shape, dtype)
             self.graph.ops.append(Op(code, ins, [out], options))
             return out
         self.graph.ops.append(Op(code, ins, list(outputs), options))
