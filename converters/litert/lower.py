@@ -41,7 +41,7 @@ class AtenProgram:
         env: dict = {}
         out = graph.graph_copy(cap.graph, env)
         graph.output(out)
-        by_name = {n.name: n for n in graph.nodes}
+        by_name = {old.name: new for old, new in env.items()}  # the copy may rename nodes
         constants = {by_name[p]: cap.weights[w] for p, w in cap.weight_placeholders.items() if p in by_name}
         inputs = [by_name[p] for p in cap.input_placeholders]
         return cls(name, graph, constants, inputs, cap)
