@@ -727,5 +727,10 @@ def _repeat_heads(ctx, t: Tensor, rep: int) -> Tensor:
 
 @builds(aten.embedding.default)
 def embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    if weight.rank == 2 and weight.is_const:
+        # TFLite's own op for a table lookup: 1-D int32 ids, one row each
+        ids = ctx.reshape(ctx.cast(indices, I32), (indices.size,))
+        rows = ctx.op("EMBEDDING_LOOKUP", [ids, weight], shape=(indices.size, weight.shape[1]), dtype=weight.dtype)
+        return ctx.reshape(rows, ctx.out_shape())
     return ctx.op("GATHER", [weight, ctx.cast(indices, I32)], axis=0)
 

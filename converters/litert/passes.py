@@ -338,6 +338,28 @@ def fuse_activations(g: Graph, activations: dict | None = None) -> Graph:
     return g
 
 
+# Ops whose results are never negative (fused activations by code: RELU 1, RELU6 3).
+_NONNEGATIVE = {"RELU", "RELU6", "RELU_0_TO_1", "LOGISTIC", "ABS", "SQRT", "EXP"}
+
+
+def pad_max_pool_with_zeros(g: Graph) -> Graph:
+    """A max pool's -inf padding (PADV2, not delegated to XNNPACK) is a zero PAD when its input is never negative."""
+    producer = g.producers()
+    users = g.consumers()
+    for op in g.ops:
+        if op.code != "PADV2" or not op.inputs[2].is_const:
+            continue
+        if float(op.inputs[2].data.reshape(-1)[0]) > float(np.finfo(np.float32).min) / 2:
+            continue
+        if any(u.code != "MAX_POOL_2D" for u in users.get(id(op.outputs[0]), [])):
+            continue
+        src = producer.get(id(op.inputs[0]))
+        if src is not None and (src.code in _NONNEGATIVE or src.options.get("fusedActivationFunction") in (1, 3)):
+            op.code = "PAD"
+            op.inputs = op.inputs[:2]
+    return g
+
+
 def eliminate_dead_code(g: Graph) -> Graph:
     """Ops whose results nothing reads are removed."""
     live = {id(t) for t in g.outputs}
@@ -379,6 +401,7 @@ PIPELINE = [
     use_depthwise_conv,
     use_fully_connected,
     fuse_activations,
+    pad_max_pool_with_zeros,
     eliminate_dead_code,
     name_outputs,
 ]

@@ -229,6 +229,13 @@ class BuildContext:
             return x
         if x.is_const:
             return self.const(np.broadcast_to(x.data, shape))
+        grown = [d for d, (a, b) in enumerate(zip(x.shape, shape)) if a != b]
+        if x.rank == len(shape) and len(grown) <= 2 and all(shape[d] <= 4 for d in grown):
+            # a few copies side by side: XNNPACK runs CONCATENATION, not BROADCAST_TO
+            for d in grown:
+                out_shape = x.shape[:d] + (shape[d],) + x.shape[d + 1:]
+                x = self.op("CONCATENATION", [x] * shape[d], shape=out_shape, dtype=x.dtype, axis=d)
+            return x
         return self.op("BROADCAST_TO", [x, np.asarray(shape, np.int32)], shape=shape, dtype=x.dtype)
 
 
