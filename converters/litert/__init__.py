@@ -64,7 +64,10 @@ class LiteRtFlatbuffer:
 
 
 def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None, **options) -> LiteRtFlatbuffer:
-    """One flatbuffer with a subgraph and SignatureDef per captured program, weights stored once."""
+    """One flatbuffer with a subgraph and SignatureDef per captured program, weights stored once.
+
+    Option: ``skip_passes=("fuse_activations", ...)`` leaves optional passes out.
+    """
     if quant_config is not None:
         raise InputError("quant_config is not supported by the litert target yet",
                          hint="convert without quantization")
@@ -77,6 +80,10 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
         raise InputError(f"skip_passes names no optional pass: {', '.join(bad)}")
     graphs, signatures = [], {}
     for name, cap in captures.items():
+        dynamic = [f"{s.name}{list(s.shape)}" for s in cap.inputs if any(isinstance(d, str) for d in s.shape)]
+        if dynamic:
+            raise InputError(f"the litert target converts static shapes only; dynamic dims in {', '.join(dynamic)}",
+                             hint="convert without dynamic_shapes (one signature per shape you need)")
         g = run_pipeline(AtenProgram.from_capture(name, cap), skip)
         graphs.append(g)
         signatures[name] = {

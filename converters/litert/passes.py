@@ -310,13 +310,15 @@ def use_fully_connected(g: Graph) -> Graph:
 
 _FUSIBLE = {"ADD", "SUB", "MUL", "DIV", "CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED", "TRANSPOSE_CONV",
             "AVERAGE_POOL_2D", "MAX_POOL_2D", "CONCATENATION"}
-# TANH is left out by default: XNNPACK refuses ops with a fused TANH, which then run slower.
+# TANH is never fused although the schema allows it: LiteRT's CPU kernels ignore a fused TANH
+# (ADD, MUL and CONV_2D return the input unchanged) or reject it (FULLY_CONNECTED), and XNNPACK
+# refuses such ops (checked with ai-edge-litert 2.3.0).
 _ACTIVATIONS = {"RELU": 1, "RELU_N1_TO_1": 2, "RELU6": 3}
 
 
-def fuse_activations(g: Graph, activations: dict | None = None) -> Graph:
+def fuse_activations(g: Graph) -> Graph:
     """RELU, RELU6, RELU_N1_TO_1 after an op that can fuse them become its fused activation."""
-    acts = _ACTIVATIONS if activations is None else activations
+    acts = _ACTIVATIONS
     producer = g.producers()
     users = g.consumers()
     outputs = {id(t) for t in g.outputs}
@@ -411,8 +413,7 @@ def run_pipeline(prog: AtenProgram, skip: tuple = ()) -> Graph:
     """Runs every pass of PIPELINE (except those named in ``skip``) on ``prog``."""
     value = prog
     for p in PIPELINE:
-        if p.__name__ in skip:
-            continue
-        value = p(value)
+        if p.__name__ not in skip:
+            value = p(value)
     return value
 
