@@ -146,11 +146,9 @@ def convert(module, sample_args: Sequence = (), sample_kwargs: dict | None = Non
             quant_config=None, strict_export: bool | str = False, **options):
     """Converts ``module`` to a LiteRT flatbuffer (a drop-in for ``litert_torch.convert``)."""
     from .converters import litert
-    from .edge import EdgeModel
     caps = _captures([("serving_default", module, sample_args, sample_kwargs, None)], "litert", strict_export,
                      dynamic_shapes)
-    flat = litert.convert_programs(caps, quant_config=quant_config, **options)
-    return EdgeModel(flat.content, flat.signatures)
+    return litert.convert_programs(caps, quant_config=quant_config, **options)
 
 
 class SignatureSet:
@@ -169,10 +167,8 @@ class SignatureSet:
 
     def convert(self, *, quant_config=None, strict_export: bool | str = False, **options):
         from .converters import litert
-        from .edge import EdgeModel
         caps = _captures(self.entries, "litert", strict_export)
-        flat = litert.convert_programs(caps, quant_config=quant_config, **options)
-        return EdgeModel(flat.content, flat.signatures)
+        return litert.convert_programs(caps, quant_config=quant_config, **options)
 
     def export(self, *, target: str = "tpu", strict_export: bool | str = False, **options):
         if target == "litert":

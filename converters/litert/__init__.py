@@ -7,7 +7,6 @@ op family) emit TFLite ops into a small graph IR, the passes in
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Mapping
 
@@ -54,17 +53,12 @@ KEEP_WHOLE: list = [
 ]
 
 
-@dataclasses.dataclass
-class LiteRtFlatbuffer:
-    """What the converter makes: the ``.tflite`` bytes and, per signature, its I/O description
-    (also stored in the flatbuffer's ``torchtpu_export`` metadata)."""
-
-    content: bytes
-    signatures: dict
-
-
-def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None, **options) -> LiteRtFlatbuffer:
+def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None, **options):
     """One flatbuffer with a subgraph and SignatureDef per captured program, weights stored once.
+
+    Returns the :class:`~torchtpu_export.edge.EdgeModel` holding it (its bytes are
+    ``model_content()``; each signature's I/O and pytree specs are also in the
+    flatbuffer's ``torchtpu_export`` metadata).
 
     Option: ``skip_passes=("fuse_activations", ...)`` leaves optional passes out.
     """
@@ -98,7 +92,8 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
         "versions": {"torchtpu_export": torchtpu_export.__version__, "torch": torch.__version__.split("+")[0]},
         "signatures": signatures,
     }
-    return LiteRtFlatbuffer(serialize(graphs, metadata), signatures)
+    from torchtpu_export.edge import EdgeModel  # the artifact's reader; it imports a runtime only to run
+    return EdgeModel(serialize(graphs, metadata), signatures)
 
 
 def _spec_text(spec: pytree.TreeSpec) -> str:
@@ -124,5 +119,5 @@ def _jsonable(v):
     return repr(v)
 
 
-__all__ = ["KEEP_WHOLE", "convert_programs", "LiteRtFlatbuffer", "METADATA_NAME", "FORMAT", "PIPELINE",
+__all__ = ["KEEP_WHOLE", "convert_programs", "METADATA_NAME", "FORMAT", "PIPELINE",
            "BUILDERS", "NOT_SUPPORTED"]
