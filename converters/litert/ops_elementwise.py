@@ -27,16 +27,18 @@ def _is_float(dtype) -> bool:
 # ---- arithmetic ----------------------------------------------------------------------------
 
 @builds(aten.add.Tensor, aten.add.Scalar)
-def add(ctx, a, b, *, alpha=1):
+def add(ctx, a, b, alpha=1):
     dt = ctx.promoted_dtype()
     a, b = operand(ctx, a, dt), operand(ctx, b, dt)
+    if dt == BOOL:
+        return ctx.op("LOGICAL_OR", [a, b], dtype=BOOL)
     if alpha != 1:
         b = ctx.op("MUL", [b, ctx.const(np.asarray(alpha, dt))], shape=b.shape, dtype=dt)
     return ctx.op("ADD", [a, b], dtype=dt)
 
 
 @builds(aten.sub.Tensor, aten.sub.Scalar)
-def sub(ctx, a, b, *, alpha=1):
+def sub(ctx, a, b, alpha=1):
     dt = ctx.promoted_dtype()
     a, b = operand(ctx, a, dt), operand(ctx, b, dt)
     if alpha != 1:
@@ -45,7 +47,7 @@ def sub(ctx, a, b, *, alpha=1):
 
 
 @builds(aten.rsub.Scalar, aten.rsub.Tensor)
-def rsub(ctx, a, b, *, alpha=1):
+def rsub(ctx, a, b, alpha=1):
     dt = ctx.promoted_dtype()
     a, b = operand(ctx, a, dt), operand(ctx, b, dt)
     if alpha != 1:
@@ -156,7 +158,18 @@ def minimum(ctx, a, b):
 @builds(aten.atan2.default, aten.atan2.out)
 def atan2(ctx, a, b, **_):
     dt = ctx.promoted_dtype(Kind.INT_TO_FLOAT)
-    return ctx.op("ATAN2", [operand(ctx, a, dt), operand(ctx, b, dt)], dtype=dt)
+    shape = ctx.out_shape()
+    # ATAN2 does not broadcast
+    a, b = (_expand_to(ctx, operand(ctx, t, dt), shape) for t in (a, b))
+    return ctx.op("ATAN2", [a, b], dtype=dt)
+
+
+def _expand_to(ctx, t: Tensor, shape) -> Tensor:
+    if t.shape == tuple(shape):
+        return t
+    if t.rank < len(shape):
+        t = ctx.reshape(t, (1,) * (len(shape) - t.rank) + t.shape)
+    return ctx.broadcast_to(t, shape)
 
 
 # ---- unary math ----------------------------------------------------------------------------
@@ -301,10 +314,11 @@ def asinh(ctx, x):
 
 @builds(aten.acosh.default)
 def acosh(ctx, x):
+    # log(x + sqrt(x - 1) * sqrt(x + 1)): NaN below 1 like torch, and no overflow in x * x
     x = _float_unary(ctx, x)
-    r = ctx.op("SQRT", [ctx.op("SUB", [ctx.op("MUL", [x, x], shape=x.shape), _c(ctx, 1.0, x)], shape=x.shape)],
-               shape=x.shape)
-    return ctx.op("LOG", [ctx.op("ADD", [x, r], shape=x.shape)])
+    lo = ctx.op("SQRT", [ctx.op("SUB", [x, _c(ctx, 1.0, x)], shape=x.shape)], shape=x.shape)
+    hi = ctx.op("SQRT", [ctx.op("ADD", [x, _c(ctx, 1.0, x)], shape=x.shape)], shape=x.shape)
+    return ctx.op("LOG", [ctx.op("ADD", [x, ctx.op("MUL", [lo, hi], shape=x.shape)], shape=x.shape)])
 
 
 @builds(aten.atanh.default)

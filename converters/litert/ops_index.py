@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from .ir import Tensor
-from .registry import BOOL, I32, Missing, builds
+from .registry import BOOL, I32, builds
 
 aten = torch.ops.aten
 
@@ -345,14 +345,29 @@ def embedding_bag(ctx, weight, indices, offsets, scale_grad_by_freq=False, mode=
     count = ctx.op("UNSORTED_SEGMENT_SUM", [ones, ids, num], shape=(bags,), dtype=weight.dtype)
     if mode == 0:
         out = ctx.op("UNSORTED_SEGMENT_SUM", [rows, ids, num], shape=(bags, dim), dtype=weight.dtype)
-    elif mode == 1:
+        # torch's sum mode leaves its bookkeeping outputs empty or zero
+        zeros = ctx.const(np.zeros((bags,), np.int32))
+        return out, ctx.const(np.zeros((0,), np.int32)), zeros, zeros
+    bag_size = ctx.cast(count, I32)
+    if mode == 1:
         s = ctx.op("UNSORTED_SEGMENT_SUM", [rows, ids, num], shape=(bags, dim), dtype=weight.dtype)
         c = ctx.op("MAXIMUM", [count, ctx.const(np.ones((), weight.dtype))], shape=(bags,), dtype=weight.dtype)
         out = ctx.op("DIV", [s, ctx.reshape(c, (bags, 1))], shape=(bags, dim), dtype=weight.dtype)
-    else:
-        mx = ctx.op("UNSORTED_SEGMENT_MAX", [rows, ids, num], shape=(bags, dim), dtype=weight.dtype)
-        nonempty = ctx.op("GREATER", [ctx.reshape(count, (bags, 1)), ctx.const(np.zeros((), weight.dtype))],
-                          shape=(bags, 1), dtype=BOOL)
-        out = ctx.op("SELECT_V2", [nonempty, mx, ctx.const(np.zeros((), weight.dtype))], shape=(bags, dim),
-                     dtype=weight.dtype)
-    return out, ids, ctx.cast(count, I32), Missing("embedding_bag max indices")
+        return out, ids, bag_size, bag_size
+    mx = ctx.op("UNSORTED_SEGMENT_MAX", [rows, ids, num], shape=(bags, dim), dtype=weight.dtype)
+    nonempty = ctx.op("GREATER", [ctx.reshape(count, (bags, 1)), ctx.const(np.zeros((), weight.dtype))],
+                      shape=(bags, 1), dtype=BOOL)
+    out = ctx.op("SELECT_V2", [nonempty, mx, ctx.const(np.zeros((), weight.dtype))], shape=(bags, dim),
+                 dtype=weight.dtype)
+    # the id of each bag's maximum: its first position (largest n - j among equal values), then the id there
+    is_max = ctx.op("EQUAL", [rows, ctx.op("GATHER", [mx, ids], shape=(n, dim), dtype=weight.dtype, axis=0)],
+                    shape=(n, dim), dtype=BOOL)
+    rank = ctx.const((n - np.arange(n, dtype=np.int32)).reshape(n, 1))
+    score = ctx.op("SELECT_V2", [is_max, rank, ctx.const(np.zeros((), np.int32))], shape=(n, dim), dtype=I32)
+    best = ctx.op("UNSORTED_SEGMENT_MAX", [score, ids, num], shape=(bags, dim), dtype=I32)
+    pos = ctx.op("SUB", [ctx.const(np.asarray(n, np.int32)), best], shape=(bags, dim), dtype=I32)
+    pos = ctx.op("MINIMUM", [pos, ctx.const(np.asarray(n - 1, np.int32))], shape=(bags, dim), dtype=I32)
+    pos = ctx.op("MAXIMUM", [pos, ctx.const(np.zeros((), np.int32))], shape=(bags, dim), dtype=I32)  # empty bags
+    arg = ctx.op("GATHER", [idx, pos], shape=(bags, dim), dtype=I32, axis=0)
+    arg = ctx.op("SELECT_V2", [nonempty, arg, ctx.const(np.zeros((), np.int32))], shape=(bags, dim), dtype=I32)
+    return out, ids, bag_size, arg

@@ -60,8 +60,17 @@ def _minmax_reduce(code):
             return x
         if x.dtype == BOOL:
             return reduce(ctx, "REDUCE_ANY" if code == "REDUCE_MAX" else "REDUCE_ALL", x, dim, keepdim)
-        return reduce(ctx, code, x, dim, keepdim)
+        return nan_propagating(ctx, x, reduce(ctx, code, x, dim, keepdim), dim, keepdim)
     return rule
+
+
+def nan_propagating(ctx, x: Tensor, y: Tensor, dim, keepdim) -> Tensor:
+    """``y`` (a max or min of ``x``) with NaN where ``x`` has one, as torch gives (TFLite skips NaNs)."""
+    if x.dtype.kind != "f":
+        return y
+    nan = ctx.op("NOT_EQUAL", [x, x], shape=x.shape, dtype=BOOL)
+    any_nan = reduce(ctx, "REDUCE_ANY", nan, dim, keepdim, BOOL)
+    return ctx.op("SELECT_V2", [any_nan, ctx.const(np.asarray(np.nan, x.dtype)), y], shape=y.shape, dtype=y.dtype)
 
 
 builds(aten.amax.default, aten.max.default)(_minmax_reduce("REDUCE_MAX"))

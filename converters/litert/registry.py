@@ -55,8 +55,14 @@ class Missing:
 # delegate) have no int64/float64 path. Inputs and outputs keep torch's dtypes.
 # Half floats compute in float32 too (few TFLite kernels take them); bfloat16 inputs and
 # outputs are float32, as numpy and most runtimes have no bfloat16.
+# Integers narrower than 32 bits compute in int32 too: TFLite's arithmetic kernels take 8- and
+# 16-bit integers only as quantized values (some abort on them); casting back wraps like torch.
 _NARROW = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.float32),
-           np.dtype(np.uint64): np.dtype(np.uint32), np.dtype(np.float16): np.dtype(np.float32)}
+           np.dtype(np.uint64): np.dtype(np.uint32), np.dtype(np.float16): np.dtype(np.float32),
+           np.dtype(np.int8): np.dtype(np.int32), np.dtype(np.uint8): np.dtype(np.int32),
+           np.dtype(np.int16): np.dtype(np.int32), np.dtype(np.uint16): np.dtype(np.int32)}
+_IO_NARROW = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.float32),
+              np.dtype(np.uint64): np.dtype(np.uint32)}
 _TORCH_NP = {
     torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16, torch.int8: np.int8,
     torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64, torch.uint8: np.uint8,
@@ -88,7 +94,7 @@ def io_dtype(dtype: torch.dtype) -> np.dtype:
         d = np.dtype(_TORCH_NP[dtype])
     except KeyError:
         raise UnsupportedOpError(str(dtype), target="litert", reason="TFLite has no such tensor type") from None
-    return d if d == np.float16 else _NARROW.get(d, d)
+    return _IO_NARROW.get(d, d)
 
 
 def inverse(perm: Sequence[int]) -> tuple:
