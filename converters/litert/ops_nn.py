@@ -51,7 +51,11 @@ def _pad_channels_last(ctx: BuildContext, xl: Tensor, pads, value=0.0) -> Tensor
 
 @builds(aten.convolution.default)
 def convolution(ctx, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
-    nd = x.rank - 2
+    nd = w.rank - 2
+    if x.rank == nd + 1:  # unbatched
+        y = convolution(ctx, ctx.reshape(x, (1,) + x.shape), w, b, stride, padding, dilation, transposed,
+                        output_padding, groups)
+        return ctx.reshape(y, y.shape[1:])
     stride, dilation = _tuple(stride, nd), _tuple(dilation, nd)
     if isinstance(padding, str):
         padding = _string_padding(padding, x.shape[2:], w.shape[2:], stride, dilation)
@@ -179,14 +183,14 @@ def _conv_transpose2d(ctx, x, w, b, stride, padding, output_padding):
 @builds(aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
         aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding)
 def conv_nd(ctx, x, w, bias=None, stride=1, padding=0, dilation=1, groups=1):
-    nd = x.rank - 2
+    nd = w.rank - 2
     return convolution(ctx, x, w, bias, _tuple(stride, nd), padding if isinstance(padding, str) else _tuple(padding, nd),
                        _tuple(dilation, nd), False, (0,) * nd, groups)
 
 
 @builds(aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input)
 def conv_transpose_nd(ctx, x, w, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
-    nd = x.rank - 2
+    nd = w.rank - 2
     return convolution(ctx, x, w, bias, _tuple(stride, nd), _tuple(padding, nd), _tuple(dilation, nd), True,
                        _tuple(output_padding, nd), groups)
 
@@ -221,6 +225,9 @@ def _max_pool2d(ctx, x, kernel, stride, padding, dilation, ceil_mode):
     return ctx.from_channels_last(y)
 
 
+_POOLS_2D = {aten.max_pool2d_with_indices.default, aten.max_pool2d.default, aten.avg_pool2d.default}
+
+
 @builds(aten.max_pool2d_with_indices.default)
 def max_pool2d_with_indices(ctx, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
     y = _pool_nd(ctx, x, kernel_size, stride, padding, dilation, ceil_mode, _max_pool2d)
@@ -233,7 +240,11 @@ def max_pool(ctx, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=Fa
 
 
 def _pool_nd(ctx, x, kernel, stride, padding, dilation, ceil_mode, pool2d):
-    if x.rank == 3:  # 1-D pooling over a height of 1
+    nd = 2 if ctx.node.target in _POOLS_2D else 1
+    if x.rank == nd + 1:  # unbatched
+        y = _pool_nd(ctx, ctx.reshape(x, (1,) + x.shape), kernel, stride, padding, dilation, ceil_mode, pool2d)
+        return ctx.reshape(y, y.shape[1:])
+    if nd == 1:  # 1-D pooling over a height of 1
         x2 = ctx.reshape(x, (x.shape[0], x.shape[1], 1, x.shape[2]))
         y = pool2d(ctx, x2, (1,) + _tuple(kernel, 1), (1,) + _tuple(stride, 1) if stride else (1,) + _tuple(kernel, 1),
                    (0,) + _tuple(padding, 1), (1,) + _tuple(dilation, 1), ceil_mode)
