@@ -1,5 +1,4 @@
 """The edge target on models built from code: numerics on both LiteRT APIs, layout, signatures, sizes."""
-import numpy as np
 import pytest
 import torch
 import torch.utils._pytree as pytree

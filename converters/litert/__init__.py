@@ -50,6 +50,10 @@ KEEP_WHOLE: list = [
     aten.repeat_interleave.self_int, aten.index_copy.default, aten.embedding_bag.padding_idx,
     aten.pad.default, aten.square.default, aten.zeros_like.default, aten.ones_like.default, aten.roll.default,
     aten.logsumexp.default, aten.std.correction, aten.var_mean.correction, aten.baddbmm.default,
+    # core ops that torch's default decomposition table would still rewrite
+    aten.adaptive_avg_pool1d.default, aten.avg_pool1d.default, aten.fill.Scalar, aten.reflection_pad1d.default,
+    aten.reflection_pad2d.default, aten.reflection_pad3d.default, aten.replication_pad2d.default,
+    aten.replication_pad3d.default, aten.select_scatter.default, aten.squeeze.dim, aten.var.dim,
 ]
 
 

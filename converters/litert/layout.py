@@ -68,7 +68,7 @@ def _atoms(shape) -> list | None:
 
 def reshape_keeps_order(in_shape, in_perm, out_shape, out_perm) -> bool:
     """Whether RESHAPE of the physical input (``in_perm`` of ``in_shape``) gives the physical output."""
-    if _is_trivial(in_perm, in_shape) and _is_trivial(out_perm, out_shape):
+    if _is_trivial(in_perm, in_shape) and _is_trivial(out_perm, out_shape) or 0 in in_shape:
         return True
     bounds = sorted({b for lo, hi in _atoms(in_shape) + _atoms(out_shape) for b in (lo, hi)})
     for a, b in zip(bounds, bounds[1:]):

@@ -373,6 +373,8 @@ def _compare(op, code):
     @builds(op)
     def rule(ctx, a, b):
         dt = ctx.promoted_dtype()
+        if dt == BOOL and code not in ("EQUAL", "NOT_EQUAL"):
+            dt = np.dtype(np.int32)  # LESS and friends have no bool kernel
         return ctx.op(code, [operand(ctx, a, dt), operand(ctx, b, dt)], dtype=BOOL)
     return rule
 

@@ -22,7 +22,8 @@ def _index_i32(ctx, idx: Tensor, n: int) -> Tensor:
     """An index tensor as int32; constant negative indices wrap like torch's."""
     if idx.is_const:
         return ctx.const((idx.data.astype(np.int64) % max(n, 1)).astype(np.int32))
-    return ctx.cast(idx, I32)
+    i = ctx.cast(idx, I32)
+    return ctx.op("FLOOR_MOD", [i, ctx.const(np.asarray(max(n, 1), np.int32))], shape=i.shape, dtype=I32)
 
 
 def _combine(ctx, parts: list, shape) -> Tensor:
@@ -347,7 +348,8 @@ def embedding_bag(ctx, weight, indices, offsets, scale_grad_by_freq=False, mode=
         out = ctx.op("UNSORTED_SEGMENT_SUM", [rows, ids, num], shape=(bags, dim), dtype=weight.dtype)
         # torch's sum mode leaves its bookkeeping outputs empty or zero
         zeros = ctx.const(np.zeros((bags,), np.int32))
-        return out, ctx.const(np.zeros((0,), np.int32)), zeros, zeros
+        offset2bag = ids if padding_idx is not None and padding_idx >= 0 else ctx.const(np.zeros((0,), np.int32))
+        return out, offset2bag, zeros, zeros
     bag_size = ctx.cast(count, I32)
     if mode == 1:
         s = ctx.op("UNSORTED_SEGMENT_SUM", [rows, ids, num], shape=(bags, dim), dtype=weight.dtype)

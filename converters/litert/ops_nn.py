@@ -136,12 +136,46 @@ def _conv3d(ctx, x, w, b, stride, padding, dilation, groups):
     return ctx.from_channels_last(y)
 
 
+def _dense_transposed_weight(w: np.ndarray, groups: int, dilation) -> np.ndarray:
+    """(Cin, Cout/g, *k) grouped, dilated weights as one (Cin, Cout, *k') weight of zeros outside the
+    groups and between the dilated taps: TRANSPOSE_CONV has neither groups nor dilation."""
+    cin, cout_g, *k = w.shape
+    kd = [d * (kk - 1) + 1 for kk, d in zip(k, dilation)]
+    dense = np.zeros((cin, cout_g * groups, *kd), w.dtype)
+    step = cin // groups
+    taps = tuple(slice(None, None, d) for d in dilation)
+    for g in range(groups):
+        dense[(slice(g * step, (g + 1) * step), slice(g * cout_g, (g + 1) * cout_g)) + taps] = \
+            w[g * step:(g + 1) * step]
+    return dense
+
+
+def _dense_transposed_weight_ops(ctx, w: Tensor, groups: int, dilation) -> Tensor:
+    """``_dense_transposed_weight`` for a weight computed at run time: a placement matmul spreads the
+    taps, a 0/1 mask lays the groups out block-diagonally."""
+    cin, cout_g, *k = w.shape
+    kd = [d * (kk - 1) + 1 for kk, d in zip(k, dilation)]
+    taps, dtaps = int(np.prod(k)), int(np.prod(kd))
+    place = np.zeros((taps, dtaps), w.dtype)
+    for t, pos in enumerate(np.ndindex(*k)):
+        place[t, np.ravel_multi_index(tuple(p * d for p, d in zip(pos, dilation)), kd)] = 1
+    flat = ctx.reshape(w, (cin * cout_g, taps))
+    spread = ctx.op("FULLY_CONNECTED", [flat, ctx.const(np.require(place.T, requirements="C")), None],
+                    shape=(cin * cout_g, dtaps), dtype=w.dtype)
+    mask = np.zeros((cin, groups, 1, 1), w.dtype)
+    for g in range(groups):
+        mask[g * (cin // groups):(g + 1) * (cin // groups), g] = 1
+    blocks = ctx.op("MUL", [ctx.reshape(spread, (cin, 1, cout_g, dtaps)), ctx.const(mask)],
+                    shape=(cin, groups, cout_g, dtaps), dtype=w.dtype)
+    return ctx.reshape(blocks, (cin, groups * cout_g, *kd))
+
+
 def _conv_transpose(ctx, x, w, b, stride, padding, dilation, output_padding, groups):
     nd = x.rank - 2
-    if groups != 1:
-        raise ctx.unsupported("grouped transposed convolutions have no TFLite builtin")
-    if any(d != 1 for d in dilation):
-        raise ctx.unsupported("dilated transposed convolutions have no TFLite builtin")
+    if groups != 1 or any(d != 1 for d in dilation):
+        w = ctx.const(_dense_transposed_weight(w.data, groups, dilation)) if w.is_const else \
+            _dense_transposed_weight_ops(ctx, w, groups, dilation)
+        groups, dilation = 1, (1,) * nd
     if nd == 1:
         x2 = ctx.reshape(x, (x.shape[0], x.shape[1], 1, x.shape[2]))
         w2 = ctx.reshape(w, (w.shape[0], w.shape[1], 1, w.shape[2]))
@@ -329,9 +363,12 @@ def avg_pool(ctx, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_i
 @builds(aten.avg_pool3d.default)
 def avg_pool3d(ctx, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
                divisor_override=None):
-    if divisor_override is not None:
-        raise ctx.unsupported("divisor_override with 3-D pooling")
-    return _pool3d(ctx, x, kernel_size, stride, padding, 1, ceil_mode, "avg", count_include_pad)
+    if divisor_override is None:
+        return _pool3d(ctx, x, kernel_size, stride, padding, 1, ceil_mode, "avg", count_include_pad)
+    # the window sum (an average that counts padding) over the given divisor
+    y = _pool3d(ctx, x, kernel_size, stride, padding, 1, ceil_mode, "avg", True)
+    k = int(np.prod(_tuple(kernel_size, 3)))
+    return ctx.op("MUL", [y, ctx.const(np.asarray(k / divisor_override, x.dtype))], shape=y.shape, dtype=x.dtype)
 
 
 def _adaptive_matrix(n: int, out: int) -> np.ndarray:
@@ -473,14 +510,28 @@ def batch_matmul(ctx, a: Tensor, b: Tensor, out_shape, adj_y=False) -> Tensor:
 
 @builds(aten.linear.default)
 def linear(ctx, x, w, b=None):
+    if x.rank == 1:
+        y = linear(ctx, ctx.reshape(x, (1,) + x.shape), w, b)
+        return ctx.reshape(y, ctx.out_shape())
+    if x.shape[-1] == 0:
+        return _empty_product(ctx, b)
+    shape = x.shape[:-1] + (w.shape[0],)
     if w.is_const and (b is None or b.is_const) and x.dtype.kind == "f":
-        return fully_connected(ctx, x, w.data, None if b is None else b.data, ctx.out_shape())
-    y = batch_matmul(ctx, x, w, ctx.out_shape(), adj_y=True)
-    return y if b is None else ctx.op("ADD", [y, b])
+        return fully_connected(ctx, x, w.data, None if b is None else b.data, shape)
+    y = batch_matmul(ctx, x, w, shape, adj_y=True)
+    return y if b is None else ctx.op("ADD", [y, b], shape=shape)
+
+
+def _empty_product(ctx, bias=None) -> Tensor:
+    """A product over an empty inner dim: zeros (plus the bias)."""
+    zeros = ctx.const(np.zeros(ctx.out_shape(), ctx.out_dtype()))
+    return zeros if bias is None else ctx.op("ADD", [zeros, bias])
 
 
 @builds(aten.mm.default, aten.bmm.default, aten.matmul.default)
 def matmul(ctx, a, b):
+    if a.shape[-1] == 0:
+        return _empty_product(ctx)
     if b.is_const and b.rank == 2 and a.dtype.kind == "f" and a.rank >= 2:
         return fully_connected(ctx, a, b.data.T, None, ctx.out_shape())
     if a.rank == 1 or b.rank == 1:
@@ -629,16 +680,18 @@ def rms_norm(ctx, x, normalized_shape, w=None, eps=None):
     return y if w is None else ctx.op("MUL", [y, w], shape=x.shape, dtype=x.dtype)
 
 
-def _group_mean(ctx, stat: Tensor, groups: int) -> Tensor:
-    """Per-channel statistics (N, C, 1...) averaged within each of ``groups`` channel groups."""
+def _group_mean(ctx, stat: Tensor, groups: int) -> tuple[Tensor, Tensor]:
+    """Per-channel statistics (N, C, 1...) averaged within each of ``groups`` channel groups:
+    broadcast back to (N, C, 1...), and per group (N, G)."""
     n, c = stat.shape[:2]
     if groups == c:
-        return stat
+        return stat, ctx.reshape(stat, (n, c))
     g = ctx.reshape(stat, (n, groups, c // groups))
     m = ctx.op("MEAN", [g, np.asarray([2], np.int32)], shape=(n, groups, 1), dtype=stat.dtype, keepDims=True)
+    per_group = ctx.reshape(m, (n, groups))
     m = ctx.op("ADD", [m, ctx.const(np.zeros((1, 1, c // groups), stat.dtype))], shape=(n, groups, c // groups),
                dtype=stat.dtype)
-    return ctx.reshape(m, stat.shape)
+    return ctx.reshape(m, stat.shape), per_group
 
 
 @builds(aten.native_group_norm.default)
@@ -650,11 +703,12 @@ def native_group_norm(ctx, x, w, b, n, c, hw, groups, eps):
         x = ctx.reshape(x, x.shape + (1,))
     axes = np.arange(2, x.rank, dtype=np.int32)
     stat_shape = x.shape[:2] + (1,) * (x.rank - 2)
-    mean = _group_mean(ctx, ctx.op("MEAN", [x, axes], shape=stat_shape, dtype=x.dtype, keepDims=True), groups)
+    mean, group_mean = _group_mean(ctx, ctx.op("MEAN", [x, axes], shape=stat_shape, dtype=x.dtype, keepDims=True),
+                                   groups)
     d = ctx.op("SUB", [x, mean], shape=x.shape, dtype=x.dtype)
     var = ctx.op("MEAN", [ctx.op("MUL", [d, d], shape=x.shape, dtype=x.dtype), axes], shape=stat_shape,
                  dtype=x.dtype, keepDims=True)
-    var = _group_mean(ctx, var, groups)
+    var, group_var = _group_mean(ctx, var, groups)
     rstd = ctx.op("RSQRT", [ctx.op("ADD", [var, ctx.const(np.asarray(eps, x.dtype))], shape=stat_shape,
                                    dtype=x.dtype)], shape=stat_shape, dtype=x.dtype)
     scale = rstd
@@ -664,8 +718,9 @@ def native_group_norm(ctx, x, w, b, n, c, hw, groups, eps):
     y = ctx.op("MUL", [d, scale], shape=x.shape, dtype=x.dtype)
     if b is not None:
         y = ctx.op("ADD", [y, ctx.reshape(b, cshape)], shape=x.shape, dtype=x.dtype)
-    missing = Missing("the mean and rstd outputs of group norm")
-    return ctx.reshape(y, orig.shape), missing, missing
+    group_rstd = ctx.op("RSQRT", [ctx.op("ADD", [group_var, ctx.const(np.asarray(eps, x.dtype))],
+                                         shape=group_var.shape, dtype=x.dtype)], shape=group_var.shape, dtype=x.dtype)
+    return ctx.reshape(y, orig.shape), group_mean, group_rstd
 
 
 @builds(aten.group_norm.default)

@@ -122,8 +122,15 @@ def _value_index(value_code, index_code):
     def rule(ctx, x, dim, keepdim=False):
         if x.rank == 0:
             return x, ctx.const(np.zeros((), np.int32))
-        values = reduce(ctx, value_code, x, [dim], keepdim)
-        return values, _arg(index_code)(ctx, x, dim, keepdim)
+        values = nan_propagating(ctx, x, reduce(ctx, value_code, x, [dim], keepdim), [dim], keepdim)
+        index = _arg(index_code)(ctx, x, dim, keepdim)
+        if x.dtype.kind == "f":
+            # torch points at the first NaN of a row that has one
+            nan = ctx.op("NOT_EQUAL", [x, x], shape=x.shape, dtype=BOOL)
+            nan_index = _arg("ARG_MAX")(ctx, ctx.cast(nan, I32), dim, keepdim)
+            has_nan = reduce(ctx, "REDUCE_ANY", nan, [dim], keepdim, BOOL)
+            index = ctx.op("SELECT_V2", [has_nan, nan_index, index], shape=index.shape, dtype=I32)
+        return values, index
     return rule
 
 
@@ -188,7 +195,9 @@ def logsumexp(ctx, x, dim, keepdim=False):
 
 @builds(aten.topk.default)
 def topk(ctx, x, k, dim=-1, largest=True, sorted=True):
-    dim = dim % x.rank if x.rank else 0
+    if x.rank == 0:
+        return x, ctx.const(np.zeros((), np.int32))
+    dim = dim % x.rank
     return _top_k(ctx, x, k, dim, largest)
 
 

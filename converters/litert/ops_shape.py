@@ -183,10 +183,19 @@ def chunk(ctx, x, chunks, dim=0):
 
 @builds(aten.flip.default)
 def flip(ctx, x, dims):
-    dims = _dims(dims, x.rank)
-    if not dims:
+    dims = sorted(set(_dims(dims, x.rank)))
+    if not dims or x.rank == 0:
         return x
-    return ctx.op("REVERSE_V2", [x, np.asarray(sorted(dims), np.int32)])
+    # REVERSE_V2 takes one run of adjacent axes at a time
+    runs = [[dims[0]]]
+    for d in dims[1:]:
+        if d == runs[-1][-1] + 1:
+            runs[-1].append(d)
+        else:
+            runs.append([d])
+    for run in runs:
+        x = ctx.op("REVERSE_V2", [x, np.asarray(run, np.int32)], shape=x.shape, dtype=x.dtype)
+    return x
 
 
 @builds(aten.roll.default)

@@ -147,10 +147,6 @@ def _symbolic(t: torch.Tensor) -> bool:
 
 # ---- on the TFLite graph -------------------------------------------------------------------
 
-def _uses(g: Graph) -> dict[int, list[Op]]:
-    return g.consumers()
-
-
 def _perm(op: Op) -> tuple:
     return tuple(int(p) for p in op.inputs[1].data)
 
