@@ -100,15 +100,13 @@ def remainder(ctx, a, b):
 
 @builds(aten.fmod.Tensor, aten.fmod.Scalar)
 def fmod(ctx, a, b):
+    # fmod(a, b) = sign(a) * fmod(|a|, |b|), and FLOOR_MOD of non-negatives is exactly that fmod
     dt = ctx.promoted_dtype()
     a, b = operand(ctx, a, dt), operand(ctx, b, dt)
     shape = ctx.out_shape()
-    # a - trunc(a / b) * b: the remainder with the sign of the dividend
-    if _is_float(dt):
-        q = trunc_tensor(ctx, ctx.op("DIV", [a, b], shape=shape, dtype=dt))
-    else:
-        q = _int_trunc_div(ctx, a, b, shape)
-    return ctx.op("SUB", [a, ctx.op("MUL", [q, b], shape=shape, dtype=dt)], dtype=dt)
+    m = ctx.op("FLOOR_MOD", [ctx.op("ABS", [a], shape=a.shape, dtype=dt), ctx.op("ABS", [b], shape=b.shape, dtype=dt)],
+               shape=shape, dtype=dt)
+    return ctx.op("MUL", [m, ctx.op("SIGN", [a], shape=a.shape, dtype=dt)], dtype=dt)
 
 
 def _int_trunc_div(ctx, a, b, shape):
@@ -143,16 +141,22 @@ def pow_(ctx, a, b):
     return ctx.op("POW", [operand(ctx, a, dt), operand(ctx, b, dt)], dtype=dt)
 
 
-@builds(aten.maximum.default)
-def maximum(ctx, a, b):
-    dt = ctx.promoted_dtype()
-    return ctx.op("MAXIMUM", [operand(ctx, a, dt), operand(ctx, b, dt)], dtype=dt)
+def _nan_propagating(code):
+    def rule(ctx, a, b):
+        dt = ctx.promoted_dtype()
+        a, b = operand(ctx, a, dt), operand(ctx, b, dt)
+        y = ctx.op(code, [a, b], dtype=dt)
+        if dt.kind != "f":
+            return y
+        # TFLite's MAXIMUM/MINIMUM return the other operand where one is NaN; torch returns NaN
+        nan = ctx.op("LOGICAL_OR", [ctx.op("NOT_EQUAL", [a, a], shape=a.shape, dtype=BOOL),
+                                    ctx.op("NOT_EQUAL", [b, b], shape=b.shape, dtype=BOOL)], shape=y.shape, dtype=BOOL)
+        return ctx.op("SELECT_V2", [nan, ctx.const(np.asarray(np.nan, dt)), y], dtype=dt)
+    return rule
 
 
-@builds(aten.minimum.default)
-def minimum(ctx, a, b):
-    dt = ctx.promoted_dtype()
-    return ctx.op("MINIMUM", [operand(ctx, a, dt), operand(ctx, b, dt)], dtype=dt)
+builds(aten.maximum.default)(_nan_propagating("MAXIMUM"))
+builds(aten.minimum.default)(_nan_propagating("MINIMUM"))
 
 
 @builds(aten.atan2.default, aten.atan2.out)
@@ -194,7 +198,12 @@ for _op, _code in [(aten.abs.default, "ABS"), (aten.neg.default, "NEG")]:
 def sign(ctx, x):
     if x.dtype == BOOL:
         return x
-    return ctx.op("SIGN", [x])
+    y = ctx.op("SIGN", [x])
+    if x.dtype.kind != "f":
+        return y
+    # torch.sign(nan) is 0
+    return ctx.op("SELECT_V2", [ctx.op("NOT_EQUAL", [x, x], shape=x.shape, dtype=BOOL),
+                                ctx.const(np.zeros((), x.dtype)), y])
 
 
 def _keep_ints(code):

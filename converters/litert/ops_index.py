@@ -200,11 +200,18 @@ def _single_index_update(ctx, x, dim, idx, values):
 @builds(aten.index_put.default)
 def index_put(ctx, x, indices, values, accumulate=False):
     indices = list(indices) + [None] * (x.rank - len(indices))
-    if any(i is not None and i.dtype == BOOL for i in indices):
-        raise ctx.unsupported("boolean-mask index_put has a data-dependent shape")
-    dims = [d for d, i in enumerate(indices) if i is not None]
     if not isinstance(values, Tensor):
         values = ctx.const(np.asarray(values, x.dtype))
+    masks = [i for i in indices if i is not None and i.dtype == BOOL]
+    if masks:
+        # x[mask] = v with one v for every selected element: a select, no data-dependent shape
+        if len(masks) == 1 and indices[0] is masks[0] and values.size == 1 and not accumulate:
+            m = masks[0]
+            m = ctx.reshape(m, m.shape + (1,) * (x.rank - m.rank))
+            v = ctx.reshape(ctx.cast(values, x.dtype), ())
+            return ctx.op("SELECT_V2", [m, v, x], shape=x.shape, dtype=x.dtype)
+        raise ctx.unsupported("boolean-mask index_put with per-element values has a data-dependent shape")
+    dims = [d for d, i in enumerate(indices) if i is not None]
     if len(dims) == 1 and indices[dims[0]].size == 1 and not indices[dims[0]].is_const and not accumulate:
         d = dims[0]
         v = values

@@ -200,11 +200,16 @@ def _conv_transpose2d(ctx, x, w, b, stride, padding, output_padding):
         y = _channels_last_op(ctx, "TRANSPOSE_CONV", [np.asarray([n, *want, o], np.int32), filt, xl, bias],
                               (n, o, *want), x.dtype, padding=schema.SAME, strideH=stride[0], strideW=stride[1])
         return ctx.from_channels_last(y)
-    y = _channels_last_op(ctx, "TRANSPOSE_CONV", [np.asarray([n, *full, o], np.int32), filt, xl, bias],
-                          (n, o, *full), x.dtype, padding=schema.VALID, strideH=stride[0], strideW=stride[1])
     extra = [max(p + w_ - f, 0) for p, w_, f in zip(padding, want, full)]
+    # positions past the full output (output_padding > padding) hold just the bias: add it after padding
+    conv_bias = ctx.const(np.zeros(o, x.dtype)) if any(extra) else bias
+    y = _channels_last_op(ctx, "TRANSPOSE_CONV", [np.asarray([n, *full, o], np.int32), filt, xl, conv_bias],
+                          (n, o, *full), x.dtype, padding=schema.VALID, strideH=stride[0], strideW=stride[1])
     if any(extra):
         y = _pad_channels_last(ctx, y, [(0, e) for e in extra])
+        y2 = ctx.tensor(y.shape, y.dtype, channels_last=True)
+        ctx.op("ADD", [y, bias], outputs=[y2])
+        y = y2
     if want != full or any(padding):
         out = ctx.channels_last_tensor((n, o, *want), x.dtype)
         begin = np.asarray([0, padding[0], padding[1], 0], np.int32)
