@@ -267,10 +267,59 @@ def _max_pool2d(ctx, x, kernel, stride, padding, dilation, ceil_mode):
 _POOLS_2D = {aten.max_pool2d_with_indices.default, aten.max_pool2d.default, aten.avg_pool2d.default}
 
 
+def _indices_used(ctx) -> bool:
+    return any(u.args[1] != 0 for u in ctx.node.users)
+
+
 @builds(aten.max_pool2d_with_indices.default)
 def max_pool2d_with_indices(ctx, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    if _indices_used(ctx):
+        return _max_pool_taps(ctx, x, 2, kernel_size, stride, padding, dilation, ceil_mode)
     y = _pool_nd(ctx, x, kernel_size, stride, padding, dilation, ceil_mode, _max_pool2d)
-    return y, Missing("max pooling indices (TFLite's MAX_POOL_2D returns values only)")
+    return y, Missing("max pooling indices")
+
+
+def _max_pool_taps(ctx, x, nd, kernel, stride, padding, dilation, ceil_mode):
+    """Max pooling with torch's indices: every window tap as a strided slice, the max and its first
+    position over the taps (TFLite's MAX_POOL_2D gives no indices)."""
+    if x.rank == nd + 1:
+        y, i = _max_pool_taps(ctx, ctx.reshape(x, (1,) + x.shape), nd, kernel, stride, padding, dilation, ceil_mode)
+        return ctx.reshape(y, y.shape[1:]), ctx.reshape(i, i.shape[1:])
+    kernel = _tuple(kernel, nd)
+    stride = _tuple(stride, nd) if stride else kernel
+    padding, dilation = _tuple(padding, nd), _tuple(dilation, nd)
+    spatial, lead = x.shape[-nd:], x.shape[:-nd]
+    span = [d * (k - 1) + 1 for k, d in zip(kernel, dilation)]
+    outs, pads = _pool_geometry(spatial, span, stride, padding, ceil_mode)
+    lowest = np.finfo(x.dtype).min if x.dtype.kind == "f" else np.iinfo(x.dtype).min
+    spec = np.asarray([(0, 0)] * len(lead) + pads, np.int32)
+    xp = ctx.op("PADV2", [x, spec, ctx.const(np.asarray(lowest, x.dtype))],
+                shape=tuple(n + int(a + b) for n, (a, b) in zip(x.shape, spec)), dtype=x.dtype)
+    taps, offsets = [], []
+    for tap in np.ndindex(*kernel):
+        begin = [0] * len(lead) + [t * d for t, d in zip(tap, dilation)]
+        end = list(lead) + [b + (o - 1) * s + 1 for b, o, s in zip(begin[len(lead):], outs, stride)]
+        strides = [1] * len(lead) + list(stride)
+        t = ctx.op("STRIDED_SLICE", [xp, np.asarray(begin, np.int32), np.asarray(end, np.int32),
+                                     np.asarray(strides, np.int32)], shape=lead + tuple(outs), dtype=x.dtype)
+        taps.append(ctx.reshape(t, t.shape + (1,)))
+        offsets.append(sum(t_ * d * int(np.prod(spatial[i + 1:])) for i, (t_, d) in enumerate(zip(tap, dilation))))
+    stacked = taps[0] if len(taps) == 1 else ctx.op("CONCATENATION", taps, shape=lead + tuple(outs) + (len(taps),),
+                                                      dtype=x.dtype, axis=len(lead) + nd)
+    last = np.asarray([stacked.rank - 1], np.int32)
+    values = ctx.op("REDUCE_MAX", [stacked, last], shape=lead + tuple(outs), dtype=x.dtype, keepDims=False)
+    which = ctx.op("ARG_MAX", [stacked, np.asarray(stacked.rank - 1, np.int32)], shape=lead + tuple(outs),
+                   dtype=I32, outputType=2)
+    # flat index of each window's first tap in the unpadded input, plus the chosen tap's offset
+    base = np.zeros(outs, np.int64)
+    for i, (o, s_, p_) in enumerate(zip(outs, stride, padding)):
+        shape = [1] * nd
+        shape[i] = o
+        base = base + ((np.arange(o) * s_ - p_) * int(np.prod(spatial[i + 1:]))).reshape(shape)
+    tap_offset = ctx.op("GATHER", [ctx.const(np.asarray(offsets, np.int32)), which], shape=which.shape, dtype=I32,
+                        axis=0)
+    index = ctx.op("ADD", [tap_offset, ctx.const(base.astype(np.int32))], shape=which.shape, dtype=I32)
+    return values, index
 
 
 @builds(aten.max_pool2d.default, aten.max_pool1d.default)
@@ -293,8 +342,9 @@ def _pool_nd(ctx, x, kernel, stride, padding, dilation, ceil_mode, pool2d):
 
 @builds(aten.max_pool3d_with_indices.default)
 def max_pool3d_with_indices(ctx, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-    return _pool3d(ctx, x, kernel_size, stride, padding, dilation, ceil_mode, "max"), \
-        Missing("max pooling indices (TFLite's MAX_POOL_2D returns values only)")
+    if _indices_used(ctx):
+        return _max_pool_taps(ctx, x, 3, kernel_size, stride, padding, dilation, ceil_mode)
+    return _pool3d(ctx, x, kernel_size, stride, padding, dilation, ceil_mode, "max"), Missing("max pooling indices")
 
 
 def _pool3d(ctx, x, kernel, stride, padding, dilation, ceil_mode, kind, count_include_pad=True):
