@@ -145,6 +145,8 @@ def _nan_propagating(code):
     def rule(ctx, a, b):
         dt = ctx.promoted_dtype()
         a, b = operand(ctx, a, dt), operand(ctx, b, dt)
+        if dt == BOOL:
+            return ctx.op("LOGICAL_OR" if code == "MAXIMUM" else "LOGICAL_AND", [a, b], dtype=BOOL)
         y = ctx.op(code, [a, b], dtype=dt)
         if dt.kind != "f":
             return y

@@ -205,10 +205,14 @@ def index_put(ctx, x, indices, values, accumulate=False):
     masks = [i for i in indices if i is not None and i.dtype == BOOL]
     if masks:
         # x[mask] = v with one v for every selected element: a select, no data-dependent shape
-        if len(masks) == 1 and indices[0] is masks[0] and values.size == 1 and not accumulate:
-            m = masks[0]
+        m = masks[0]
+        v = ctx.cast(values, x.dtype)
+        while v.rank and v.shape[0] == 1 and v.rank > x.rank - m.rank:
+            v = ctx.reshape(v, v.shape[1:])
+        broadcastable = v.rank <= x.rank - m.rank and all(
+            a in (1, b) for a, b in zip(v.shape[::-1], x.shape[::-1]))
+        if len(masks) == 1 and indices[0] is m and broadcastable and not accumulate:
             m = ctx.reshape(m, m.shape + (1,) * (x.rank - m.rank))
-            v = ctx.reshape(ctx.cast(values, x.dtype), ())
             return ctx.op("SELECT_V2", [m, v, x], shape=x.shape, dtype=x.dtype)
         raise ctx.unsupported("boolean-mask index_put with per-element values has a data-dependent shape")
     dims = [d for d, i in enumerate(indices) if i is not None]

@@ -307,9 +307,17 @@ def _max_pool_taps(ctx, x, nd, kernel, stride, padding, dilation, ceil_mode):
     stacked = taps[0] if len(taps) == 1 else ctx.op("CONCATENATION", taps, shape=lead + tuple(outs) + (len(taps),),
                                                       dtype=x.dtype, axis=len(lead) + nd)
     last = np.asarray([stacked.rank - 1], np.int32)
-    values = ctx.op("REDUCE_MAX", [stacked, last], shape=lead + tuple(outs), dtype=x.dtype, keepDims=False)
-    which = ctx.op("ARG_MAX", [stacked, np.asarray(stacked.rank - 1, np.int32)], shape=lead + tuple(outs),
-                   dtype=I32, outputType=2)
+    out_shape = lead + tuple(outs)
+    values = ctx.op("REDUCE_MAX", [stacked, last], shape=out_shape, dtype=x.dtype, keepDims=False)
+    axis = np.asarray(stacked.rank - 1, np.int32)
+    which = ctx.op("ARG_MAX", [stacked, axis], shape=out_shape, dtype=I32, outputType=2)
+    if x.dtype.kind == "f":  # a NaN wins its window, like torch
+        nan = ctx.op("NOT_EQUAL", [stacked, stacked], shape=stacked.shape, dtype=BOOL)
+        any_nan = ctx.op("REDUCE_ANY", [nan, last], shape=out_shape, dtype=BOOL, keepDims=False)
+        first_nan = ctx.op("ARG_MAX", [ctx.cast(nan, I32), axis], shape=out_shape, dtype=I32, outputType=2)
+        which = ctx.op("SELECT_V2", [any_nan, first_nan, which], shape=out_shape, dtype=I32)
+        values = ctx.op("SELECT_V2", [any_nan, ctx.const(np.asarray(np.nan, x.dtype)), values], shape=out_shape,
+                        dtype=x.dtype)
     # flat index of each window's first tap in the unpadded input, plus the chosen tap's offset
     base = np.zeros(outs, np.int64)
     for i, (o, s_, p_) in enumerate(zip(outs, stride, padding)):
