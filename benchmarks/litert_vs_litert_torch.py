@@ -40,19 +40,28 @@ spec = importlib.util.spec_from_file_location("zoo", sys.argv[5])
 zoo = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(zoo)
 import torch
-import torch.export  # both tools pay torch.export's one-time imports (~2 s) outside the timing
 model, args = zoo.ZOO[name](**kwargs)
 if tool == "ours":
     import torchtpu_export as tte
-    import torchtpu_export.converters.litert
-    t0 = time.perf_counter()
-    tte.convert(model, args).export(out)
+    def convert(m, a, path):
+        tte.convert(m, a).export(path)
 else:
     import litert_torch
+    def convert(m, a, path):
+        litert_torch.convert(m.eval(), a).export(path)
+# cold: the first conversion in the process (imports and one-time setup of torch.export and the tool);
+# warm: the same model again, what every further conversion costs
+times = []
+for _ in range(2):
     t0 = time.perf_counter()
-    litert_torch.convert(model.eval(), args).export(out)
-dt = time.perf_counter() - t0
-print("RESULT " + json.dumps({"seconds": dt, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    try:
+        convert(model, args, out)
+    except Exception as e:
+        print("RESULT " + json.dumps({"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"}))
+        sys.exit(0)
+    times.append(time.perf_counter() - t0)
+print("RESULT " + json.dumps({"cold": times[0], "seconds": times[1],
+                              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
 
@@ -154,6 +163,12 @@ def main(argv=None) -> int:
     return 0
 
 
+def _short(result: dict) -> str:
+    if "error" not in result:
+        return "ok"
+    return result["error"].replace("|", "/")[:160]
+
+
 def _f(v, fmt):
     return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
@@ -170,26 +185,27 @@ def report(rows, threads_all, runs) -> str:
         f"{getattr(ai_edge_litert, '__version__', '2.3.0')} for both runs. Command: "
         "`make bench` (`python benchmarks/litert_vs_litert_torch.py`).",
         "",
-        "Conversion: the convert call and the file write in a fresh process (model built, torch.export and "
-        "each tool imported before the clock starts); peak RSS of that process. "
+        "Conversion: convert + write the file, in a fresh process per tool and model, twice: *warm* is the "
+        "second call (what each further conversion costs), *cold* the first (it adds torch.export's and the "
+        "tool's imports and one-time setup, about 3-4 s of torch's own here); peak RSS of that process. "
         f"Latency: LiteRT Interpreter with XNNPACK, median of {runs} runs after 3 warm-ups, both files in one "
         "process, interleaved. Error: max |tflite - torch eager| over the output's max |value|.",
         "",
-        "| model | convert s (ours / litert-torch, speed-up) | peak RSS MB | size bytes (ratio) | TRANSPOSE | ops "
-        f"| ms 1 thread (ratio) | ms {threads_all} threads (ratio) | rel. error |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | warm convert s (ours / litert-torch, speed-up) | cold convert s | peak RSS MB | size bytes (ratio) "
+        f"| TRANSPOSE | ops | ms 1 thread (ratio) | ms {threads_all} threads (ratio) | rel. error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         c = r["convert"]
         if "error" in c["ours"] or "error" in c["litert_torch"]:
-            lines.append(f"| {r['model']} | failed: ours {c['ours'].get('error', 'ok')}; litert-torch "
-                         f"{c['litert_torch'].get('error', 'ok')} |||||||| ")
+            lines.append(f"| {r['model']} | failed: ours {_short(c['ours'])}; litert-torch {_short(c['litert_torch'])} "
+                         "||||||||| ")
             continue
         o, t = c["ours"], c["litert_torch"]
         s = r["size"]
         lines.append(
             f"| {r['model']} | {o['seconds']:.2f} / {t['seconds']:.2f} ({t['seconds'] / o['seconds']:.1f}x) "
-            f"| {o['peak_rss_mb']:.0f} / {t['peak_rss_mb']:.0f} "
+            f"| {o['cold']:.1f} / {t['cold']:.1f} | {o['peak_rss_mb']:.0f} / {t['peak_rss_mb']:.0f} "
             f"| {s['ours']:,} / {s['litert_torch']:,} ({s['ours'] / s['litert_torch']:.4f}) "
             f"| {r['transposes']['ours']} / {r['transposes']['litert_torch']} "
             f"| {r['ops']['ours']} / {r['ops']['litert_torch']} "
