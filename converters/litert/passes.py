@@ -304,6 +304,49 @@ def use_fully_connected(g: Graph) -> Graph:
     return g
 
 
+def fold_affine_into_fully_connected(g: Graph) -> Graph:
+    """``x * c`` and ``x + c`` (c constant along the last axis) read only by FULLY_CONNECTED layers become
+    part of their weights and biases: a norm's scale and shift cost nothing before a linear layer."""
+    users = g.consumers()
+    outputs = {id(t) for t in g.outputs}
+    dead: set[int] = set()
+    for op in reversed(g.ops):
+        if op.code not in ("MUL", "ADD") or op.options.get("fusedActivationFunction") or len(op.inputs) != 2:
+            continue
+        x, c = op.inputs
+        if x.is_const:
+            x, c = c, x
+        y = op.outputs[0]
+        if not c.is_const or x.is_const or x.dtype != np.float32 or y.shape != x.shape or id(y) in outputs:
+            continue
+        k = x.shape[-1] if x.rank else 0
+        if not k or c.size not in (1, k) or (c.size == k and c.shape[-1:] != (k,)):
+            continue
+        fcs = users.get(id(y), [])
+        if not fcs or any(u.code != "FULLY_CONNECTED" or u.inputs[0] is not y or not u.inputs[1].is_const
+                          or any(t is y for t in u.inputs[1:]) or len(users.get(id(u.inputs[1]), [])) != 1
+                          or (len(u.inputs) > 2 and u.inputs[2] is not None and not u.inputs[2].is_const)
+                          for u in fcs):
+            continue  # a weight another op also reads (tied embeddings) stays as it is
+        vec = np.broadcast_to(c.data.reshape(-1), (k,)).astype(np.float64)
+        for fc in fcs:
+            w = fc.inputs[1].data
+            if op.code == "MUL":
+                new_w = (w * vec.astype(w.dtype)[None, :]).astype(w.dtype)
+                fc.inputs[1] = Tensor(fc.inputs[1].name, w.shape, w.dtype, np.require(new_w, requirements="C"))
+            else:
+                bias = fc.inputs[2].data.astype(np.float64) if len(fc.inputs) > 2 and fc.inputs[2] is not None \
+                    else np.zeros(w.shape[0])
+                new_b = (bias + w.astype(np.float64) @ vec).astype(w.dtype)
+                fc.inputs = fc.inputs[:2] + [Tensor(f"{fc.inputs[1].name}/bias", new_b.shape, w.dtype, new_b)]
+            fc.inputs[0] = x
+            users.setdefault(id(x), []).append(fc)
+        users[id(x)] = [u for u in users[id(x)] if u is not op]
+        dead.add(id(op))
+    g.ops = [op for op in g.ops if id(op) not in dead]
+    return g
+
+
 _FUSIBLE = {"ADD", "SUB", "MUL", "DIV", "CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED", "TRANSPOSE_CONV",
             "AVERAGE_POOL_2D", "MAX_POOL_2D", "CONCATENATION"}
 # TANH is never fused although the schema allows it: LiteRT's CPU kernels ignore a fused TANH
@@ -398,6 +441,7 @@ PIPELINE = [
     use_same_padding,
     use_depthwise_conv,
     use_fully_connected,
+    fold_affine_into_fully_connected,
     fuse_activations,
     pad_max_pool_with_zeros,
     eliminate_dead_code,
