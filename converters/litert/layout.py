@@ -138,7 +138,7 @@ class _Cut:
             self.edge(v, 1, -k)
 
     def solve(self) -> list[bool]:
-        """Dinic's max flow; returns, per node, whether it is on the sink side of the min cut."""
+        """Dinic's max flow; returns, per node, whether it is on the sink side of a min cut (the smallest one)."""
         to, cap, adj = self.to, self.cap, self.adj
         while True:
             level = [-1] * self.n
@@ -155,16 +155,18 @@ class _Cut:
             it = [0] * self.n
             while self._push(level, it):
                 pass
-        seen = [False] * self.n
-        seen[0] = True
-        q = deque([0])
+        # the sink side: nodes with a residual path to the sink (so where costs tie, label 0 wins)
+        sink_side = [False] * self.n
+        sink_side[1] = True
+        q = deque([1])
         while q:
-            u = q.popleft()
-            for e in adj[u]:
-                if cap[e] > 0 and not seen[to[e]]:
-                    seen[to[e]] = True
-                    q.append(to[e])
-        return [not s for s in seen]
+            v = q.popleft()
+            for e in adj[v]:
+                u = to[e]
+                if cap[e ^ 1] > 0 and not sink_side[u]:
+                    sink_side[u] = True
+                    q.append(u)
+        return sink_side
 
     def _push(self, level, it) -> bool:
         # one augmenting path in the level graph, found iteratively
