@@ -7,7 +7,6 @@ callers convert outputs back to the dtypes they expect.
 """
 from __future__ import annotations
 
-import os
 import threading
 from typing import Sequence
 
@@ -19,11 +18,6 @@ from torchtpu_export.specs import TensorSpec, coerce_input
 RUNTIMES = ("interpreter", "compiled_model")
 
 
-def _quiet_native_logs() -> None:
-    # LiteRT's C++ logging goes to stderr at INFO by default; keep warnings and errors only.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-
 class InterpreterRunner:
     """One signature of a flatbuffer on ``ai_edge_litert.interpreter.Interpreter`` (XNNPACK by default)."""
 
@@ -31,7 +25,6 @@ class InterpreterRunner:
 
     def __init__(self, content: bytes, signature: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
                  *, num_threads: int | None = None, interpreter=None):
-        _quiet_native_logs()
         from ai_edge_litert.interpreter import Interpreter
         try:
             self.interpreter = interpreter or Interpreter(model_content=content, num_threads=num_threads)
@@ -77,7 +70,6 @@ class CompiledModelRunner:
 
     def __init__(self, content: bytes, signature: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
                  *, num_threads: int | None = None):
-        _quiet_native_logs()
         from ai_edge_litert.compiled_model import CompiledModel, CpuOptions, HardwareAccelerator, Options
         options = Options(hardware_accelerators=HardwareAccelerator.CPU,
                           cpu_options=CpuOptions(num_threads=num_threads or 1))
