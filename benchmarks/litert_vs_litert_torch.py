@@ -105,8 +105,10 @@ def latency(paths: dict, args, threads: int, runs: int) -> dict:
             runner(**feed)
         loaded[key] = (runner, feed)
     times = {k: [] for k in loaded}
-    for _ in range(runs):
-        for key, (runner, feed) in loaded.items():
+    keys = list(loaded)
+    for i in range(runs):
+        for key in keys if i % 2 == 0 else keys[::-1]:  # alternate who runs first
+            runner, feed = loaded[key]
             t0 = time.perf_counter()
             runner(**feed)
             times[key].append((time.perf_counter() - t0) * 1000)
@@ -189,7 +191,7 @@ def report(rows, threads_all, runs) -> str:
         "second call (what each further conversion costs), *cold* the first (it adds torch.export's and the "
         "tool's imports and one-time setup, about 3-4 s of torch's own here); peak RSS of that process. "
         f"Latency: LiteRT Interpreter with XNNPACK, median of {runs} runs after 3 warm-ups, both files in one "
-        "process, interleaved. Error: max |tflite - torch eager| over the output's max |value|.",
+        "process, interleaved (alternating which goes first). Error: max |tflite - torch eager| over the output's max |value|.",
         "",
         "| model | warm convert s (ours / litert-torch, speed-up) | cold convert s | peak RSS MB | size bytes (ratio) "
         f"| TRANSPOSE | ops | ms 1 thread (ratio) | ms {threads_all} threads (ratio) | rel. error |",

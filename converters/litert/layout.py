@@ -32,7 +32,7 @@ ELEMENTWISE = {
 _AXIS_OPS = {"CONCATENATION", "MEAN", "SUM", "REDUCE_MAX", "REDUCE_MIN", "REDUCE_PROD", "REDUCE_ANY", "REDUCE_ALL",
              "PAD", "PADV2", "MIRROR_PAD", "SLICE", "STRIDED_SLICE", "REVERSE_V2", "TILE", "BROADCAST_TO", "GATHER",
              "CUMSUM"}
-_REDUCERS = {"MEAN", "SUM", "REDUCE_MAX", "REDUCE_MIN", "REDUCE_PROD", "REDUCE_ANY", "REDUCE_ALL"}
+REDUCERS = {"MEAN", "SUM", "REDUCE_MAX", "REDUCE_MIN", "REDUCE_PROD", "REDUCE_ANY", "REDUCE_ALL"}
 
 # Cost of one TRANSPOSE: the count matters first, the number of elements moved breaks ties.
 _UNIT = 1 << 40
@@ -223,7 +223,7 @@ def _reduced_perm(op: Op, x: Tensor, label: int):
 
 
 def _reduction_axes(op: Op, rank: int):
-    if op.code in _REDUCERS:
+    if op.code in REDUCERS:
         a = op.inputs[1]
         if not a.is_const:
             return None
@@ -242,7 +242,7 @@ def _op_kind(op: Op) -> str:
         return "transpose"
     if code == "RESHAPE":
         return "reshape"
-    if code in ("ARG_MAX", "ARG_MIN") or (code in _REDUCERS and not op.options.get("keepDims")):
+    if code in ("ARG_MAX", "ARG_MIN") or (code in REDUCERS and not op.options.get("keepDims")):
         return "reduce"
     if code in _AXIS_OPS and all(t is None or t.is_const for t in op.inputs[1:]) or code == "CONCATENATION":
         if code == "GATHER" and op.inputs[1].rank != 1:
@@ -540,7 +540,7 @@ def _rewrite_axis_op(rw: _Rewriter, op: Op, ly: int) -> None:
             a = np.asarray(t.data)
             if ly == 0:
                 ins.append(t)
-            elif code in _REDUCERS or code in ("REVERSE_V2", "CUMSUM"):
+            elif code in REDUCERS or code in ("REVERSE_V2", "CUMSUM"):
                 mapped = np.asarray([pos[int(v) % r] for v in a.reshape(-1)], np.int32)
                 mapped = np.sort(mapped) if code != "CUMSUM" else mapped
                 ins.append(Tensor(t.name, t.shape, t.dtype, mapped.reshape(a.shape).astype(a.dtype)))

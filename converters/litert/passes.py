@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .ir import Graph, Op, Tensor
-from .layout import assign_nhwc_layout
+from .layout import REDUCERS, assign_nhwc_layout
 from .lower import AtenProgram, live_nodes, lower
 
 aten = torch.ops.aten
@@ -193,6 +193,31 @@ def simplify_moves(g: Graph) -> Graph:
         for t in op.outputs:
             producer[id(t)] = op
     return eliminate_dead_code(g)
+
+
+def drop_kept_dims(g: Graph) -> Graph:
+    """A reduction that keeps its reduced dims, read only by a RESHAPE dropping them, drops them itself."""
+    producer = g.producers()
+    users = g.consumers()
+    outputs = {id(t) for t in g.outputs}
+    alias: dict[int, Tensor] = {}
+    kept = []
+    for op in g.ops:
+        op.inputs = [alias.get(id(t), t) if t is not None else None for t in op.inputs]
+        if op.code == "RESHAPE":
+            red = producer.get(id(op.inputs[0]))
+            if red is not None and red.code in REDUCERS and red.options.get("keepDims") and red.inputs[1].is_const \
+                    and len(users.get(id(op.inputs[0]), [])) == 1 and id(op.inputs[0]) not in outputs:
+                x = red.inputs[0]
+                axes = {int(a) % x.rank for a in np.asarray(red.inputs[1].data).reshape(-1)}
+                dropped = tuple(d for i, d in enumerate(x.shape) if i not in axes)
+                if dropped == op.outputs[0].shape:
+                    red.options["keepDims"] = False
+                    red.outputs = [op.outputs[0]]
+                    continue
+        kept.append(op)
+    g.ops = kept
+    return g
 
 
 def _shape_tensor(shape) -> Tensor:
@@ -438,6 +463,7 @@ PIPELINE = [
     compose_transposes,
     assign_nhwc_layout,
     simplify_moves,
+    drop_kept_dims,
     use_same_padding,
     use_depthwise_conv,
     use_fully_connected,
