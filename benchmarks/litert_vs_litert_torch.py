@@ -163,7 +163,9 @@ def main(argv=None) -> int:
             row["ms_all"] = latency(files, inputs, threads_all, args.runs)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    text = report(rows, threads_all, args.runs, load_start, os.getloadavg()[0])
+    theirs = subprocess.run([bench_py, "-c", "import torch, litert_torch; print(torch.__version__)"],
+                            capture_output=True, text=True).stdout.strip().splitlines()
+    text = report(rows, threads_all, args.runs, load_start, os.getloadavg()[0], theirs[-1] if theirs else "?")
     print(text)
     with open(args.output, "w") as f:
         f.write(text)
@@ -180,7 +182,7 @@ def _f(v, fmt):
     return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
 
-def report(rows, threads_all, runs, load_start=None, load_end=None) -> str:
+def report(rows, threads_all, runs, load_start=None, load_end=None, their_torch="?") -> str:
     import ai_edge_litert
     import torch
     lines = [
@@ -188,14 +190,14 @@ def report(rows, threads_all, runs, load_start=None, load_end=None) -> str:
         "",
         f"Measured {datetime.date.today().isoformat()} on {platform.machine()} Linux, {os.cpu_count()} cores "
         f"({platform.processor() or 'cpu'}); Python {platform.python_version()}, torch {torch.__version__} "
-        f"(ours) and the torch litert-torch pins, ai-edge-litert "
+        f"(ours), litert-torch 0.10.0 with torch {their_torch} in its own venv, ai-edge-litert "
         f"{getattr(ai_edge_litert, '__version__', '2.3.0')} for both runs. Command: "
         "`make bench` (`python benchmarks/litert_vs_litert_torch.py`). The machine is shared: 1-minute load "
         f"average {_f(load_start, '.1f')} at the start, {_f(load_end, '.1f')} at the end.",
         "",
         "Conversion: convert + write the file, in a fresh process per tool and model, twice: *warm* is the "
-        "second call (what each further conversion costs), *cold* the first (it adds torch.export's and the "
-        "tool's imports and one-time setup, about 3-4 s of torch's own here); peak RSS of that process. "
+        "second call (what each further conversion costs), *cold* the first (it adds the imports and one-time "
+        "setup of torch.export and of the tool); peak RSS of that process. "
         f"Latency: LiteRT Interpreter with XNNPACK, the lowest of 5 medians of {runs} runs (after 3 warm-ups), "
         "both files in one process, interleaved (alternating which goes first). Error: max |tflite - torch eager| over the output's max |value|.",
         "",
