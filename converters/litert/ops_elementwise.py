@@ -424,21 +424,52 @@ def logical_not(ctx, a):
     return ctx.op("LOGICAL_NOT", [_as_bool(ctx, a)], dtype=BOOL)
 
 
-def _bitwise(op_t, op_s, bool_code, int_code):
+def _bitwise(op_t, op_s, bool_code, int_rule):
     @builds(op_t, op_s)
     def rule(ctx, a, b):
         dt = ctx.promoted_dtype()
+        a, b = operand(ctx, a, dt), operand(ctx, b, dt)
         if dt == BOOL:
-            return ctx.op(bool_code, [operand(ctx, a, dt), operand(ctx, b, dt)], dtype=BOOL)
-        if int_code is None:
-            raise ctx.unsupported("TFLite has no bitwise and/or on integers (booleans are supported)")
-        return ctx.op(int_code, [operand(ctx, a, dt), operand(ctx, b, dt)], dtype=dt)
+            return ctx.op(bool_code, [a, b], dtype=BOOL)
+        return int_rule(ctx, a, b, ctx.out_shape())
     return rule
 
 
-_bitwise(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar, "LOGICAL_AND", None)
-_bitwise(aten.bitwise_or.Tensor, aten.bitwise_or.Scalar, "LOGICAL_OR", None)
-_bitwise(aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar, "NOT_EQUAL", "BITWISE_XOR")
+def _and16(ctx, x, y, shape):
+    # x + y == (x ^ y) + 2 (x & y) for integers; exact here, as 16-bit halves cannot overflow
+    s = ctx.op("SUB", [ctx.op("ADD", [x, y], shape=shape), ctx.op("BITWISE_XOR", [x, y], shape=shape)], shape=shape)
+    return ctx.op("RIGHT_SHIFT", [s, ctx.const(np.ones((), x.dtype))], shape=shape)
+
+
+def _halves(ctx, x):
+    hi = ctx.op("RIGHT_SHIFT", [x, ctx.const(np.asarray(16, x.dtype))], shape=x.shape)
+    lo = ctx.op("SUB", [x, ctx.op("MUL", [hi, ctx.const(np.asarray(1 << 16, x.dtype))], shape=x.shape)],
+                shape=x.shape)
+    return hi, lo
+
+
+def bitwise_and_int(ctx, a, b, shape):
+    """a & b from XOR and arithmetic (TFLite has no integer AND), one 16-bit half at a time."""
+    (ha, la), (hb, lb) = _halves(ctx, a), _halves(ctx, b)
+    hi = _and16(ctx, ha, hb, shape)
+    lo = _and16(ctx, la, lb, shape)
+    return ctx.op("ADD", [ctx.op("MUL", [hi, ctx.const(np.asarray(1 << 16, a.dtype))], shape=shape), lo],
+                  shape=shape, dtype=a.dtype)
+
+
+def bitwise_or_int(ctx, a, b, shape):
+    # a | b == (a ^ b) + (a & b)
+    return ctx.op("ADD", [ctx.op("BITWISE_XOR", [a, b], shape=shape), bitwise_and_int(ctx, a, b, shape)],
+                  shape=shape, dtype=a.dtype)
+
+
+def bitwise_xor_int(ctx, a, b, shape):
+    return ctx.op("BITWISE_XOR", [a, b], shape=shape, dtype=a.dtype)
+
+
+_bitwise(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar, "LOGICAL_AND", bitwise_and_int)
+_bitwise(aten.bitwise_or.Tensor, aten.bitwise_or.Scalar, "LOGICAL_OR", bitwise_or_int)
+_bitwise(aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar, "NOT_EQUAL", bitwise_xor_int)
 
 
 @builds(aten.bitwise_not.default)
