@@ -55,6 +55,11 @@ CASES = {
                             (torch.tensor([[-7, 7, -3, 5]]), torch.tensor([[2, -2, 2, 3]]))),
     "erf_asinh_atanh": (Fn(lambda x: torch.erf(x) + torch.asinh(3 * x) + torch.atanh(x.clamp(-0.9, 0.9))), (R(4, 5),)),
     "group_norm_3d": (torch.nn.GroupNorm(2, 4), (R(2, 4, 6),)),
+    "bitwise_int32_extremes": (Fn(lambda a, b: (a & b, a | b, a ^ b)),
+                               (torch.tensor([0, -1, 5, 2**31 - 1, -2**31, 123456789], dtype=torch.int32),
+                                torch.tensor([3, -1, 12, -2**31, 2**31 - 1, -98765], dtype=torch.int32))),
+    "max_pool_indices": (Fn(lambda x: torch.ops.aten.max_pool2d_with_indices(x, [3, 3], [2, 2], [1, 1])),
+                         (R(1, 2, 7, 6),)),
 }
 
 
@@ -69,6 +74,11 @@ def test_int64_inputs_and_outputs_keep_torch_dtypes():
     assert edge.inputs()[0].dtype == "int64"
     out = edge(torch.tensor([[4, 5, 6]]))
     assert out[0].dtype == np.int64 and out[0].tolist() == [[13, 16, 19]]
+
+
+def test_dynamic_shapes_are_refused_clearly():
+    with pytest.raises(tte.UnsupportedOpError, match="static shapes"):
+        tte.convert(torch.nn.Linear(4, 3), (R(2, 4),), dynamic_shapes=({0: torch.export.Dim("b", max=8)},))
 
 
 def test_unsupported_op_names_the_op_and_the_source_line():

@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 
 import torchtpu_export
 from torchtpu_export.capture import CapturedProgram
-from torchtpu_export.errors import InputError
+from torchtpu_export.errors import InputError, UnsupportedOpError
 
 from . import ops_elementwise, ops_index, ops_misc, ops_nn, ops_reduction, ops_shape  # noqa: F401 (registration)
 from .lower import AtenProgram, check_supported  # noqa: F401
@@ -80,8 +80,9 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
     for name, cap in captures.items():
         dynamic = [f"{s.name}{list(s.shape)}" for s in cap.inputs if any(isinstance(d, str) for d in s.shape)]
         if dynamic:
-            raise InputError(f"the litert target converts static shapes only; dynamic dims in {', '.join(dynamic)}",
-                             hint="convert without dynamic_shapes (one signature per shape you need)")
+            raise UnsupportedOpError("dynamic shapes", target="litert",
+                                     reason=f"it converts static shapes only; dynamic dims in {', '.join(dynamic)}",
+                                     hint="convert without dynamic_shapes (one signature per shape you need)")
         g = run_pipeline(AtenProgram.from_capture(name, cap), skip)
         graphs.append(g)
         signatures[name] = {
