@@ -152,3 +152,15 @@ def test_reshape_layout_compatibility():
     assert reshape_keeps_order((1, 64, 8, 8), nhwc4, (1, 64, 64), nlc3)  # (N, H, W, C) -> (N, HW, C)
     assert not reshape_keeps_order((1, 64, 8, 8), nhwc4, (1, 64, 64), (0, 1, 2))
     assert not reshape_keeps_order((1, 4, 16, 64), nhwc4, (1, 64, 8, 8), nhwc4)
+
+
+def test_damaged_files_are_refused(tmp_path):
+    model, args = zoo.small_cnn()
+    content = tte.convert(model, args).model_content()
+    flipped = bytearray(content)
+    flipped[len(content) // 2] ^= 0x40  # inside the weights
+    for name, data in (("truncated", content[: len(content) // 3]), ("flipped", bytes(flipped))):
+        path = tmp_path / f"{name}.tflite"
+        path.write_bytes(data)
+        with pytest.raises(tte.ArtifactError):
+            tte.load(path)

@@ -8,6 +8,7 @@ model takes and returns the same structures as the original module; other
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Sequence
@@ -35,6 +36,28 @@ def _model(content: bytes):
         raise ArtifactError(f"cannot parse the TFLite flatbuffer ({type(e).__name__}: {e})") from e
 
 
+def weights_digest(chunks) -> str:
+    """blake2b of a model's constant buffers in order (each prefixed by its length)."""
+    h = hashlib.blake2b(digest_size=16)
+    for c in chunks:
+        h.update(len(c).to_bytes(8, "little"))
+        h.update(c)
+    return h.hexdigest()
+
+
+def _damaged(e: Exception) -> ArtifactError:
+    return ArtifactError(f"the TFLite flatbuffer is truncated or damaged ({type(e).__name__}: {str(e)[:120]})",
+                         hint="convert or download the model again")
+
+
+def _buffers_of(model, content: bytes, skip: set) -> list:
+    out = []
+    for i in range(1, model.BuffersLength()):
+        if i not in skip:
+            out.append(_buffer_bytes(model, content, i))
+    return out
+
+
 def _buffer_bytes(model, content: bytes, index: int) -> bytes:
     buf = model.Buffers(index)
     if buf.Offset() > 1:  # stored after the flatbuffer (models past 2 GB)
@@ -42,16 +65,27 @@ def _buffer_bytes(model, content: bytes, index: int) -> bytes:
     return buf.DataAsNumpy().tobytes() if buf.DataLength() else b""
 
 
-def read_metadata(content: bytes) -> dict | None:
-    """The ``torchtpu_export`` metadata of a flatbuffer, or None for files made elsewhere."""
+def read_metadata(content: bytes, *, verify: bool = False) -> dict | None:
+    """The ``torchtpu_export`` metadata of a flatbuffer, or None for files made elsewhere.
+
+    With ``verify``, the constants are checked against the digest the metadata records.
+    """
     model = _model(content)
     try:
         for i in range(model.MetadataLength()):
             m = model.Metadata(i)
             if m.Name() and m.Name().decode() == METADATA_NAME:
-                return json.loads(_buffer_bytes(model, content, m.Buffer()))
-    except (ValueError, IndexError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"the flatbuffer's {METADATA_NAME} metadata is corrupt ({e})") from e
+                meta = json.loads(_buffer_bytes(model, content, m.Buffer()))
+                if verify and "weights_blake2b" in meta:
+                    data = _buffers_of(model, content, {m.Buffer()})
+                    if weights_digest(data) != meta["weights_blake2b"]:
+                        raise ArtifactError("the model's weights do not match the digest written with them",
+                                            hint="the file was damaged after conversion: convert it again")
+                return meta
+    except ArtifactError:
+        raise
+    except Exception as e:
+        raise _damaged(e) from e
     return None
 
 
@@ -87,8 +121,11 @@ class EdgeModel:
     def __init__(self, content: bytes, signatures: dict | None = None):
         self._content = bytes(content)
         model = _model(self._content)
-        self._io = _signature_io(model)
-        meta = read_metadata(self._content) if signatures is None else {"signatures": signatures}
+        try:
+            self._io = _signature_io(model)
+        except Exception as e:
+            raise _damaged(e) from e
+        meta = read_metadata(self._content, verify=True) if signatures is None else {"signatures": signatures}
         self._meta = (meta or {}).get("signatures", {})
         if not self._io:
             raise ArtifactError("the flatbuffer has no SignatureDef; LiteRT runs models through signatures",
@@ -220,6 +257,15 @@ def describe_tflite(path: str) -> dict:
             content = f.read()
     except OSError as e:
         raise InputError(f"cannot read {path}: {e.strerror}") from e
+    try:
+        return _describe(path, content)
+    except ArtifactError:
+        raise
+    except Exception as e:
+        raise _damaged(e) from e
+
+
+def _describe(path: str, content: bytes) -> dict:
     model = _model(content)
     names = _op_names()
     codes = []

@@ -14,6 +14,7 @@ import flatbuffers
 import numpy as np
 from ai_edge_litert import schema_py_generated as fb
 
+from torchtpu_export.edge import weights_digest
 from torchtpu_export.errors import ConversionError
 
 from . import schema
@@ -83,6 +84,8 @@ def serialize(graphs: list[Graph], metadata: dict | None = None, *, description:
         tensor_buffer.append(per)
     meta_idx = None
     if metadata is not None:
+        # a digest of every constant, so a reader can tell a damaged file from a model
+        metadata = dict(metadata, weights_blake2b=weights_digest(buffers.data[1:]))
         meta_idx = buffers.add(np.frombuffer(json.dumps(metadata, sort_keys=True).encode(), np.uint8))
     total = sum(len(d) for d in buffers.data)
     if total < external_threshold:
