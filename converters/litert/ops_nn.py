@@ -502,6 +502,16 @@ def upsample_nearest2d(ctx, x, output_size, scale_factors=None, *rest):
            for n, o, s in zip(x.shape[2:], size, scales or (None, None))]
     tflite = [np.minimum(np.floor(np.arange(o) * (n / o)).astype(np.int64), n - 1) for n, o in zip(x.shape[2:], size)]
     n, c = x.shape[:2]
+    factor = size[0] // x.shape[2] if x.shape[2] else 0
+    if factor > 1 and size == (x.shape[2] * factor, x.shape[3] * factor) and factor <= 4 and \
+            all(np.array_equal(a, np.arange(o) // factor) for a, o in zip(idx, size)):
+        # an integer upscale: the channels copied factor^2 times, then DEPTH_TO_SPACE (both run on
+        # XNNPACK, RESIZE_NEAREST_NEIGHBOR does not)
+        xl = ctx.to_channels_last(x)
+        copies = _channels_last_op(ctx, "CONCATENATION", [xl] * factor ** 2, (n, c * factor ** 2, *x.shape[2:]),
+                                   x.dtype, axis=3)
+        y = _channels_last_op(ctx, "DEPTH_TO_SPACE", [copies], (n, c, *size), x.dtype, blockSize=factor)
+        return ctx.from_channels_last(y)
     if all(np.array_equal(a, b) for a, b in zip(idx, tflite)):
         y = _channels_last_op(ctx, "RESIZE_NEAREST_NEIGHBOR", [ctx.to_channels_last(x), np.asarray(size, np.int32)],
                               (n, c, *size), x.dtype)
