@@ -84,12 +84,9 @@ def _string_padding(mode, spatial, kernel, stride, dilation):
 
 def _conv_pads(spatial, kernel, stride, padding, dilation):
     """Per spatial dim (before, after) so that a VALID conv gives torch's output size."""
-    pads = []
-    for n, k, s, p, d in zip(spatial, kernel, stride, padding, dilation):
-        out = (n + 2 * p - d * (k - 1) - 1) // s + 1
-        after = (out - 1) * s + d * (k - 1) + 1 - n - p
-        pads.append((p, max(after, 0)))
-    return pads
+    # torch's own symmetric padding: the rows a stride skips at the end cost nothing, and the
+    # PAD then matches what other converters emit (and what XNNPACK folds into the convolution)
+    return [(p, p) for p in padding]
 
 
 def _bias(ctx, b, n: int, dtype) -> Tensor:
@@ -243,7 +240,7 @@ def _pool_geometry(spatial, kernel, stride, padding, ceil_mode):
         out = (-(-span // s) if ceil_mode else span // s) + 1
         if ceil_mode and (out - 1) * s >= n + p:
             out -= 1  # torch drops a last window that would start in the right padding
-        after = max((out - 1) * s + k - n - p, 0)
+        after = max((out - 1) * s + k - n - p, p)  # at least torch's own padding, more for ceil_mode
         outs.append(out)
         pads.append((p, after))
     return outs, pads
