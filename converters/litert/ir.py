@@ -106,21 +106,6 @@ class Graph:
             yield from op.outputs
         yield from self.outputs
 
-    def replace_uses(self, mapping: dict[int, Tensor]) -> None:
-        """Every read of a tensor ``t`` with ``id(t)`` in ``mapping`` (by ops and as output) reads its value."""
-        if not mapping:
-            return
-        for op in self.ops:
-            if any(t is not None and id(t) in mapping for t in op.inputs):
-                op.inputs = [mapping.get(id(t), t) if t is not None else None for t in op.inputs]
-        self.outputs = [mapping.get(id(t), t) for t in self.outputs]
-
-    def op_histogram(self) -> dict[str, int]:
-        hist: dict[str, int] = {}
-        for op in self.ops:
-            hist[op.code] = hist.get(op.code, 0) + 1
-        return dict(sorted(hist.items()))
-
     def __repr__(self) -> str:
         lines = [f"graph {self.name}({', '.join(map(repr, self.inputs))}):"]
         lines += [f"  {op!r}" for op in self.ops]
