@@ -90,7 +90,7 @@ def read_metadata(content: bytes, *, verify: bool = False) -> dict | None:
 
 
 def _signature_io(model) -> dict:
-    """Per signature: input and output TensorSpecs read from the SignatureDefs themselves."""
+    # Per signature: input and output TensorSpecs read from the SignatureDefs themselves.
     out = {}
     for i in range(model.SignatureDefsLength()):
         sig = model.SignatureDefs(i)

@@ -102,7 +102,7 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
 
 
 def _spec_text(spec: pytree.TreeSpec) -> str:
-    """A pytree spec as text; named tuples without a serialisation name (torch.return_types) become tuples."""
+    # A pytree spec as text; named tuples without a serialisation name (torch.return_types) become tuples.
     try:
         return pytree.treespec_dumps(spec)
     except NotImplementedError:

@@ -47,18 +47,18 @@ def perm_of(label: int, rank: int) -> tuple:
 
 
 def _compose(p1, p2) -> tuple:
-    """The single permutation equal to transposing by ``p1`` and then by ``p2``."""
+    # The single permutation equal to transposing by ``p1`` and then by ``p2``.
     return tuple(p1[k] for k in p2)
 
 
 def _is_trivial(perm, shape) -> bool:
-    """True when transposing ``shape`` by ``perm`` only moves size-1 dims (the bytes keep their order)."""
+    # True when transposing ``shape`` by ``perm`` only moves size-1 dims (the bytes keep their order).
     kept = [p for p in perm if shape[p] != 1]
     return kept == sorted(kept)
 
 
 def _atoms(shape) -> list | None:
-    """Boundaries (suffix products) of a row-major shape's dims, for reshape compatibility."""
+    # Boundaries (suffix products) of a row-major shape's dims, for reshape compatibility.
     out, acc = [], 1
     for d in reversed(shape):
         out.append((acc, acc * d))
@@ -206,7 +206,7 @@ def _variable(t: Tensor | None) -> bool:
 
 
 def _reduced_perm(op: Op, x: Tensor, label: int):
-    """For a rank-dropping reduction of ``x`` in ``label``: the output's label, or None if none fits."""
+    # For a rank-dropping reduction of ``x`` in ``label``: the output's label, or None if none fits.
     axes = _reduction_axes(op, x.rank)
     if axes is None:
         return None
@@ -340,15 +340,15 @@ def assign_nhwc_layout(g: Graph) -> Graph:
 
 
 def _move_cost(t: Tensor) -> int:
-    """What changing ``t``'s layout costs: a TRANSPOSE, or nothing when only size-1 dims move."""
+    # What changing ``t``'s layout costs: a TRANSPOSE, or nothing when only size-1 dims move.
     if t.rank not in TO_CHANNELS_LAST or _is_trivial(TO_CHANNELS_LAST[t.rank], t.shape):
         return 0
     return _cost(t)
 
 
 def _realizations(op: Op, kind: str, lx: int, ly: int, have) -> list:
-    """Ways to compute a RESHAPE or TRANSPOSE whose input is available in ``have`` and whose output is
-    wanted in ``ly``: (input label, output label, cost), counting every TRANSPOSE it takes."""
+    # Ways to compute a RESHAPE or TRANSPOSE whose input is available in ``have`` and whose output is
+    # wanted in ``ly``: (input label, output label, cost), counting every TRANSPOSE it takes.
     x, y = op.inputs[0], op.outputs[0]
     xs = (0, 1) if _variable(x) else (0,)
     ys = (0, 1) if _variable(y) else (0,)
@@ -438,7 +438,7 @@ def _shape_const(shape) -> Tensor:
 
 
 def _const_in(t: Tensor, label: int, rank: int | None = None) -> Tensor:
-    """A constant expanded to ``rank`` (leading 1s) and stored in ``label``."""
+    # A constant expanded to ``rank`` (leading 1s) and stored in ``label``.
     data = t.data
     rank = t.rank if rank is None else rank
     if data.ndim < rank:
@@ -451,7 +451,7 @@ def _const_in(t: Tensor, label: int, rank: int | None = None) -> Tensor:
 
 
 def _rewrite_move(rw: _Rewriter, op: Op, kind: str, ly: int) -> None:
-    """A RESHAPE or TRANSPOSE computed the cheapest way from the layouts its input has."""
+    # A RESHAPE or TRANSPOSE computed the cheapest way from the layouts its input has.
     x, y = op.inputs[0], op.outputs[0]
     have = rw.avail.get(id(x)) or {0: x}
     a, b, _ = min(_realizations(op, kind, 0, ly, set(have)), key=lambda r: (r[2], r[0] != 0, r[1] != ly))

@@ -19,7 +19,7 @@ def _strides(shape) -> list[int]:
 
 
 def _index_i32(ctx, idx: Tensor, n: int) -> Tensor:
-    """An index tensor as int32; constant negative indices wrap like torch's."""
+    # An index tensor as int32; constant negative indices wrap like torch's.
     if idx.is_const:
         return ctx.const((idx.data.astype(np.int64) % max(n, 1)).astype(np.int32))
     i = ctx.cast(idx, I32)
@@ -27,7 +27,7 @@ def _index_i32(ctx, idx: Tensor, n: int) -> Tensor:
 
 
 def _combine(ctx, parts: list, shape) -> Tensor:
-    """sum of (index tensor or constant array) * stride terms, broadcast to ``shape``, as int32."""
+    # sum of (index tensor or constant array) * stride terms, broadcast to ``shape``, as int32.
     const_part = np.zeros((), np.int64)
     dyn = None
     for t, stride in parts:
@@ -84,10 +84,9 @@ def index_select(ctx, x, dim, idx):
 
 
 def _flat_positions(ctx, shape, dim: int, idx: Tensor, n_dim: int) -> Tensor:
-    """For an index tensor along ``dim`` (torch.gather/scatter), the flat position in a tensor of shape ``shape``.
-
-    ``shape`` is the indexed tensor's shape; positions follow ``idx``'s shape.
-    """
+    # For an index tensor along ``dim`` (torch.gather/scatter), the flat position in a tensor of shape ``shape``.
+    #
+    # ``shape`` is the indexed tensor's shape; positions follow ``idx``'s shape.
     strides = _strides(shape)
     offset = np.zeros(idx.shape, np.int64)
     for d, n in enumerate(idx.shape):
@@ -109,7 +108,7 @@ def gather(ctx, x, dim, idx, *, sparse_grad=False):
 
 
 def _segment(ctx, code: str, values: Tensor, pos: Tensor, n: int) -> Tensor:
-    """``code`` (UNSORTED_SEGMENT_SUM/MAX/...) of flat ``values`` into ``n`` slots at ``pos``."""
+    # ``code`` (UNSORTED_SEGMENT_SUM/MAX/...) of flat ``values`` into ``n`` slots at ``pos``.
     v = ctx.reshape(values, (values.size,))
     p = ctx.reshape(pos, (pos.size,))
     return ctx.op(code, [v, p, ctx.const(np.asarray([n], np.int32))], shape=(n,), dtype=values.dtype)
@@ -186,7 +185,7 @@ def scatter_reduce(ctx, x, dim, idx, src, reduce, *, include_self=True):
 
 
 def _single_index_update(ctx, x, dim, idx, values):
-    """``x`` with ``values`` written at a runtime position along ``dim``: DYNAMIC_UPDATE_SLICE."""
+    # ``x`` with ``values`` written at a runtime position along ``dim``: DYNAMIC_UPDATE_SLICE.
     start = []
     for d in range(x.rank):
         start.append(ctx.reshape(ctx.cast(idx, I32), (1,)) if d == dim else ctx.const(np.zeros((1,), np.int32)))
@@ -274,7 +273,7 @@ def index_add(ctx, x, dim, idx, src, *, alpha=1):
 
 
 def _static_scatter(ctx, x, src, dim, positions: np.ndarray):
-    """``x`` with ``src`` written along ``dim`` at the static ``positions`` (one per src index)."""
+    # ``x`` with ``src`` written along ``dim`` at the static ``positions`` (one per src index).
     n = x.shape[dim]
     src_index = np.zeros(n, np.int64)
     mask = np.zeros(n, bool)

@@ -34,7 +34,7 @@ def _channels_last_op(ctx: BuildContext, code: str, inputs: list, shape_ncx, dty
 
 
 def _pad_channels_last(ctx: BuildContext, xl: Tensor, pads, value=0.0) -> Tensor:
-    """Pads the spatial dims of a channels-last tensor; ``pads`` is ((before, after), ...) per spatial dim."""
+    # Pads the spatial dims of a channels-last tensor; ``pads`` is ((before, after), ...) per spatial dim.
     if not any(b or a for b, a in pads):
         return xl
     spec = np.asarray([(0, 0), *pads, (0, 0)], np.int32)
@@ -83,7 +83,7 @@ def _string_padding(mode, spatial, kernel, stride, dilation):
 
 
 def _conv_pads(spatial, kernel, stride, padding, dilation):
-    """Per spatial dim (before, after) so that a VALID conv gives torch's output size."""
+    # Per spatial dim (before, after) so that a VALID conv gives torch's output size.
     # torch's own symmetric padding: the rows a stride skips at the end cost nothing, and the
     # PAD then matches what other converters emit (and what XNNPACK folds into the convolution)
     return [(p, p) for p in padding]
@@ -134,8 +134,8 @@ def _conv3d(ctx, x, w, b, stride, padding, dilation, groups):
 
 
 def _dense_transposed_weight(w: np.ndarray, groups: int, dilation) -> np.ndarray:
-    """(Cin, Cout/g, *k) grouped, dilated weights as one (Cin, Cout, *k') weight of zeros outside the
-    groups and between the dilated taps: TRANSPOSE_CONV has neither groups nor dilation."""
+    # (Cin, Cout/g, *k) grouped, dilated weights as one (Cin, Cout, *k') weight of zeros outside the
+    # groups and between the dilated taps: TRANSPOSE_CONV has neither groups nor dilation.
     cin, cout_g, *k = w.shape
     kd = [d * (kk - 1) + 1 for kk, d in zip(k, dilation)]
     dense = np.zeros((cin, cout_g * groups, *kd), w.dtype)
@@ -148,8 +148,8 @@ def _dense_transposed_weight(w: np.ndarray, groups: int, dilation) -> np.ndarray
 
 
 def _dense_transposed_weight_ops(ctx, w: Tensor, groups: int, dilation) -> Tensor:
-    """``_dense_transposed_weight`` for a weight computed at run time: a placement matmul spreads the
-    taps, a 0/1 mask lays the groups out block-diagonally."""
+    # ``_dense_transposed_weight`` for a weight computed at run time: a placement matmul spreads the
+    # taps, a 0/1 mask lays the groups out block-diagonally.
     cin, cout_g, *k = w.shape
     kd = [d * (kk - 1) + 1 for kk, d in zip(k, dilation)]
     taps, dtaps = int(np.prod(k)), int(np.prod(kd))
@@ -277,8 +277,8 @@ def max_pool2d_with_indices(ctx, x, kernel_size, stride=(), padding=0, dilation=
 
 
 def _max_pool_taps(ctx, x, nd, kernel, stride, padding, dilation, ceil_mode):
-    """Max pooling with torch's indices: every window tap as a strided slice, the max and its first
-    position over the taps (TFLite's MAX_POOL_2D gives no indices)."""
+    # Max pooling with torch's indices: every window tap as a strided slice, the max and its first
+    # position over the taps (TFLite's MAX_POOL_2D gives no indices).
     if x.rank == nd + 1:
         y, i = _max_pool_taps(ctx, ctx.reshape(x, (1,) + x.shape), nd, kernel, stride, padding, dilation, ceil_mode)
         return ctx.reshape(y, y.shape[1:]), ctx.reshape(i, i.shape[1:])
@@ -379,7 +379,7 @@ def _pool3d(ctx, x, kernel, stride, padding, dilation, ceil_mode, kind, count_in
 
 
 def _avg_divisors(spatial, kernel, stride, padding, ceil_mode, count_include_pad, outs):
-    """torch's divisor of each output position (as avg_pool2d computes it), per spatial dim."""
+    # torch's divisor of each output position (as avg_pool2d computes it), per spatial dim.
     per_dim = []
     for n, k, s, p, o in zip(spatial, kernel, stride, padding, outs):
         start = np.arange(o) * s - p
@@ -432,7 +432,7 @@ def avg_pool3d(ctx, x, kernel_size, stride=(), padding=0, ceil_mode=False, count
 
 
 def _adaptive_matrix(n: int, out: int) -> np.ndarray:
-    """(out, n) averaging matrix of adaptive pooling along one dim (torch's start/end rule)."""
+    # (out, n) averaging matrix of adaptive pooling along one dim (torch's start/end rule).
     m = np.zeros((out, n))
     for i in range(out):
         start, end = (i * n) // out, -(-((i + 1) * n) // out)
@@ -522,7 +522,7 @@ def upsample_nearest2d(ctx, x, output_size, scale_factors=None, *rest):
 
 
 def _linear_weights(n_in, n_out, align_corners, scale):
-    """(n_out, n_in) bilinear interpolation matrix with torch's coordinate rule."""
+    # (n_out, n_in) bilinear interpolation matrix with torch's coordinate rule.
     m = np.zeros((n_out, n_in))
     for i in range(n_out):
         if align_corners:
@@ -593,7 +593,7 @@ def linear(ctx, x, w, b=None):
 
 
 def _empty_product(ctx, bias=None) -> Tensor:
-    """A product over an empty inner dim: zeros (plus the bias)."""
+    # A product over an empty inner dim: zeros (plus the bias).
     zeros = ctx.const(np.zeros(ctx.out_shape(), ctx.out_dtype()))
     return zeros if bias is None else ctx.op("ADD", [zeros, bias])
 
@@ -751,8 +751,8 @@ def rms_norm(ctx, x, normalized_shape, w=None, eps=None):
 
 
 def _group_mean(ctx, stat: Tensor, groups: int) -> tuple[Tensor, Tensor]:
-    """Per-channel statistics (N, C, 1...) averaged within each of ``groups`` channel groups:
-    broadcast back to (N, C, 1...), and per group (N, G)."""
+    # Per-channel statistics (N, C, 1...) averaged within each of ``groups`` channel groups:
+    # broadcast back to (N, C, 1...), and per group (N, G).
     n, c = stat.shape[:2]
     if groups == c:
         return stat, ctx.reshape(stat, (n, c))
@@ -852,7 +852,7 @@ def scaled_dot_product_attention(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is
 
 
 def _repeat_heads(ctx, t: Tensor, rep: int) -> Tensor:
-    """(..., h, s, d) -> (..., h * rep, s, d), each head repeated ``rep`` times in place."""
+    # (..., h, s, d) -> (..., h * rep, s, d), each head repeated ``rep`` times in place.
     lead, (h, s, d) = t.shape[:-3], t.shape[-3:]
     t5 = ctx.reshape(t, lead + (h, 1, s, d))
     t5 = ctx.broadcast_to(t5, lead + (h, rep, s, d))

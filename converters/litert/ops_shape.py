@@ -240,7 +240,7 @@ def repeat_interleave(ctx, x, repeats, dim=None, *, output_size=None):
 
 
 def _torch_pads(pad, rank):
-    """torch's pad list (last dim first, before/after) as ((before, after), ...) for every dim."""
+    # torch's pad list (last dim first, before/after) as ((before, after), ...) for every dim.
     pads = [(0, 0)] * rank
     for i in range(len(pad) // 2):
         pads[rank - 1 - i] = (int(pad[2 * i]), int(pad[2 * i + 1]))

@@ -28,7 +28,7 @@ _BATCH_NORMS = {aten._native_batch_norm_legit_no_training.default: 6, aten.batch
 
 
 def _conv_parts(node):
-    """(weight node, bias node or None, transposed, groups) of a convolution node."""
+    # (weight node, bias node or None, transposed, groups) of a convolution node.
     if node.target is aten.convolution.default:
         x, w, b, stride, padding, dilation, transposed, out_pad, groups = node.args
         return w, b, transposed, groups
@@ -225,7 +225,7 @@ def _shape_tensor(shape) -> Tensor:
 
 
 def _same_pads(n: int, k: int, s: int, d: int) -> tuple[int, int, int]:
-    """TFLite SAME padding for one spatial dim: (output size, pad before, pad after)."""
+    # TFLite SAME padding for one spatial dim: (output size, pad before, pad after).
     out = -(-n // s)
     total = max((out - 1) * s + (k - 1) * d + 1 - n, 0)
     return out, total // 2, total - total // 2
