@@ -41,7 +41,8 @@ coverage: venv
 	$(PY) -m torchtpu_export.coverage --regenerate
 
 bench: venv
-	$(PY) benchmarks/run.py
+	@if [ -f benchmarks/run.py ]; then $(PY) benchmarks/run.py; fi
+	$(PY) benchmarks/litert_vs_litert_torch.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -132,6 +132,37 @@ def decomposition_table(keep: Iterable = ()) -> dict:
     return table
 
 
+# Nodes torch.export leaves in graphs that compute nothing.
+_BOOKKEEPING = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default}
+
+
+def _needs_decomposition(ep: ExportedProgram, table: dict, keep: Iterable, lowerable: Callable | None) -> bool:
+    """False when run_decompositions (a second full trace of the model) would change nothing we need.
+
+    That is when every op is functional and either has a rule in the target (``lowerable``), is
+    kept whole by it, or is core ATen with nothing to decompose to.
+    """
+    keep = set(keep)
+    if not keep and lowerable is None:
+        return True
+    for node in ep.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op != "call_function":
+            return True  # higher-order ops, submodules
+        t = node.target
+        if t is operator.getitem or t in _BOOKKEEPING:
+            continue
+        if not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable:
+            return True
+        if lowerable is not None:
+            if not lowerable(t):
+                return True
+        elif t not in keep and (t in table or torch.Tag.core not in t.tags):
+            return True
+    return any(o.kind != OutputKind.USER_OUTPUT for o in ep.graph_signature.output_specs)
+
+
 @contextlib.contextmanager
 def _eval_mode(module):
     if not isinstance(module, torch.nn.Module):
@@ -203,30 +234,17 @@ def capture(module, sample_args: Sequence = (), sample_kwargs: dict | None = Non
             ep = _export(module, sample_args, sample_kwargs, dynamic_shapes, strict_export)
     else:
         raise InputError(f"expected a torch.nn.Module, a callable or an ExportedProgram, got {type(module).__name__}")
-    if lowerable is not None and natively_lowerable(ep, lowerable):
-        log.debug("every op has a native lowering: decomposition skipped")
-        return _flatten(ep, tuple(sample_args or ()), dict(sample_kwargs or {}))
+    keep = list(keep)
+    table = decomposition_table(keep)
     try:
-        with progress.stage("decompose"):
-            ep = ep.run_decompositions(decomposition_table(keep))
+        if _needs_decomposition(ep, table, keep, lowerable):
+            with progress.stage("decompose"):
+                ep = ep.run_decompositions(table)
+        else:
+            log.debug("every op is lowered as it is: decomposition skipped")
     except Exception as e:
         raise CaptureError(f"decomposition to core ATen failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     return _flatten(ep, tuple(sample_args or ()), dict(sample_kwargs or {}))
-
-
-def natively_lowerable(ep: ExportedProgram, lowerable: Callable) -> bool:
-    """True if every node is a functional op the target lowers (so no decomposition is needed)."""
-    for node in ep.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        if node.op != "call_function":
-            return False
-        target = node.target
-        if target is operator.getitem:
-            continue
-        if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable or not lowerable(target):
-            return False
-    return not any(o.kind != OutputKind.USER_OUTPUT for o in ep.graph_signature.output_specs)
 
 
 def _flatten(ep: ExportedProgram, sample_args, sample_kwargs) -> CapturedProgram:

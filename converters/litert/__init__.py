@@ -1,0 +1,128 @@
+"""The edge target: captured core ATen -> TFLite builtins + passes -> ``.tflite`` flatbuffer.
+
+No TensorFlow and no MLIR converter: builders (one per ATen overload, split by
+op family) emit TFLite ops into a small graph IR, the passes in
+:data:`passes.PIPELINE` optimise it, and :mod:`.writer` serialises it with the
+``flatbuffers`` package and ``ai_edge_litert``'s schema bindings.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Mapping
+
+import torch
+import torch.utils._pytree as pytree
+
+import torchtpu_export
+from torchtpu_export.capture import CapturedProgram
+from torchtpu_export.errors import InputError, UnsupportedOpError
+
+from . import ops_elementwise, ops_index, ops_misc, ops_nn, ops_reduction, ops_shape  # noqa: F401 (registration)
+from .lower import AtenProgram, check_supported  # noqa: F401
+from .passes import PIPELINE, run_pipeline
+from .registry import BUILDERS, NOT_SUPPORTED, builds  # noqa: F401
+from .writer import METADATA_NAME, serialize
+
+log = logging.getLogger("torchtpu_export")
+aten = torch.ops.aten
+
+FORMAT = "torchtpu_export.litert"
+FORMAT_VERSION = 1
+
+# Composite ops this target lowers whole instead of letting torch decompose them: each maps
+# to a TFLite builtin (or a short sequence) better than its decomposition does, and a graph
+# made only of these and core ops skips torch's second, full retrace.
+KEEP_WHOLE: list = [
+    aten.linear.default, aten.matmul.default, aten.t.default,
+    aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+    aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding,
+    aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input,
+    aten.batch_norm.default, aten.layer_norm.default, aten.group_norm.default, aten.rms_norm.default,
+    aten.scaled_dot_product_attention.default, aten.softmax.int, aten.log_softmax.int,
+    aten.silu.default, aten.hardswish.default, aten.hardsigmoid.default, aten.relu6.default, aten.mish.default,
+    aten.max_pool2d.default, aten.max_pool1d.default, aten.adaptive_avg_pool2d.default,
+    aten.adaptive_avg_pool1d.default, aten.dropout.default, aten.feature_dropout.default,
+    aten.flatten.using_ints, aten.unflatten.int, aten.reshape.default, aten.transpose.int, aten.contiguous.default,
+    aten.split.Tensor, aten.chunk.default, aten.unbind.int, aten.stack.default, aten.narrow.default,
+    aten.expand_as.default, aten.type_as.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+    aten.rsub.Scalar, aten.where.Scalar, aten.where.ScalarSelf, aten.where.ScalarOther,
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.arange.default, aten.arange.start,
+    aten.repeat_interleave.self_int, aten.index_copy.default, aten.embedding_bag.padding_idx,
+    aten.pad.default, aten.square.default, aten.zeros_like.default, aten.ones_like.default, aten.roll.default,
+    aten.logsumexp.default, aten.std.correction, aten.var_mean.correction, aten.baddbmm.default,
+    # core ops that torch's default decomposition table would still rewrite
+    aten.adaptive_avg_pool1d.default, aten.avg_pool1d.default, aten.fill.Scalar, aten.reflection_pad1d.default,
+    aten.reflection_pad2d.default, aten.reflection_pad3d.default, aten.replication_pad2d.default,
+    aten.replication_pad3d.default, aten.select_scatter.default, aten.squeeze.dim, aten.var.dim,
+]
+
+
+def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None, **options):
+    """One flatbuffer with a subgraph and SignatureDef per captured program, weights stored once.
+
+    Returns the :class:`~torchtpu_export.edge.EdgeModel` holding it (its bytes are
+    ``model_content()``; each signature's I/O and pytree specs are also in the
+    flatbuffer's ``torchtpu_export`` metadata).
+
+    Option: ``skip_passes=("fuse_activations", ...)`` leaves optional passes out.
+    """
+    if quant_config is not None:
+        raise InputError("quant_config is not supported by the litert target yet",
+                         hint="convert without quantization")
+    skip = tuple(options.pop("skip_passes", ()))
+    unknown = sorted(set(options))
+    if unknown:
+        raise InputError(f"unknown option(s) for the litert target: {', '.join(unknown)}")
+    bad = [s for s in skip if s not in {p.__name__ for p in PIPELINE} or s == "lower"]
+    if bad:
+        raise InputError(f"skip_passes names no optional pass: {', '.join(bad)}")
+    graphs, signatures = [], {}
+    for name, cap in captures.items():
+        dynamic = [f"{s.name}{list(s.shape)}" for s in cap.inputs if any(isinstance(d, str) for d in s.shape)]
+        if dynamic:
+            raise UnsupportedOpError("dynamic shapes", target="litert",
+                                     reason=f"it converts static shapes only; dynamic dims in {', '.join(dynamic)}",
+                                     hint="convert without dynamic_shapes (one signature per shape you need)")
+        g = run_pipeline(AtenProgram.from_capture(name, cap), skip)
+        graphs.append(g)
+        signatures[name] = {
+            "inputs": [s.to_json() for s in cap.inputs],
+            "outputs": [s.to_json() for s in cap.outputs],
+            "in_spec": _spec_text(cap.in_spec),
+            "out_spec": _spec_text(cap.out_spec),
+            "constant_inputs": {str(i): _jsonable(v) for i, v in cap.constant_inputs.items()},
+        }
+    metadata = {
+        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "versions": {"torchtpu_export": torchtpu_export.__version__, "torch": torch.__version__.split("+")[0]},
+        "signatures": signatures,
+    }
+    from torchtpu_export.edge import EdgeModel  # the artifact's reader; it imports a runtime only to run
+    return EdgeModel(serialize(graphs, metadata), signatures)
+
+
+def _spec_text(spec: pytree.TreeSpec) -> str:
+    # A pytree spec as text; named tuples without a serialisation name (torch.return_types) become tuples.
+    try:
+        return pytree.treespec_dumps(spec)
+    except NotImplementedError:
+        def plain(x):
+            if isinstance(x, tuple):
+                return tuple(plain(v) for v in x)
+            if isinstance(x, list):
+                return [plain(v) for v in x]
+            if isinstance(x, dict):
+                return {k: plain(v) for k, v in x.items()}
+            return x
+        tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+        return pytree.treespec_dumps(pytree.tree_structure(plain(tree)))
+
+
+def _jsonable(v):
+    if isinstance(v, (int, float, bool, str)) or v is None:
+        return v
+    return repr(v)
+
+
+__all__ = ["KEEP_WHOLE", "convert_programs", "METADATA_NAME", "FORMAT", "PIPELINE",
+           "BUILDERS", "NOT_SUPPORTED"]

@@ -1,0 +1,113 @@
+"""The small graph IR between the ATen graph and the flatbuffer: tensors, operators, graphs.
+
+A :class:`Graph` is one TFLite subgraph with one SignatureDef. Tensors are
+values; a constant tensor carries its data (a numpy array), which the writer
+stores once per distinct content. Operators are TFLite builtins named as in
+the schema (``"CONV_2D"``) with their builtin options as keyword arguments of
+the schema's ``<Name>OptionsT`` class (``strideW=2``).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import numpy as np
+
+
+class Tensor:
+    """A value of a graph: shape, numpy dtype, and data when constant.
+
+    ``channels_last`` marks tensors that a builder laid out NHWC on purpose
+    (the activations around CONV_2D and friends): the layout pass never
+    changes their layout.
+    """
+
+    __slots__ = ("name", "shape", "dtype", "data", "channels_last")
+
+    def __init__(self, name: str, shape, dtype, data: np.ndarray | None = None, channels_last: bool = False):
+        self.name = name
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = np.dtype(dtype)
+        self.data = data
+        self.channels_last = channels_last
+
+    @property
+    def is_const(self) -> bool:
+        return self.data is not None
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def __repr__(self) -> str:
+        kind = "const " if self.is_const else ""
+        return f"<{kind}{self.name}: {self.dtype.name}{list(self.shape)}>"
+
+
+class Op:
+    """One TFLite builtin operator. ``None`` in ``inputs`` is an omitted optional input."""
+
+    __slots__ = ("code", "inputs", "outputs", "options")
+
+    def __init__(self, code: str, inputs: list, outputs: list, options: dict | None = None):
+        self.code = code
+        self.inputs = list(inputs)
+        self.outputs = list(outputs)
+        self.options = dict(options or {})
+
+    def __repr__(self) -> str:
+        ins = ", ".join("-" if t is None else t.name for t in self.inputs)
+        outs = ", ".join(t.name for t in self.outputs)
+        opts = f" {self.options}" if self.options else ""
+        return f"{outs} = {self.code}({ins}){opts}"
+
+
+class Graph:
+    """One subgraph and its signature: named inputs and outputs, operators in execution order."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.inputs: list[Tensor] = []
+        self.outputs: list[Tensor] = []
+        self.input_names: list[str] = []
+        self.output_names: list[str] = []
+        self.ops: list[Op] = []
+
+    def producers(self) -> dict[int, Op]:
+        """id(tensor) -> the op that computes it."""
+        return {id(t): op for op in self.ops for t in op.outputs}
+
+    def consumers(self) -> dict[int, list[Op]]:
+        """id(tensor) -> the ops that read it (an op reading a tensor twice appears once)."""
+        users: dict[int, list[Op]] = {}
+        for op in self.ops:
+            seen = set()
+            for t in op.inputs:
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    users.setdefault(id(t), []).append(op)
+        return users
+
+    def tensors(self) -> Iterator[Tensor]:
+        """Every tensor the graph uses, each once, in a deterministic order."""
+        seen: set[int] = set()
+        for t in self._all():
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                yield t
+
+    def _all(self) -> Iterable:
+        yield from self.inputs
+        for op in self.ops:
+            yield from op.inputs
+            yield from op.outputs
+        yield from self.outputs
+
+    def __repr__(self) -> str:
+        lines = [f"graph {self.name}({', '.join(map(repr, self.inputs))}):"]
+        lines += [f"  {op!r}" for op in self.ops]
+        lines.append(f"  return {', '.join(t.name for t in self.outputs)}")
+        return "\n".join(lines)

@@ -1,0 +1,203 @@
+"""From a captured ATen graph to the TFLite graph IR, one builder per node."""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections import Counter
+
+import numpy as np
+import torch
+from torch.fx.node import map_arg
+
+from torchtpu_export.capture import CapturedProgram, op_name, user_source_line
+from torchtpu_export.errors import ConversionError, TteError, UnsupportedOpError
+from torchtpu_export.safetensors_io import to_numpy
+
+from .ir import Graph, Tensor
+from .registry import BUILDERS, NOT_SUPPORTED, BuildContext, Missing, io_dtype, numpy_dtype, static_shape
+
+# Nodes that compute nothing the model returns.
+_IGNORED = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default,
+            torch.ops.aten.sym_constrain_range_for_size.default}
+
+
+@dataclasses.dataclass
+class AtenProgram:
+    """A captured program being prepared for lowering: its graph (a copy) and the values known now.
+
+    ``constants`` maps nodes to their torch value: the weights, and whatever the
+    passes computed ahead of time (folded batch norms, constant subgraphs).
+    """
+
+    name: str
+    graph: torch.fx.Graph
+    constants: dict[torch.fx.Node, torch.Tensor]
+    inputs: list[torch.fx.Node]
+    captured: CapturedProgram
+
+    @classmethod
+    def from_capture(cls, name: str, cap: CapturedProgram) -> "AtenProgram":
+        graph = torch.fx.Graph()
+        env: dict = {}
+        out = graph.graph_copy(cap.graph, env)
+        graph.output(out)
+        by_name = {old.name: new for old, new in env.items()}  # the copy may rename nodes
+        constants = {by_name[p]: cap.weights[w] for p, w in cap.weight_placeholders.items() if p in by_name}
+        inputs = [by_name[p] for p in cap.input_placeholders]
+        return cls(name, graph, constants, inputs, cap)
+
+
+def check_supported(prog: AtenProgram) -> None:
+    """Raises UnsupportedOpError naming the most used op of the graph that has no builder."""
+    missing: Counter = Counter()
+    first: dict = {}
+    for node in live_nodes(prog):
+        if node.op != "call_function" or node in prog.constants or node.target is operator.getitem:
+            continue
+        if node.target in _IGNORED:
+            continue
+        if node.target not in BUILDERS:
+            missing[node.target] += 1
+            first.setdefault(node.target, node)
+    if missing:
+        op, count = missing.most_common(1)[0]
+        others = sorted(op_name(o) for o in missing if o is not op)
+        reason = NOT_SUPPORTED.get(op, "no TFLite builder is registered for it")
+        if others:
+            reason += f" (also unsupported: {', '.join(others)})"
+        raise UnsupportedOpError(op_name(op), target="litert", reason=reason, count=count,
+                                 source=user_source_line(first[op]))
+
+
+def live_nodes(prog: AtenProgram) -> list[torch.fx.Node]:
+    """The nodes the outputs depend on, in graph order; a known constant hides its inputs."""
+    nodes = list(prog.graph.nodes)
+    live: set = set()
+    stack = [n for n in nodes if n.op == "output"]
+    while stack:
+        n = stack.pop()
+        if n in live:
+            continue
+        live.add(n)
+        if n in prog.constants:
+            continue
+        stack.extend(n.all_input_nodes)
+    return [n for n in nodes if n in live]
+
+
+def constant_tensor(node: torch.fx.Node, value: torch.Tensor) -> Tensor:
+    a = to_numpy(value)
+    dtype = numpy_dtype(value.dtype)
+    if a.dtype != dtype:
+        if a.dtype.kind in "iu" and dtype.kind in "iu" and a.size:
+            info = np.iinfo(dtype)
+            # int64 sentinels (e.g. a mask fill of INT64_MIN) saturate instead of wrapping
+            a = np.clip(a, info.min, info.max)
+        a = a.astype(dtype)
+    return Tensor(node.name, a.shape, dtype, np.require(a, requirements="C"))
+
+
+def lower(prog: AtenProgram) -> Graph:
+    """The TFLite graph of ``prog``: inputs and outputs named as captured, ops from the builders."""
+    check_supported(prog)
+    graph = Graph(prog.name)
+    ctx = BuildContext(graph)
+    env: dict = {}
+    cap = prog.captured
+    # Every captured input is a signature input, used or not; 64-bit inputs are cast on entry.
+    for spec, node in zip(cap.inputs, prog.inputs):
+        val = node.meta["val"]
+        t = Tensor(spec.name, static_shape(val.shape, node), io_dtype(val.dtype))
+        graph.inputs.append(t)
+        graph.input_names.append(spec.name)
+        ctx.node = node
+        env[node] = ctx.cast(t, numpy_dtype(val.dtype))
+    for node in live_nodes(prog):
+        if node in env:
+            continue
+        ctx.node = node
+        if node in prog.constants:
+            value = prog.constants[node]
+            env[node] = constant_tensor(node, value) if isinstance(value, torch.Tensor) else value
+        elif node.op == "placeholder":
+            env[node] = None  # a non-tensor input that torch.export specialised
+        elif node.op == "call_function":
+            env[node] = _build(ctx, node, env)
+        elif node.op == "output":
+            _set_outputs(ctx, graph, [env[o] if isinstance(o, torch.fx.Node) else o for o in node.args[0]], cap)
+        else:
+            raise UnsupportedOpError(f"{node.op} {node.target}", target="litert",
+                                     reason="graph node kind not supported", source=user_source_line(node))
+    return graph
+
+
+def _build(ctx: BuildContext, node: torch.fx.Node, env: dict):
+    args = map_arg(node.args, env.__getitem__)
+    kwargs = map_arg(node.kwargs, env.__getitem__)
+    if node.target is operator.getitem:
+        return args[0][args[1]]
+    if node.target in _IGNORED:
+        return None
+    missing = _missing_args(args, kwargs)
+    if missing:
+        raise UnsupportedOpError(op_name(node.target), target="litert",
+                                 reason=f"it reads {missing[0].what}, which the litert target cannot compute",
+                                 source=user_source_line(node))
+    rule = BUILDERS[node.target]
+    try:
+        result = rule(ctx, *args, **kwargs)
+    except TteError:
+        raise
+    except Exception as e:
+        src = user_source_line(node)
+        raise ConversionError(f"building {op_name(node.target)} failed: {type(e).__name__}: {e}"
+                              + (f"\n  at {src}" if src else ""),
+                              hint="this is a bug in torchtpu-export; rerun with --debug and report it") from e
+    return result
+
+
+def _missing_args(args, kwargs) -> list:
+    found = []
+
+    def visit(a):
+        if isinstance(a, Missing):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                visit(x)
+    visit(args)
+    visit(kwargs)
+    return found
+
+
+def _set_outputs(ctx: BuildContext, graph: Graph, values: list, cap: CapturedProgram) -> None:
+    ctx.node = None
+    seen: set[int] = set()
+    for spec, v in zip(cap.outputs, values):
+        want = np.dtype(_io_np(spec.dtype))
+        if isinstance(v, Missing):
+            raise UnsupportedOpError(spec.name, target="litert",
+                                     reason=f"the model returns {v.what}, which the litert target cannot compute")
+        if not isinstance(v, Tensor):
+            v = ctx.const(np.asarray(v if not isinstance(v, torch.Tensor) else to_numpy(v)))
+        if v.dtype != want:
+            out = ctx.tensor(v.shape, want, name=spec.name)
+            ctx.op("CAST", [v], outputs=[out])
+            v = out
+        elif v.is_const or id(v) in seen or any(v is t for t in graph.inputs):
+            # a signature output must be a tensor of its own that an op writes
+            out = ctx.tensor(v.shape, v.dtype, name=spec.name)
+            ctx.op("RESHAPE", [v, np.asarray(v.shape, np.int32)], outputs=[out])
+            v = out
+        else:
+            v.name = spec.name
+        seen.add(id(v))
+        graph.outputs.append(v)
+        graph.output_names.append(spec.name)
+
+
+def _io_np(dtype_name: str):
+    return io_dtype(getattr(torch, dtype_name))

@@ -1,0 +1,355 @@
+"""Shape and data-movement ops: views, permutes, concatenation, slicing, padding, casts, copies."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .ir import Tensor
+from .registry import builds
+
+aten = torch.ops.aten
+
+
+def _dims(dims, rank) -> list[int]:
+    if isinstance(dims, int):
+        dims = [dims]
+    return [d % rank if rank else 0 for d in dims]
+
+
+@builds(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default)
+def view(ctx, x, shape):
+    return ctx.reshape(x, ctx.out_shape())
+
+
+@builds(aten.flatten.using_ints)
+def flatten(ctx, x, start_dim=0, end_dim=-1):
+    return ctx.reshape(x, ctx.out_shape())
+
+
+@builds(aten.unflatten.int)
+def unflatten(ctx, x, dim, sizes):
+    return ctx.reshape(x, ctx.out_shape())
+
+
+@builds(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default)
+def squeeze(ctx, x, *dims):
+    return ctx.reshape(x, ctx.out_shape())
+
+
+@builds(aten.permute.default)
+def permute(ctx, x, dims):
+    return ctx.transpose(x, _dims(dims, x.rank))
+
+
+@builds(aten.transpose.int)
+def transpose(ctx, x, a, b):
+    perm = list(range(x.rank))
+    a, b = _dims([a, b], x.rank)
+    perm[a], perm[b] = perm[b], perm[a]
+    return ctx.transpose(x, perm)
+
+
+@builds(aten.t.default)
+def t(ctx, x):
+    return ctx.transpose(x, (1, 0)) if x.rank == 2 else x
+
+
+@builds(aten.expand.default, aten.expand_copy.default)
+def expand(ctx, x, size, *, implicit=False):
+    shape = ctx.out_shape()
+    if x.rank < len(shape):
+        x = ctx.reshape(x, (1,) * (len(shape) - x.rank) + x.shape)
+    return ctx.broadcast_to(x, shape)
+
+
+@builds(aten.expand_as.default)
+def expand_as(ctx, x, other):
+    return expand(ctx, x, other.shape)
+
+
+@builds(aten.clone.default, aten.alias.default, aten.contiguous.default, aten.detach.default, aten.lift_fresh_copy.default,
+        aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default)
+def identity(ctx, x, *args, **kwargs):
+    if ctx.node.target in (aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default) \
+            and len(args) > 1 and args[1]:
+        raise ctx.unsupported("dropout in training mode (call model.eval() before converting)")
+    return x
+
+
+@builds(aten.copy.default)
+def copy(ctx, dst, src, non_blocking=False):
+    return ctx.broadcast_to(ctx.cast(src, ctx.out_dtype()), ctx.out_shape())
+
+
+@builds(aten.native_dropout.default)
+def native_dropout(ctx, x, p, train):
+    if train and p > 0:
+        raise ctx.unsupported("dropout in training mode (call model.eval() before converting)")
+    return x, ctx.const(np.ones(x.shape, bool))
+
+
+@builds(aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.type_as.default)
+def to_copy(ctx, x, *args, **kwargs):
+    return ctx.cast(x, ctx.out_dtype())
+
+
+@builds(aten.cat.default, aten.concat.default, aten.concatenate.default)
+def cat(ctx, tensors, dim=0):
+    tensors = [t for t in tensors if t.size or t.rank != 1]  # torch skips legacy empty (0,) inputs
+    dt = ctx.out_dtype()
+    tensors = [ctx.cast(t, dt) for t in tensors]
+    if len(tensors) == 1:
+        return tensors[0]
+    if all(t.is_const for t in tensors):
+        return ctx.const(np.concatenate([t.data for t in tensors], axis=dim))
+    return ctx.op("CONCATENATION", tensors, axis=dim % tensors[0].rank)
+
+
+@builds(aten.stack.default)
+def stack(ctx, tensors, dim=0):
+    dim = dim % (tensors[0].rank + 1)
+    parts = [ctx.reshape(t, t.shape[:dim] + (1,) + t.shape[dim:]) for t in tensors]
+    return cat(ctx, parts, dim)
+
+
+@builds(aten.slice.Tensor, aten.slice_copy.Tensor)
+def slice_(ctx, x, dim=0, start=None, end=None, step=1):
+    dim = dim % x.rank
+    n = x.shape[dim]
+    start, end, _ = slice(start, end, step).indices(n) if step > 0 else (0, 0, 0)
+    end = max(end, start)
+    return _strided_slice(ctx, x, {dim: (start, end, step)})
+
+
+def _strided_slice(ctx, x: Tensor, ranges: dict) -> Tensor:
+    begin = [0] * x.rank
+    end = list(x.shape)
+    strides = [1] * x.rank
+    for d, (b, e, s) in ranges.items():
+        begin[d], end[d], strides[d] = b, e, s
+    shape = tuple(max(0, -(-(e - b) // s)) for b, e, s in zip(begin, end, strides))
+    if shape == x.shape:
+        return x
+    if x.is_const:
+        return ctx.const(x.data[tuple(slice(b, e, s) for b, e, s in zip(begin, end, strides))])
+    if all(s == 1 for s in strides):
+        return ctx.op("SLICE", [x, np.asarray(begin, np.int32), np.asarray(shape, np.int32)], shape=shape,
+                      dtype=x.dtype)
+    return ctx.op("STRIDED_SLICE", [x, np.asarray(begin, np.int32), np.asarray(end, np.int32),
+                                    np.asarray(strides, np.int32)], shape=shape, dtype=x.dtype)
+
+
+@builds(aten.select.int, aten.select_copy.int)
+def select(ctx, x, dim, index):
+    dim = dim % x.rank
+    index = index % x.shape[dim]
+    y = _strided_slice(ctx, x, {dim: (index, index + 1, 1)})
+    return ctx.reshape(y, x.shape[:dim] + x.shape[dim + 1:])
+
+
+@builds(aten.narrow.default)
+def narrow(ctx, x, dim, start, length):
+    dim = dim % x.rank
+    start = start % x.shape[dim] if start < 0 else start
+    return _strided_slice(ctx, x, {dim: (start, start + length, 1)})
+
+
+@builds(aten.split_with_sizes.default, aten.split.Tensor, aten.split_with_sizes_copy.default, aten.split.sizes)
+def split(ctx, x, sizes, dim=0):
+    dim = dim % x.rank
+    n = x.shape[dim]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, n - i) for i in range(0, n, sizes)] or [0]
+    outs, pos = [], 0
+    for s in sizes:
+        outs.append(_strided_slice(ctx, x, {dim: (pos, pos + s, 1)}))
+        pos += s
+    return outs
+
+
+@builds(aten.unbind.int, aten.unbind_copy.int)
+def unbind(ctx, x, dim=0):
+    dim = dim % x.rank
+    return [select(ctx, x, dim, i) for i in range(x.shape[dim])]
+
+
+@builds(aten.chunk.default)
+def chunk(ctx, x, chunks, dim=0):
+    dim = dim % x.rank
+    n = x.shape[dim]
+    size = -(-n // chunks)
+    return split(ctx, x, size, dim)
+
+
+@builds(aten.flip.default)
+def flip(ctx, x, dims):
+    dims = sorted(set(_dims(dims, x.rank)))
+    if not dims or x.rank == 0:
+        return x
+    # REVERSE_V2 takes one run of adjacent axes at a time
+    runs = [[dims[0]]]
+    for d in dims[1:]:
+        if d == runs[-1][-1] + 1:
+            runs[-1].append(d)
+        else:
+            runs.append([d])
+    for run in runs:
+        x = ctx.op("REVERSE_V2", [x, np.asarray(run, np.int32)], shape=x.shape, dtype=x.dtype)
+    return x
+
+
+@builds(aten.roll.default)
+def roll(ctx, x, shifts, dims=()):
+    shifts = [shifts] if isinstance(shifts, int) else list(shifts)
+    dims = list(dims) if dims else []
+    if not dims:
+        flat = ctx.reshape(x, (x.size,))
+        return ctx.reshape(roll(ctx, flat, shifts, [0]), x.shape)
+    for s, d in zip(shifts, dims):
+        d = d % x.rank
+        n = x.shape[d]
+        s = s % n
+        if s:
+            idx = (np.arange(n) - s) % n
+            shape = x.shape
+            x = ctx.op("GATHER", [x, idx.astype(np.int32)], shape=shape, dtype=x.dtype, axis=d)
+    return x
+
+
+@builds(aten.repeat.default)
+def repeat(ctx, x, repeats):
+    repeats = list(repeats)
+    if x.rank < len(repeats):
+        x = ctx.reshape(x, (1,) * (len(repeats) - x.rank) + x.shape)
+    if all(r == 1 for r in repeats):
+        return x
+    return ctx.op("TILE", [x, np.asarray(repeats, np.int32)])
+
+
+@builds(aten.repeat_interleave.self_int)
+def repeat_interleave(ctx, x, repeats, dim=None, *, output_size=None):
+    if dim is None:
+        x = ctx.reshape(x, (x.size,))
+        dim = 0
+    dim = dim % x.rank
+    shape = x.shape
+    # (..., n, ...) -> (..., n, 1, ...) -> broadcast (..., n, r, ...) -> (..., n * r, ...)
+    x5 = ctx.reshape(x, shape[:dim + 1] + (1,) + shape[dim + 1:])
+    x5 = ctx.broadcast_to(x5, shape[:dim + 1] + (repeats,) + shape[dim + 1:])
+    return ctx.reshape(x5, ctx.out_shape())
+
+
+def _torch_pads(pad, rank):
+    # torch's pad list (last dim first, before/after) as ((before, after), ...) for every dim.
+    pads = [(0, 0)] * rank
+    for i in range(len(pad) // 2):
+        pads[rank - 1 - i] = (int(pad[2 * i]), int(pad[2 * i + 1]))
+    return pads
+
+
+def _crop_negative(ctx, x, pads):
+    ranges = {}
+    for d, (b, a) in enumerate(pads):
+        if b < 0 or a < 0:
+            ranges[d] = (max(-b, 0), x.shape[d] - max(-a, 0), 1)
+    if ranges:
+        x = _strided_slice(ctx, x, ranges)
+    return x, [(max(b, 0), max(a, 0)) for b, a in pads]
+
+
+@builds(aten.constant_pad_nd.default)
+def constant_pad_nd(ctx, x, pad, value=0):
+    x, pads = _crop_negative(ctx, x, _torch_pads(pad, x.rank))
+    if not any(b or a for b, a in pads):
+        return x
+    spec = np.asarray(pads, np.int32)
+    if value == 0:
+        return ctx.op("PAD", [x, spec])
+    return ctx.op("PADV2", [x, spec, ctx.const(np.asarray(value).astype(x.dtype))])
+
+
+@builds(aten.pad.default)
+def pad(ctx, x, pad, mode="constant", value=None):
+    if mode == "constant":
+        return constant_pad_nd(ctx, x, pad, 0 if value is None else value)
+    if mode == "reflect":
+        return _mirror(ctx, x, pad, 0)
+    if mode == "replicate":
+        return _replicate(ctx, x, pad)
+    if mode == "circular":
+        return _circular(ctx, x, pad)
+    raise ctx.unsupported(f"padding mode {mode!r}")
+
+
+def _mirror(ctx, x, pad, mode):
+    spec = np.asarray(_torch_pads(pad, x.rank), np.int32)
+    return ctx.op("MIRROR_PAD", [x, spec], mode=mode)
+
+
+@builds(aten.reflection_pad1d.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default)
+def reflection_pad(ctx, x, padding):
+    return _mirror(ctx, x, padding, 0)  # MirrorPadMode.REFLECT
+
+
+def _gather_pad(ctx, x, pad, index_fn):
+    for d, (b, a) in enumerate(_torch_pads(pad, x.rank)):
+        if b or a:
+            n = x.shape[d]
+            idx = index_fn(np.arange(-b, n + a), n)
+            shape = x.shape[:d] + (len(idx),) + x.shape[d + 1:]
+            x = ctx.op("GATHER", [x, idx.astype(np.int32)], shape=shape, dtype=x.dtype, axis=d)
+    return x
+
+
+def _replicate(ctx, x, pad):
+    return _gather_pad(ctx, x, pad, lambda i, n: np.clip(i, 0, n - 1))
+
+
+def _circular(ctx, x, pad):
+    return _gather_pad(ctx, x, pad, lambda i, n: i % n)
+
+
+@builds(aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default)
+def replication_pad(ctx, x, padding):
+    return _replicate(ctx, x, padding)
+
+
+@builds(aten.diagonal.default, aten.diagonal_copy.default)
+def diagonal(ctx, x, offset=0, dim1=0, dim2=1):
+    d1, d2 = _dims([dim1, dim2], x.rank)
+    rest = [d for d in range(x.rank) if d not in (d1, d2)]
+    xt = ctx.transpose(x, rest + [d1, d2])
+    n1, n2 = x.shape[d1], x.shape[d2]
+    i = np.arange(max(0, -offset), min(n1, n2 - offset))
+    lead = tuple(x.shape[d] for d in rest)
+    flat = ctx.reshape(xt, lead + (n1 * n2,))
+    idx = (i * n2 + i + offset).astype(np.int32)
+    return ctx.op("GATHER", [flat, idx], shape=lead + (len(idx),), dtype=x.dtype, axis=len(lead))
+
+
+@builds(aten.as_strided.default, aten.as_strided_copy.default)
+def as_strided(ctx, x, size, stride, storage_offset=None):
+    # a static view: the flat positions it reads are known now
+    size, stride = [int(s) for s in size], [int(s) for s in stride]
+    pos = np.full(size, int(storage_offset or 0), np.int64)
+    for d, (n, s) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[d] = n
+        pos = pos + (np.arange(n) * s).reshape(shape)
+    flat = ctx.reshape(x, (x.size,))
+    return ctx.op("GATHER", [flat, pos.astype(np.int32)], shape=tuple(size), dtype=x.dtype, axis=0)
+
+
+@builds(aten.alias_copy.default, aten.permute_copy.default, aten.transpose_copy.int, aten.unsqueeze_copy.default,
+        aten.squeeze_copy.dim, aten.squeeze_copy.dims, aten.t_copy.default, aten.detach_copy.default)
+def view_copies(ctx, x, *args):
+    out = ctx.out_shape()
+    target = ctx.node.target
+    if target is aten.permute_copy.default:
+        return permute(ctx, x, args[0])
+    if target is aten.transpose_copy.int:
+        return transpose(ctx, x, *args)
+    if target is aten.t_copy.default:
+        return t(ctx, x)
+    return ctx.reshape(x, out)
+

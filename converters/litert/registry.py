@@ -1,0 +1,261 @@
+"""The table of TFLite builders, keyed by ATen overload, and what a builder may use.
+
+A builder is ``rule(ctx, *args, **kwargs)``: the node's arguments with every
+fx.Node replaced by its :class:`~.ir.Tensor` (constants included). It emits
+TFLite ops through ``ctx`` and returns the result tensor (or a tuple)::
+
+    @builds(aten.gelu.default)
+    def gelu(ctx, x, approximate="none"):
+        return ctx.op("GELU", [x], approximate=approximate == "tanh")
+
+Builders work in torch's own layout (NCHW): an op that TFLite only has
+channels-last (CONV_2D, pools, resizes) is wrapped in TRANSPOSEs by
+:meth:`BuildContext.channels_last`, and the layout pass removes them.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+from torchtpu_export.errors import UnsupportedOpError
+
+from .ir import Graph, Op, Tensor
+
+BUILDERS: dict[object, Callable] = {}
+
+# Ops with no builder, and why. Kept explicit so the coverage table can say so.
+NOT_SUPPORTED: dict[object, str] = {}
+
+
+def builds(*ops):
+    """Registers ``rule`` as the TFLite builder of ``ops``."""
+    def register(rule):
+        for op in ops:
+            BUILDERS[op] = rule
+        return rule
+    return register
+
+
+def not_supported(reason: str, *ops) -> None:
+    for op in ops:
+        NOT_SUPPORTED[op] = reason
+
+
+class Missing:
+    """A result a builder cannot produce (e.g. max-pool indices); an error only if something reads it."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+
+# Inside the model, 64-bit values are computed in 32 bits: most TFLite kernels (and every
+# delegate) have no int64/float64 path. Inputs and outputs keep torch's dtypes.
+# Half floats compute in float32 too (few TFLite kernels take them); bfloat16 inputs and
+# outputs are float32, as numpy and most runtimes have no bfloat16.
+# Integers narrower than 32 bits compute in int32 too: TFLite's arithmetic kernels take 8- and
+# 16-bit integers only as quantized values (some abort on them); casting back wraps like torch.
+_NARROW = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.float32),
+           np.dtype(np.uint64): np.dtype(np.uint32), np.dtype(np.float16): np.dtype(np.float32),
+           np.dtype(np.int8): np.dtype(np.int32), np.dtype(np.uint8): np.dtype(np.int32),
+           np.dtype(np.int16): np.dtype(np.int32), np.dtype(np.uint16): np.dtype(np.int32)}
+_IO_NARROW = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.float32),
+              np.dtype(np.uint64): np.dtype(np.uint32)}
+_TORCH_NP = {
+    torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16, torch.int8: np.int8,
+    torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64, torch.uint8: np.uint8,
+    torch.bool: np.bool_, torch.uint16: np.uint16, torch.uint32: np.uint32, torch.uint64: np.uint64,
+    torch.complex64: np.complex64, torch.bfloat16: np.float32,
+}
+F32, I32, BOOL = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.bool_)
+# NCHW -> NHWC (and NCL -> NLC, NCDHW -> NDHWC) by rank
+TO_CHANNELS_LAST = {3: (0, 2, 1), 4: (0, 2, 3, 1), 5: (0, 2, 3, 4, 1)}
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype of a torch dtype as stored in the model (64-bit narrowed to 32)."""
+    try:
+        d = np.dtype(_TORCH_NP[dtype])
+    except KeyError:
+        raise UnsupportedOpError(str(dtype), target="litert", reason="TFLite has no such tensor type") from None
+    return _NARROW.get(d, d)
+
+
+def io_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype of a model input or output in the flatbuffer.
+
+    64-bit values are 32-bit (CompiledModel buffers and most delegates have no int64);
+    float16 stays float16; bfloat16 is float32. The signature metadata keeps torch's
+    dtype, and the runtime converts at the boundary.
+    """
+    try:
+        d = np.dtype(_TORCH_NP[dtype])
+    except KeyError:
+        raise UnsupportedOpError(str(dtype), target="litert", reason="TFLite has no such tensor type") from None
+    return _IO_NARROW.get(d, d)
+
+
+def inverse(perm: Sequence[int]) -> tuple:
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return tuple(inv)
+
+
+def _meta(x):
+    return x.meta.get("val") if isinstance(x, torch.fx.Node) else x
+
+
+class BuildContext:
+    """Emits the ops of one graph; ``node`` is the ATen node being built."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.node: torch.fx.Node | None = None
+        self._count = 0
+
+    # ---- what torch says about the node ------------------------------------------------
+
+    @property
+    def out(self):
+        """The node's output as a FakeTensor (or a tuple of them)."""
+        return self.node.meta.get("val")
+
+    def out_dtype(self, index: int | None = None) -> np.dtype:
+        val = self.out if index is None else self.out[index]
+        return numpy_dtype(val.dtype)
+
+    def out_shape(self, index: int | None = None) -> tuple:
+        val = self.out if index is None else self.out[index]
+        return static_shape(val.shape, self.node)
+
+    def arg_dtype(self, i: int) -> np.dtype | None:
+        v = _meta(self.node.args[i]) if i < len(self.node.args) else None
+        return numpy_dtype(v.dtype) if isinstance(v, torch.Tensor) else None
+
+    def promoted_dtype(self, kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT) -> np.dtype:
+        """torch's computation dtype for an elementwise op over the node's tensor and number arguments."""
+        vals = [_meta(a) for a in self.node.args]
+        vals = [v for v in vals if isinstance(v, (torch.Tensor, bool, int, float))]
+        compute, _ = elementwise_dtypes(*vals, type_promotion_kind=kind)
+        return numpy_dtype(compute)
+
+    def unsupported(self, reason: str) -> UnsupportedOpError:
+        from torchtpu_export.capture import op_name, user_source_line
+        return UnsupportedOpError(op_name(self.node.target), target="litert", reason=reason,
+                                  source=user_source_line(self.node))
+
+    # ---- making tensors and ops ------------------------------------------------------
+
+    def _name(self, suffix: str = "") -> str:
+        self._count += 1
+        base = self.node.name if self.node is not None else "t"
+        return f"{base}/{suffix or self._count}"
+
+    def tensor(self, shape, dtype, *, name: str | None = None, channels_last: bool = False) -> Tensor:
+        return Tensor(name or self._name(), shape, dtype, channels_last=channels_last)
+
+    def const(self, value, dtype=None, *, name: str | None = None) -> Tensor:
+        """A constant tensor holding ``value`` (a number, list or array)."""
+        a = np.asarray(value, dtype=dtype)
+        a = a.astype(_NARROW.get(a.dtype, a.dtype), copy=False)
+        return Tensor(name or self._name("const"), a.shape, a.dtype, np.require(a, requirements="C"))
+
+    def scalar_like(self, value, x: Tensor) -> Tensor:
+        return self.const(np.asarray(value, dtype=x.dtype))
+
+    def op(self, code: str, inputs: Sequence, *, shape=None, dtype=None, outputs: Sequence | None = None,
+           **options):
+        """Emits ``code`` and returns its output tensor (or list, when ``outputs`` is given).
+
+        Inputs that are numbers or arrays become constants. The output takes ``shape``
+        and ``dtype``; without ``shape`` it is the node's result (torch's shape and dtype),
+        with ``shape`` but no ``dtype`` an intermediate of its first input's dtype.
+        """
+        ins = [x if x is None or isinstance(x, Tensor) else self.const(x) for x in inputs]
+        if outputs is None:
+            if dtype is None:
+                # an intermediate (shape given) has its first input's dtype; the node's result, torch's
+                first = ins[1] if code in ("SELECT", "SELECT_V2") else next((t for t in ins if t is not None), None)
+                dtype = first.dtype if shape is not None and first is not None else self.out_dtype()
+            out = self.tensor(self.out_shape() if shape is None else shape, dtype)
+            self.graph.ops.append(Op(code, ins, [out], options))
+            return out
+        self.graph.ops.append(Op(code, ins, list(outputs), options))
+        return list(outputs)
+
+    # ---- helpers many builders share --------------------------------------------------
+
+    def cast(self, x: Tensor, dtype) -> Tensor:
+        dtype = np.dtype(dtype)
+        dtype = _NARROW.get(dtype, dtype)
+        if x.dtype == dtype:
+            return x
+        if x.is_const:
+            return self.const(x.data.astype(dtype))
+        return self.op("CAST", [x], shape=x.shape, dtype=dtype)
+
+    def reshape(self, x: Tensor, shape) -> Tensor:
+        shape = tuple(int(d) for d in shape)
+        if x.shape == shape:
+            return x
+        if x.is_const:
+            return self.const(x.data.reshape(shape))
+        return self.op("RESHAPE", [x, np.asarray(shape, np.int32)], shape=shape, dtype=x.dtype)
+
+    def transpose(self, x: Tensor, perm, *, channels_last: bool = False) -> Tensor:
+        perm = tuple(int(p) for p in perm)
+        if perm == tuple(range(len(perm))):
+            return x
+        if x.is_const:
+            return self.const(np.transpose(x.data, perm))
+        out = self.tensor(tuple(x.shape[p] for p in perm), x.dtype, channels_last=channels_last)
+        return self.op("TRANSPOSE", [x, np.asarray(perm, np.int32)], outputs=[out])[0]
+
+    def to_channels_last(self, x: Tensor) -> Tensor:
+        """``x`` (NC...) as an N...C tensor that native channels-last ops read."""
+        return self.transpose(x, TO_CHANNELS_LAST[x.rank], channels_last=True)
+
+    def from_channels_last(self, y: Tensor) -> Tensor:
+        """A channels-last result back in torch's layout."""
+        if not y.channels_last:
+            raise ValueError("from_channels_last expects a channels-last tensor")
+        return self.transpose(y, inverse(TO_CHANNELS_LAST[y.rank]))
+
+    def channels_last_tensor(self, shape_ncx, dtype) -> Tensor:
+        """A new channels-last output for an NC... result of ``shape_ncx``."""
+        perm = TO_CHANNELS_LAST[len(shape_ncx)]
+        return self.tensor(tuple(shape_ncx[p] for p in perm), dtype, channels_last=True)
+
+    def broadcast_to(self, x: Tensor, shape) -> Tensor:
+        shape = tuple(shape)
+        if x.shape == shape:
+            return x
+        if x.is_const:
+            return self.const(np.broadcast_to(x.data, shape))
+        grown = [d for d, (a, b) in enumerate(zip(x.shape, shape)) if a != b]
+        if x.rank == len(shape) and len(grown) <= 2 and all(shape[d] <= 4 for d in grown):
+            # a few copies side by side: XNNPACK runs CONCATENATION, not BROADCAST_TO
+            for d in grown:
+                out_shape = x.shape[:d] + (shape[d],) + x.shape[d + 1:]
+                x = self.op("CONCATENATION", [x] * shape[d], shape=out_shape, dtype=x.dtype, axis=d)
+            return x
+        return self.op("BROADCAST_TO", [x, np.asarray(shape, np.int32)], shape=shape, dtype=x.dtype)
+
+
+def static_shape(shape, node=None) -> tuple:
+    out = []
+    for d in shape:
+        if isinstance(d, torch.SymInt):
+            text = str(d)
+            if not text.lstrip("-").isdigit():
+                from torchtpu_export.capture import op_name, user_source_line
+                raise UnsupportedOpError(op_name(node.target) if node is not None else "dynamic shape",
+                                         target="litert", reason=f"dynamic dimension {text} is not supported here",
+                                         source=user_source_line(node) if node is not None else None,
+                                         hint="export with static shapes (no dynamic_shapes)")
+            d = int(text)
+        out.append(int(d))
+    return tuple(out)

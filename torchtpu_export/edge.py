@@ -1,0 +1,311 @@
+"""The edge model: a ``.tflite`` flatbuffer held in memory and run on LiteRT.
+
+``tte.convert`` returns an :class:`EdgeModel`; ``tte.load("model.tflite")``
+gives one back. Flatbuffers made by torchtpu-export carry their inputs' and
+outputs' pytree structure in their ``torchtpu_export`` metadata, so a loaded
+model takes and returns the same structures as the original module; other
+``.tflite`` files are called with their signature's inputs in order.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+import torch.utils._pytree as pytree
+
+from .errors import ArtifactError, InputError
+from .fileio import write_bytes_atomic
+from .specs import TensorSpec, numpy_dtype
+
+METADATA_NAME = "torchtpu_export"
+_TYPE_NAMES = {0: "float32", 1: "float16", 2: "int32", 3: "uint8", 4: "int64", 5: "string", 6: "bool", 7: "int16",
+               8: "complex64", 9: "int8", 10: "float64", 11: "complex128", 12: "uint64", 15: "uint32", 16: "uint16",
+               18: "bfloat16"}
+
+
+def _model(content: bytes):
+    from ai_edge_litert import schema_py_generated as fb
+    if len(content) < 8 or content[4:8] != b"TFL3":
+        raise ArtifactError("not a TFLite flatbuffer (no TFL3 identifier)")
+    try:
+        return fb.Model.GetRootAs(content, 0)
+    except Exception as e:
+        raise ArtifactError(f"cannot parse the TFLite flatbuffer ({type(e).__name__}: {e})") from e
+
+
+def weights_digest(chunks) -> str:
+    """blake2b of a model's constant buffers in order (each prefixed by its length)."""
+    h = hashlib.blake2b(digest_size=16)
+    for c in chunks:
+        h.update(len(c).to_bytes(8, "little"))
+        h.update(c)
+    return h.hexdigest()
+
+
+def _damaged(e: Exception) -> ArtifactError:
+    return ArtifactError(f"the TFLite flatbuffer is truncated or damaged ({type(e).__name__}: {str(e)[:120]})",
+                         hint="convert or download the model again")
+
+
+def _buffers_of(model, content: bytes, skip: set) -> list:
+    out = []
+    for i in range(1, model.BuffersLength()):
+        if i not in skip:
+            out.append(_buffer_bytes(model, content, i))
+    return out
+
+
+def _buffer_bytes(model, content: bytes, index: int) -> bytes:
+    buf = model.Buffers(index)
+    if buf.Offset() > 1:  # stored after the flatbuffer (models past 2 GB)
+        return bytes(content[buf.Offset():buf.Offset() + buf.Size()])
+    return buf.DataAsNumpy().tobytes() if buf.DataLength() else b""
+
+
+def read_metadata(content: bytes, *, verify: bool = False) -> dict | None:
+    """The ``torchtpu_export`` metadata of a flatbuffer, or None for files made elsewhere.
+
+    With ``verify``, the constants are checked against the digest the metadata records.
+    """
+    model = _model(content)
+    try:
+        for i in range(model.MetadataLength()):
+            m = model.Metadata(i)
+            if m.Name() and m.Name().decode() == METADATA_NAME:
+                meta = json.loads(_buffer_bytes(model, content, m.Buffer()))
+                if verify and "weights_blake2b" in meta:
+                    data = _buffers_of(model, content, {m.Buffer()})
+                    if weights_digest(data) != meta["weights_blake2b"]:
+                        raise ArtifactError("the model's weights do not match the digest written with them",
+                                            hint="the file was damaged after conversion: convert it again")
+                return meta
+    except ArtifactError:
+        raise
+    except Exception as e:
+        raise _damaged(e) from e
+    return None
+
+
+def _signature_io(model) -> dict:
+    # Per signature: input and output TensorSpecs read from the SignatureDefs themselves.
+    out = {}
+    for i in range(model.SignatureDefsLength()):
+        sig = model.SignatureDefs(i)
+        sub = model.Subgraphs(sig.SubgraphIndex())
+
+        def specs(n, get):
+            res = []
+            for j in range(n):
+                tm = get(j)
+                t = sub.Tensors(tm.TensorIndex())
+                shape = tuple(int(d) for d in t.ShapeAsNumpy()) if t.ShapeLength() else ()
+                res.append(TensorSpec(tm.Name().decode(), shape, _TYPE_NAMES.get(t.Type(), str(t.Type()))))
+            return res
+        out[sig.SignatureKey().decode()] = {"inputs": specs(sig.InputsLength(), sig.Inputs),
+                                            "outputs": specs(sig.OutputsLength(), sig.Outputs),
+                                            "subgraph": sig.SubgraphIndex()}
+    return out
+
+
+class EdgeModel:
+    """A LiteRT flatbuffer: ``edge(*args)`` runs it; ``edge.export(path)`` writes it.
+
+    With several signatures (``tte.signature``), pick one with ``signature_name``.
+    Inputs may be torch tensors or numpy arrays; outputs are numpy arrays, in the
+    structure the module returned.
+    """
+
+    def __init__(self, content: bytes, signatures: dict | None = None):
+        self._content = bytes(content)
+        model = _model(self._content)
+        try:
+            self._io = _signature_io(model)
+        except Exception as e:
+            raise _damaged(e) from e
+        meta = read_metadata(self._content, verify=True) if signatures is None else {"signatures": signatures}
+        self._meta = (meta or {}).get("signatures", {})
+        if not self._io:
+            raise ArtifactError("the flatbuffer has no SignatureDef; LiteRT runs models through signatures",
+                                hint="convert it with a tool that writes signatures (e.g. torchtpu-export)")
+        self._runners: dict = {}
+        self._interpreters: dict = {}
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "EdgeModel":
+        try:
+            with open(path, "rb") as f:
+                content = f.read()
+        except OSError as e:
+            raise InputError(f"cannot read {path}: {e.strerror}") from e
+        return cls(content)
+
+    # ---- what it holds ---------------------------------------------------------------------
+
+    @property
+    def signatures(self) -> list[str]:
+        return list(self._io)
+
+    def _signature(self, signature_name: str | None) -> str:
+        if signature_name is None:
+            if len(self._io) != 1:
+                raise InputError(f"this model has several signatures {self.signatures}: pass signature_name=")
+            return self.signatures[0]
+        if signature_name not in self._io:
+            raise InputError(f"no signature {signature_name!r}; this model has {self.signatures}")
+        return signature_name
+
+    def inputs(self, signature_name: str | None = None) -> list[TensorSpec]:
+        """The inputs as the original module takes them (torch's dtypes)."""
+        sig = self._signature(signature_name)
+        if sig in self._meta:
+            return [TensorSpec.from_json(d) for d in self._meta[sig]["inputs"]]
+        return list(self._io[sig]["inputs"])
+
+    def outputs(self, signature_name: str | None = None) -> list[TensorSpec]:
+        sig = self._signature(signature_name)
+        if sig in self._meta:
+            return [TensorSpec.from_json(d) for d in self._meta[sig]["outputs"]]
+        return list(self._io[sig]["outputs"])
+
+    def model_content(self) -> bytes:
+        """The flatbuffer's bytes."""
+        return self._content
+
+    tflite_model = model_content
+
+    def export(self, path: str | os.PathLike) -> None:
+        """Writes the ``.tflite`` file atomically (a failed write leaves nothing behind)."""
+        write_bytes_atomic(path, self._content)
+
+    save = export
+
+    # ---- running it ------------------------------------------------------------------------
+
+    def runner(self, signature_name: str | None = None, *, runtime: str = "interpreter",
+               num_threads: int | None = None):
+        """The runner of one signature: LiteRT's ``"interpreter"`` or its ``"compiled_model"`` API."""
+        from .runtimes import litert
+        sig = self._signature(signature_name)
+        if runtime not in litert.RUNTIMES:
+            raise InputError(f"unknown LiteRT runtime {runtime!r}; choose one of {', '.join(litert.RUNTIMES)}")
+        key = (sig, runtime, num_threads)
+        if key not in self._runners:
+            ins, outs = self.inputs(sig), self.outputs(sig)
+            io_ins = {s.name: s for s in self._io[sig]["inputs"]}
+            io_outs = {s.name: s for s in self._io[sig]["outputs"]}
+            ins = [io_ins.get(s.name, s) for s in ins]
+            outs = [io_outs.get(s.name, s) for s in outs]
+            if runtime == "interpreter":
+                # one Interpreter serves every signature of the model
+                interp = self._interpreters.get(num_threads)
+                r = litert.InterpreterRunner(self._content, sig, ins, outs, num_threads=num_threads,
+                                             interpreter=interp)
+                self._interpreters[num_threads] = r.interpreter
+            else:
+                r = litert.CompiledModelRunner(self._content, sig, ins, outs, num_threads=num_threads)
+            self._runners[key] = r
+        return self._runners[key]
+
+    def run_flat(self, inputs: Sequence, signature_name: str | None = None, *,
+                 runtime: str = "interpreter") -> list[np.ndarray]:
+        """Runs on already-flattened inputs (the signature's input order); returns the flat outputs."""
+        sig = self._signature(signature_name)
+        specs = self.inputs(sig)
+        if len(inputs) != len(specs):
+            raise InputError(f"expected {len(specs)} inputs ({', '.join(str(s) for s in specs)}), got {len(inputs)}")
+        outs = self.runner(sig, runtime=runtime).run(list(inputs))
+        # 64-bit outputs travel as 32-bit ones inside the model: give back torch's dtype
+        return [o.astype(numpy_dtype(s.dtype)) if s.dtype != "bfloat16" and o.dtype != numpy_dtype(s.dtype) else o
+                for o, s in zip(outs, self.outputs(sig))]
+
+    def __call__(self, *args, signature_name: str | None = None, **kwargs):
+        sig = self._signature(signature_name)
+        meta = self._meta.get(sig)
+        if meta is None:
+            if kwargs:
+                raise InputError("this .tflite was not made by torchtpu-export: pass inputs positionally")
+            outs = self.run_flat(list(args), sig)
+            return outs[0] if len(outs) == 1 else tuple(outs)
+        from .capture import flatten_call_args
+        constants = {int(k): v for k, v in meta.get("constant_inputs", {}).items()}
+        flat = flatten_call_args(pytree.treespec_loads(meta["in_spec"]), constants, args, kwargs)
+        outs = self.run_flat(flat, sig)
+        return pytree.tree_unflatten(outs, pytree.treespec_loads(meta["out_spec"]))
+
+    def __repr__(self) -> str:
+        return f"EdgeModel(signatures={self.signatures}, {len(self._content):,} bytes)"
+
+
+_OP_NAMES: dict | None = None
+
+
+def _op_names() -> dict:
+    global _OP_NAMES
+    if _OP_NAMES is None:
+        from ai_edge_litert import schema_py_generated as fb
+        _OP_NAMES = {v: k for k, v in vars(fb.BuiltinOperator).items() if not k.startswith("_")}
+    return _OP_NAMES
+
+
+def describe_tflite(path: str) -> dict:
+    """What ``torchtpu-export inspect`` prints for a ``.tflite``: signatures, I/O, op histograms, sizes."""
+    try:
+        with open(path, "rb") as f:
+            content = f.read()
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror}") from e
+    try:
+        return _describe(path, content)
+    except ArtifactError:
+        raise
+    except Exception as e:
+        raise _damaged(e) from e
+
+
+def _describe(path: str, content: bytes) -> dict:
+    model = _model(content)
+    names = _op_names()
+    codes = []
+    for i in range(model.OperatorCodesLength()):
+        oc = model.OperatorCodes(i)
+        code = max(oc.BuiltinCode(), oc.DeprecatedBuiltinCode())
+        codes.append(names.get(code, f"CUSTOM:{(oc.CustomCode() or b'').decode()}" if code == 32 else str(code)))
+    io = _signature_io(model)
+    meta = read_metadata(content) or {}
+    programs = {}
+    transposes = 0
+    for sig, spec in io.items():
+        sub = model.Subgraphs(spec["subgraph"])
+        hist: dict[str, int] = {}
+        for j in range(sub.OperatorsLength()):
+            name = codes[sub.Operators(j).OpcodeIndex()]
+            hist[name] = hist.get(name, 0) + 1
+        transposes += hist.get("TRANSPOSE", 0)
+        sig_meta = meta.get("signatures", {}).get(sig)
+        programs[sig] = {
+            "inputs": [s.to_json() for s in spec["inputs"]], "outputs": [s.to_json() for s in spec["outputs"]],
+            "op_histogram": dict(sorted(hist.items())), "transposes": hist.get("TRANSPOSE", 0),
+            "torch_inputs": sig_meta["inputs"] if sig_meta else None,
+        }
+    weight_bytes, weight_count = 0, 0
+    meta_buffers = {model.Metadata(i).Buffer() for i in range(model.MetadataLength())}
+    for i in range(model.BuffersLength()):
+        if i in meta_buffers:
+            continue
+        b = model.Buffers(i)
+        n = b.Size() if b.Offset() > 1 else b.DataLength()
+        if n:
+            weight_count += 1
+            weight_bytes += n
+    versions = meta.get("versions", {})
+    return {
+        "path": path, "kind": "litert", "size": os.path.getsize(path), "programs": programs,
+        "versions": versions, "schema_version": model.Version(),
+        "weights": {"count": weight_count, "bytes": weight_bytes},
+        "transposes": transposes,
+        "extra_lines": [f"TRANSPOSE ops: {transposes}",
+                        "made by torchtpu-export" if meta else "not made by torchtpu-export (no pytree metadata)"],
+    }
