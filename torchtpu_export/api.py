@@ -180,10 +180,48 @@ def export(module, sample_args: Sequence = (), sample_kwargs: dict | None = None
                        mesh=mesh, sharding=sharding)
 
 
+class ChannelsLast(torch.nn.Module):
+    """``module`` with its 4-D floating inputs and outputs in NHWC (as camera frames and canvases give them)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        to_nchw = lambda t: t.permute(0, 3, 1, 2) if _image_like(t) else t  # noqa: E731
+        out = self.module(*pytree.tree_map(to_nchw, args), **pytree.tree_map(to_nchw, kwargs))
+        return pytree.tree_map(lambda t: t.permute(0, 2, 3, 1) if _image_like(t) else t, out)
+
+
+def _image_like(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()
+
+
+def channels_last(module, sample_args: Sequence, sample_kwargs: dict | None = None):
+    """The module wrapped to take and give NHWC images, and its sample inputs transposed to match."""
+    from .capture import to_torch
+    to_nhwc = lambda t: t.permute(0, 2, 3, 1).contiguous() if _image_like(t) else t  # noqa: E731
+    args = pytree.tree_map(to_nhwc, pytree.tree_map(to_torch, tuple(sample_args)))
+    kwargs = pytree.tree_map(to_nhwc, pytree.tree_map(to_torch, dict(sample_kwargs or {})))
+    if not any(_image_like(t) for t in pytree.tree_leaves((args, kwargs))):
+        raise InputError("channels_last_io=True needs a 4-D floating input (an NCHW image)")
+    return ChannelsLast(module), args, kwargs
+
+
 def convert(module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *, dynamic_shapes=None,
-            quant_config=None, strict_export: bool | str = False, **options):
-    """Converts ``module`` to a LiteRT flatbuffer (a drop-in for ``litert_torch.convert``)."""
+            quant_config=None, strict_export: bool | str = False, channels_last_io: bool = False, **options):
+    """Converts ``module`` to a LiteRT flatbuffer (a drop-in for ``litert_torch.convert``).
+
+    ``channels_last_io=True``: 4-D float inputs and outputs are NHWC in the file (the NCHW sample
+    inputs are transposed for you), so a vision model takes camera frames as they come, with no
+    TRANSPOSE at its boundary. ``io_dtypes="web"``: every input and output is float32, int32 or
+    uint8, the tensor types LiteRT.js accepts (int64 token ids become int32, checked to fit).
+    """
     from .converters import litert
+    if not isinstance(sample_args, (tuple, list)):
+        sample_args = (sample_args,)
+    if channels_last_io:
+        module, sample_args, sample_kwargs = channels_last(module, sample_args, sample_kwargs)
     caps = _captures([("serving_default", module, sample_args, sample_kwargs, None)], "litert", strict_export,
                      dynamic_shapes)
     return litert.convert_programs(caps, quant_config=quant_config, **options)

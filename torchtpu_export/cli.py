@@ -95,6 +95,10 @@ def _convert_parser() -> argparse.ArgumentParser:
                    help="tpu target: shard over a device mesh, e.g. data=1,model=8")
     p.add_argument("--sharding", default=None, choices=["tensor_parallel", "data_parallel", "replicated"],
                    help="tpu target with --mesh: how weights and inputs are split (default tensor_parallel)")
+    p.add_argument("--io-dtypes", default=None, choices=["auto", "web"],
+                   help="litert target: 'web' makes every input/output float32, int32 or uint8 (LiteRT.js)")
+    p.add_argument("--channels-last", action="store_true",
+                   help="litert target: 4-D float inputs and outputs in NHWC (camera frames, canvases)")
     p.add_argument("--quantize", default=None, metavar="RECIPE", help="quantization recipe (see README)")
     p.add_argument("--strict", default="false", choices=["false", "true", "auto"], help="torch.export strict mode")
     p.add_argument("--trust-pickle", action="store_true",
@@ -131,6 +135,11 @@ def _convert(args) -> int:
     if args.target == "tpu":
         options = dict(platforms=tuple(p for p in args.platforms.split(",") if p), kernels=args.kernels,
                        narrow_64bit=args.narrow_64bit, mesh=_parse_mesh(args.mesh), sharding=args.sharding)
+    elif args.target == "litert":
+        options = {k: v for k, v in (("io_dtypes", args.io_dtypes), ("channels_last_io", args.channels_last))
+                   if v}
+    if args.target != "litert" and (args.io_dtypes or args.channels_last):
+        raise InputError("--io-dtypes and --channels-last apply to --target litert")
     if args.quantize:
         options["quant_config"] = args.quantize
     if isinstance(model, torch.export.ExportedProgram) and sample is not None:
@@ -156,6 +165,9 @@ def _check(args, model, margs, mkwargs, artifact) -> int:
 
     from .numerics import DEFAULT_RTOL, compare
     eager = model.module() if isinstance(model, torch.export.ExportedProgram) else model
+    if getattr(args, "channels_last", False):  # the artifact takes and gives NHWC images
+        from .api import channels_last
+        eager, margs, mkwargs = channels_last(eager, margs, mkwargs)
     with torch.no_grad():
         ref = pytree.tree_leaves(eager(*margs, **mkwargs))
     got = pytree.tree_leaves(artifact(*margs, **mkwargs))

@@ -65,7 +65,7 @@ def coerce_input(spec: TensorSpec, x, *, dtype: str | None = None) -> np.ndarray
     if len(a.shape) != len(spec.shape) or any(isinstance(d, int) and d != n for d, n in zip(spec.shape, a.shape)):
         raise InputError(f"input {spec.name}: expected shape {list(spec.shape)}, got {list(a.shape)}")
     if a.dtype != want:
-        if a.dtype.kind != want.kind and not (a.dtype.kind in "iu" and want.kind in "iu"):
+        if a.dtype.kind != want.kind and not (a.dtype.kind in "iub" and want.kind in "iu"):
             raise InputError(f"input {spec.name}: expected {spec.dtype}, got {a.dtype.name}")
         if want.kind in "iu" and a.size:
             info = np.iinfo(want)

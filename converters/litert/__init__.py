@@ -20,7 +20,7 @@ from torchtpu_export.errors import InputError, UnsupportedOpError
 from . import ops_elementwise, ops_index, ops_misc, ops_nn, ops_reduction, ops_shape  # noqa: F401 (registration)
 from .lower import AtenProgram, check_supported  # noqa: F401
 from .passes import PIPELINE, run_pipeline
-from .registry import BUILDERS, NOT_SUPPORTED, builds  # noqa: F401
+from .registry import BUILDERS, IO_DTYPES, NOT_SUPPORTED, builds  # noqa: F401
 from .writer import METADATA_NAME, serialize
 
 log = logging.getLogger("torchtpu_export")
@@ -64,12 +64,18 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
     ``model_content()``; each signature's I/O and pytree specs are also in the
     flatbuffer's ``torchtpu_export`` metadata).
 
-    Option: ``skip_passes=("fuse_activations", ...)`` leaves optional passes out.
+    Options: ``skip_passes=("fuse_activations", ...)`` leaves optional passes out;
+    ``io_dtypes="web"`` makes every input and output float32, int32 or uint8 (what LiteRT.js
+    takes: int64 token ids become int32, bool masks int32), ``"auto"`` (default) narrows only
+    64-bit types.
     """
     if quant_config is not None:
         raise InputError("quant_config is not supported by the litert target yet",
                          hint="convert without quantization")
     skip = tuple(options.pop("skip_passes", ()))
+    io_dtypes = options.pop("io_dtypes", "auto")
+    if io_dtypes not in IO_DTYPES:
+        raise InputError(f"io_dtypes must be one of {', '.join(IO_DTYPES)}, not {io_dtypes!r}")
     unknown = sorted(set(options))
     if unknown:
         raise InputError(f"unknown option(s) for the litert target: {', '.join(unknown)}")
@@ -83,7 +89,7 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
             raise UnsupportedOpError("dynamic shapes", target="litert",
                                      reason=f"it converts static shapes only; dynamic dims in {', '.join(dynamic)}",
                                      hint="convert without dynamic_shapes (one signature per shape you need)")
-        g = run_pipeline(AtenProgram.from_capture(name, cap), skip)
+        g = run_pipeline(AtenProgram.from_capture(name, cap, io_dtypes), skip)
         graphs.append(g)
         signatures[name] = {
             "inputs": [s.to_json() for s in cap.inputs],

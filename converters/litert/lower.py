@@ -34,9 +34,10 @@ class AtenProgram:
     constants: dict[torch.fx.Node, torch.Tensor]
     inputs: list[torch.fx.Node]
     captured: CapturedProgram
+    io_dtypes: str = "auto"  # see registry.io_dtype
 
     @classmethod
-    def from_capture(cls, name: str, cap: CapturedProgram) -> "AtenProgram":
+    def from_capture(cls, name: str, cap: CapturedProgram, io_dtypes: str = "auto") -> "AtenProgram":
         graph = torch.fx.Graph()
         env: dict = {}
         out = graph.graph_copy(cap.graph, env)
@@ -44,7 +45,7 @@ class AtenProgram:
         by_name = {old.name: new for old, new in env.items()}  # the copy may rename nodes
         constants = {by_name[p]: cap.weights[w] for p, w in cap.weight_placeholders.items() if p in by_name}
         inputs = [by_name[p] for p in cap.input_placeholders]
-        return cls(name, graph, constants, inputs, cap)
+        return cls(name, graph, constants, inputs, cap, io_dtypes)
 
 
 def check_supported(prog: AtenProgram) -> None:
@@ -107,7 +108,7 @@ def lower(prog: AtenProgram) -> Graph:
     # Every captured input is a signature input, used or not; 64-bit inputs are cast on entry.
     for spec, node in zip(cap.inputs, prog.inputs):
         val = node.meta["val"]
-        t = Tensor(spec.name, static_shape(val.shape, node), io_dtype(val.dtype))
+        t = Tensor(spec.name, static_shape(val.shape, node), io_dtype(val.dtype, prog.io_dtypes))
         graph.inputs.append(t)
         graph.input_names.append(spec.name)
         ctx.node = node
@@ -124,7 +125,8 @@ def lower(prog: AtenProgram) -> Graph:
         elif node.op == "call_function":
             env[node] = _build(ctx, node, env)
         elif node.op == "output":
-            _set_outputs(ctx, graph, [env[o] if isinstance(o, torch.fx.Node) else o for o in node.args[0]], cap)
+            _set_outputs(ctx, graph, [env[o] if isinstance(o, torch.fx.Node) else o for o in node.args[0]], cap,
+                         prog.io_dtypes)
         else:
             raise UnsupportedOpError(f"{node.op} {node.target}", target="litert",
                                      reason="graph node kind not supported", source=user_source_line(node))
@@ -173,11 +175,11 @@ def _missing_args(args, kwargs) -> list:
     return found
 
 
-def _set_outputs(ctx: BuildContext, graph: Graph, values: list, cap: CapturedProgram) -> None:
+def _set_outputs(ctx: BuildContext, graph: Graph, values: list, cap: CapturedProgram, io_dtypes: str) -> None:
     ctx.node = None
     seen: set[int] = set()
     for spec, v in zip(cap.outputs, values):
-        want = np.dtype(_io_np(spec.dtype))
+        want = np.dtype(io_dtype(getattr(torch, spec.dtype), io_dtypes))
         if isinstance(v, Missing):
             raise UnsupportedOpError(spec.name, target="litert",
                                      reason=f"the model returns {v.what}, which the litert target cannot compute")
@@ -198,6 +200,3 @@ def _set_outputs(ctx: BuildContext, graph: Graph, values: list, cap: CapturedPro
         graph.outputs.append(v)
         graph.output_names.append(spec.name)
 
-
-def _io_np(dtype_name: str):
-    return io_dtype(getattr(torch, dtype_name))

@@ -63,6 +63,12 @@ _NARROW = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.float64): np.dtyp
            np.dtype(np.int16): np.dtype(np.int32), np.dtype(np.uint16): np.dtype(np.int32)}
 _IO_NARROW = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.float32),
               np.dtype(np.uint64): np.dtype(np.uint32)}
+# io_dtypes="web": LiteRT.js tensors are float32, int32 or uint8 only (it refuses the rest at load)
+_IO_WEB = {**_IO_NARROW, np.dtype(np.uint64): np.dtype(np.int32), np.dtype(np.uint32): np.dtype(np.int32),
+           np.dtype(np.bool_): np.dtype(np.int32), np.dtype(np.int8): np.dtype(np.int32),
+           np.dtype(np.int16): np.dtype(np.int32), np.dtype(np.uint16): np.dtype(np.int32),
+           np.dtype(np.float16): np.dtype(np.float32), np.dtype(np.complex64): None}
+IO_DTYPES = ("auto", "web")
 _TORCH_NP = {
     torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16, torch.int8: np.int8,
     torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64, torch.uint8: np.uint8,
@@ -83,18 +89,24 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return _NARROW.get(d, d)
 
 
-def io_dtype(dtype: torch.dtype) -> np.dtype:
+def io_dtype(dtype: torch.dtype, io_dtypes: str = "auto") -> np.dtype:
     """The numpy dtype of a model input or output in the flatbuffer.
 
     64-bit values are 32-bit (CompiledModel buffers and most delegates have no int64);
-    float16 stays float16; bfloat16 is float32. The signature metadata keeps torch's
-    dtype, and the runtime converts at the boundary.
+    float16 stays float16; bfloat16 is float32. With ``io_dtypes="web"`` every input and
+    output is float32, int32 or uint8, the types LiteRT.js takes. The signature metadata
+    keeps torch's dtype, and the runtime converts at the boundary (checking that values fit).
     """
     try:
         d = np.dtype(_TORCH_NP[dtype])
     except KeyError:
         raise UnsupportedOpError(str(dtype), target="litert", reason="TFLite has no such tensor type") from None
-    return _IO_NARROW.get(d, d)
+    table = _IO_WEB if io_dtypes == "web" else _IO_NARROW
+    out = table.get(d, d)
+    if out is None:
+        raise UnsupportedOpError(str(dtype), target="litert (io_dtypes='web')",
+                                 reason="LiteRT.js tensors are float32, int32 or uint8")
+    return out
 
 
 def inverse(perm: Sequence[int]) -> tuple:
