@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: venv
-	$(PY) examples/demo.py
+	cd examples && $(abspath $(PY)) demo.py
 
 # The browser tests (tests/test_web.py) need Debian's chromium, node and examples/web's npm packages.
 # Installed here when missing; if that fails make goes on and those tests fail saying what is missing.
