@@ -17,6 +17,7 @@ from torchtpu_export import tpu_format
 from torchtpu_export.capture import CapturedProgram
 from torchtpu_export.errors import ConversionError, InputError, UnsupportedOpError
 
+from . import ops_backward, ops_distance, ops_embedding, ops_fft, ops_sampling  # noqa: F401  (registration)
 from . import (ops_elementwise, ops_index, ops_nn, ops_reduction, ops_shape,  # noqa: F401  (registration)
                ops_misc)
 from .interpreter import check_supported, to_jax_function
@@ -29,6 +30,17 @@ KERNEL_MODES = ("auto", "pallas", "xla")
 
 # Composite ops this target lowers whole instead of letting torch decompose them.
 KEEP_WHOLE: list = []
+
+# Core ATen ops that torch.export's default table still decomposes; lowering them whole keeps
+# the program closer to the model (and col2im, the pads and the norm backwards smaller).
+_aten = torch.ops.aten
+KEEP_WHOLE += [
+    _aten.adaptive_avg_pool1d.default, _aten.avg_pool1d.default, _aten.col2im.default,
+    _aten.embedding_dense_backward.default, _aten.fill.Scalar, _aten.native_group_norm_backward.default,
+    _aten.native_layer_norm_backward.default, _aten.reflection_pad1d.default, _aten.reflection_pad2d.default,
+    _aten.reflection_pad3d.default, _aten.replication_pad2d.default, _aten.replication_pad3d.default,
+    _aten.select_scatter.default, _aten.squeeze.dim, _aten.var.dim,
+]
 
 
 def _symbolic_specs(captured: CapturedProgram, narrow: bool):

@@ -113,6 +113,20 @@ def batch_norm_training(ctx, x, w, b, running_mean, running_var, training, momen
     return _batch_norm(x, w, b, mean, var, eps), mean, lax.rsqrt(var + eps)
 
 
+@lowers(aten._native_batch_norm_legit_functional.default)
+def batch_norm_functional(ctx, x, w, b, running_mean, running_var, training, momentum, eps):
+    """Batch norm that returns the updated running stats (torch.export's form of training-mode batch norm)."""
+    if not training:
+        out, save_mean, save_rstd = batch_norm_inference(ctx, x, w, b, running_mean, running_var, momentum, eps)
+        return out, save_mean, save_rstd, running_mean, running_var
+    mean, var = _batch_stats(x)
+    n = x.size // x.shape[1]
+    unbiased = var * (n / max(n - 1, 1))
+    new_mean = (1 - momentum) * running_mean + momentum * mean.astype(running_mean.dtype)
+    new_var = (1 - momentum) * running_var + momentum * unbiased.astype(running_var.dtype)
+    return _batch_norm(x, w, b, mean, var, eps), mean, lax.rsqrt(var + eps), new_mean, new_var
+
+
 @lowers(aten._native_batch_norm_legit.no_stats)
 def batch_norm_no_stats(ctx, x, w, b, training, momentum, eps):
     mean, var = _batch_stats(x)
@@ -221,7 +235,7 @@ def avg_pool(x, nd, kernel, stride, padding, ceil_mode, count_include_pad, divis
     strides = (1,) * lead + tuple(stride)
     pads = [(0, 0)] * lead + [(p, h) for p, h in zip(padding, hi)]
     acc = _acc(x.dtype)
-    sums = lax.reduce_window(x.astype(acc), jnp.array(0, acc), lax.add, window, strides, pads)
+    sums = lax.reduce_window(x.astype(acc), np.array(0, acc), lax.add, window, strides, pads)
     if divisor_override:
         div = jnp.asarray(divisor_override, acc)
     else:
@@ -233,7 +247,7 @@ def avg_pool(x, nd, kernel, stride, padding, ceil_mode, count_include_pad, divis
         else:
             ones = jnp.ones(spatial, acc)
             cpads = [(p, h) for p, h in zip(padding, hi)]
-        div = lax.reduce_window(ones, jnp.array(0, acc), lax.add, tuple(kernel), tuple(stride), cpads)
+        div = lax.reduce_window(ones, np.array(0, acc), lax.add, tuple(kernel), tuple(stride), cpads)
     return (sums / div).astype(x.dtype)
 
 

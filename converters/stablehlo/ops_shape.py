@@ -204,8 +204,9 @@ def arange(ctx, start, end, step=1, **kwargs):
     return (jnp.asarray(start, acc) + jnp.arange(n, dtype=acc) * jnp.asarray(step, acc)).astype(dt)
 
 
-@lowers(aten.resize_.default)
+@lowers(aten.resize_.default, aten.resize.default)
 def resize_(ctx, x, size, memory_format=None):
+    # new elements are uninitialised memory in torch; here they are zeros
     n = math.prod(size)
     flat = jnp.reshape(x, (-1,))
     flat = flat[:n] if flat.shape[0] >= n else jnp.concatenate([flat, jnp.zeros((n - flat.shape[0],), x.dtype)])
