@@ -285,4 +285,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the package's module, not this __main__ copy: plugins register into its COMMANDS
+    from torchtpu_export.cli import main as _main
+    sys.exit(_main())
