@@ -42,6 +42,7 @@ class XlaRunner:
         self.inputs = [TensorSpec.from_json(d) for d in spec["inputs"]]
         self.outputs = [TensorSpec.from_json(d) for d in spec["outputs"]]
         self.uses_x64 = bool(spec.get("uses_x64", True))
+        self.ragged = {int(i): pos for i, pos in spec.get("ragged_outputs", {}).items()}
         self.platform = platform
         with jax.enable_x64(self.uses_x64):
             try:
@@ -62,5 +63,8 @@ class XlaRunner:
                              f"got {len(inputs)}")
         arrays = [coerce_input(spec, x, dtype=dt) for spec, x, dt in zip(self.inputs, inputs, self._input_dtypes)]
         with jax.enable_x64(self.uses_x64):
-            outs = self._call(self.weights, *arrays)
-            return [np.asarray(o) for o in outs]
+            outs = [np.asarray(o) for o in self._call(self.weights, *arrays)]
+        # data-dependent row counts: the program pads, its extra outputs say how many rows are real
+        for i, pos in self.ragged.items():
+            outs[i] = outs[i][:int(outs[pos])]
+        return outs[:len(self.outputs)]

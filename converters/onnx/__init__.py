@@ -45,7 +45,8 @@ def convert_programs(captures: Mapping[str, CapturedProgram], **options) -> Onnx
 def _torch_onnx_export(cap: CapturedProgram, opset_version=None, optimize=True):
     quiet = io.StringIO()
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(quiet), _quiet_loggers():
+        with warnings.catch_warnings(), contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet), \
+                _quiet_loggers():
             warnings.simplefilter("ignore")
             core, registry = _exporter(opset_version)
             if core is not None:

@@ -133,6 +133,7 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
                 except Exception as e:
                     raise ConversionError(f"jax.export failed for platform {platform}: {type(e).__name__}: {e}",
                                           hint="rerun with --debug and report it") from e
+                ragged = {str(i): pos for i, pos in fn.ragged_outputs.items()}
                 programs[prog][platform] = bytes(exp.serialize())
                 mlir[prog][platform] = exp.mlir_module()
                 calling_convention = exp.calling_convention_version
@@ -148,6 +149,8 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
             "narrow_64bit": narrow_64bit,
             "calling_convention_version": calling_convention,
             "kernels": kernel_log,
+            # outputs whose row count depends on the data: output index -> the extra output with its count
+            "ragged_outputs": ragged,
             "op_histogram": cap.op_histogram(),
         }
     return tpu_format.TpuArtifact(manifest, programs, mlir, np_weights)

@@ -8,7 +8,7 @@ import torch
 from torchtpu_export.capture import op_name, user_source_line
 from torchtpu_export.errors import UnsupportedOpError
 
-from .registry import NOT_SUPPORTED, lowers
+from .registry import Ragged, lowers
 
 aten = torch.ops.aten
 
@@ -25,7 +25,12 @@ def _data_dependent(ctx, what: str):
 @lowers(aten.index.Tensor)
 def index(ctx, x, indices):
     if any(i is not None and i.dtype == jnp.bool_ for i in indices):
-        raise _data_dependent(ctx, "indexing with a boolean mask")
+        if len(indices) != 1:
+            raise _data_dependent(ctx, "indexing with a boolean mask next to other indices")
+        # x[mask]: the selected rows padded to mask.size, valid only as a program output
+        mask = indices[0]
+        rows = jnp.nonzero(mask, size=mask.size, fill_value=0)
+        return Ragged(x[rows], jnp.sum(mask, dtype=jnp.int64))
     idx = tuple(slice(None) if i is None else _wrap(i, x.shape[d]) for d, i in enumerate(indices))
     return x[idx]
 
@@ -165,11 +170,13 @@ def masked_scatter(ctx, x, mask, source):
     return jnp.where(flat_mask, vals.astype(x.dtype), x.reshape(-1)).reshape(x.shape)
 
 
-# A program's shapes are fixed when it is compiled (or bounded by the input's symbolic dims);
-# nonzero's row count depends on the values themselves.
-NOT_SUPPORTED[aten.nonzero.default] = (
-    "its output shape depends on the input's values, and a StableHLO program's output shapes must "
-    "follow from its input shapes; torch.nonzero_static(x, size=N) has a fixed shape and is supported")
+@lowers(aten.nonzero.default)
+def nonzero(ctx, x):
+    """Row count depends on the values: padded to x.size rows, valid only as a program output."""
+    if x.ndim == 0:
+        return Ragged(jnp.zeros((1, 0), ctx.out_dtype()), (x != 0).astype(jnp.int64))
+    idx = jnp.nonzero(x, size=x.size, fill_value=0)
+    return Ragged(jnp.stack(idx, axis=-1).astype(ctx.out_dtype()), jnp.sum(x != 0, dtype=jnp.int64))
 
 
 @lowers(aten.nonzero_static.default)

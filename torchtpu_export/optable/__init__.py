@@ -119,7 +119,8 @@ class Entry:
     ``compare`` replaces value comparison for ops whose values are not defined (random ops,
     uninitialised memory); ``rewrite`` puts the op into the captured graph for the few core
     ops that torch.export never emits (out= variants, symbolic-shape queries), replacing the
-    node the module's call was captured as.
+    node the module's call was captured as; ``compared`` names the outputs that are compared
+    when the others are implementation details.
     """
 
     op: Any
@@ -132,6 +133,7 @@ class Entry:
     lowp: Sequence[torch.dtype] = (torch.float16, torch.bfloat16)
     lowp_tol: float | None = None
     note: str = ""
+    compared: tuple[int, ...] | None = None
 
     @property
     def name(self) -> str:

@@ -21,7 +21,9 @@ def _index(g):
             S(g.f(2, 3, 4), [_idx(1, 0), None, _idx(3, 2)], desc="advanced dims split by a slice"),
             S(g.i(4, 3), [_idx(3, 3, 0, dtype=torch.int32)], desc="int32 data, int32 index"),
             S(g.t(g.f(5, 3)), [_idx(4, 0)], desc="transposed"),
-            S(g.f(4), [_idx(2)[0]], desc="0-d index")]
+            S(g.f(4), [_idx(2)[0]], desc="0-d index"),
+            S(g.f(3, 4), [g.b(3, 4)], desc="bool mask (data-dependent length)"),
+            S(g.f(3, 4), [g.b(3)], desc="bool row mask (data-dependent length)")]
 
 
 entry(aten.index.Tensor, _index, tol=EXACT, why=_MOVE)
@@ -150,4 +152,6 @@ def _nonzero(g):
             S(torch.zeros(2, 3), desc="all zero (no rows)")]
 
 
-entry(aten.nonzero.default, _nonzero, tol=EXACT, why="indices", lowp=())
+entry(aten.nonzero.default, _nonzero, tol=EXACT, why="indices", lowp=(),
+      note="its row count depends on the values: the tpu program returns it padded with the count, and the "
+           "runtime trims it; a nonzero result read by another op inside the program is unsupported")

@@ -68,7 +68,8 @@ def _bn_no_training(g):
             S(g.t(g.f(2, 3, 4, 4)), g.f(3), g.f(3), g.f(3), g.f(3, lo=0.5, hi=2), 0.1, 1e-5, desc="transposed")]
 
 
-entry(aten._native_batch_norm_legit_no_training.default, _bn_no_training, tol=F32_ACCUM, why=_NORM)
+entry(aten._native_batch_norm_legit_no_training.default, _bn_no_training, tol=F32_ACCUM, compared=(0,),
+      why=_NORM + "; outputs 1 and 2 (saved stats for a backward that inference never runs) are not compared")
 
 
 def _bn_no_stats(g):
