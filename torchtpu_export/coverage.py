@@ -85,8 +85,7 @@ class Column:
         if self.name == "litert":
             conv = self.converter()
             if not hasattr(conv, "convert_programs"):
-                return ("the LiteRT converter is not part of this build "
-                        "(torchtpu_export.converters.litert has no convert_programs)")
+                return "no LiteRT converter in this build (converters.litert has no convert_programs)"
         return None
 
     def keep_whole(self) -> list:
@@ -231,7 +230,7 @@ class _Batch:
         except Exception as e:
             return Cell("error", sample=label, reason=f"capture: {_first_line(e)}")
         note = None
-        if entry.name not in cap.op_histogram():
+        if _is_overload(entry.op) and entry.name not in cap.op_histogram():
             found = ", ".join(sorted(cap.op_histogram())) or "nothing"
             if entry.core:
                 return Cell("error", sample=label,
@@ -258,13 +257,18 @@ class _Batch:
         return Cell("pass", worst_abs, worst_rel, None, None, len(self.samples), note)
 
 
+def _is_overload(op) -> bool:
+    import torch
+    return isinstance(op, torch._ops.OpOverload)
+
+
 def _first_failure(entry, column: Column, samples, failed: Cell) -> Cell:
     """Bisects the samples for the shortest failing prefix, so an error names its sample."""
     lo, hi, cell = 1, len(samples), failed   # prefix hi fails; find the smallest failing prefix
     while lo < hi:
         mid = (lo + hi) // 2
         probe = _Batch(entry, samples[:mid]).run(column)
-        if probe.status in ("error", "unsupported"):
+        if probe.status == "error":
             hi, cell = mid, probe
         else:
             lo = mid + 1
@@ -301,7 +305,8 @@ def run_op(op_name: str, runtimes: Sequence[str]) -> dict[str, Cell]:
             if key not in batches:
                 batches[key] = _Batch(entry, group)
             cell = batches[key].run(column)
-            if cell.status in ("error", "unsupported") and len(group) > 1:
+            if cell.status == "error" and len(group) > 1:
+                # an error can hinge on one sample (a dtype, a 0-d input): find it. "unsupported" is about the op
                 cell = _first_failure(entry, column, group, cell)
             if cell.status != "pass":
                 cell.samples = len(samples)
@@ -310,9 +315,7 @@ def run_op(op_name: str, runtimes: Sequence[str]) -> dict[str, Cell]:
             worst_abs, worst_rel = max(worst_abs, cell.max_abs_err or 0.0), max(worst_rel, cell.max_rel_err or 0.0)
             note = note or cell.note
         else:
-            cell = Cell("pass", worst_abs, worst_rel, samples=total, note=note or entry.note or None)
-        if cell.status != "pass" and entry.note and not cell.note:
-            cell.note = entry.note
+            cell = Cell("pass", worst_abs, worst_rel, samples=total, note=note)
         cells[rt] = cell
     return cells
 
@@ -342,8 +345,7 @@ _ISOLATION_REASONS = ("the runtime crashed", "timed out")
 
 
 def _worker(conn) -> None:
-    # one thread per worker: the matrix runs as many workers as there are cores
-    os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+    # one ONNX Runtime / torch thread per worker: the matrix runs as many workers as there are cores
     os.environ.setdefault("TTE_ONNX_THREADS", "1")
     import warnings
     warnings.filterwarnings("ignore")
@@ -510,7 +512,7 @@ def run_matrix(ops: Sequence[str], runtimes: Sequence[str], *, jobs: int = 2, ti
     return {
         "torch": torch.__version__.split("+")[0],
         "runtimes": list(runtimes),
-        "ops": [{"op": op, "core": optable.get(op).core,
+        "ops": [{"op": op, "core": optable.get(op).core, "note": optable.get(op).note or None,
                  "cells": {rt: Cell.from_json(cells[op][rt]).to_json() for rt in runtimes}} for op in ops],
     }
 
@@ -562,9 +564,11 @@ def to_markdown(report: dict) -> str:
     for row in report["ops"]:
         lines.append(f"| `{row['op']}` | {'yes' if row['core'] else 'no'} | "
                      + " | ".join(_cell_text(row["cells"][rt]) for rt in rts) + " |")
-    notes = [(row["op"], rt, c["note"]) for row in report["ops"] for rt, c in row["cells"].items() if c.get("note")]
+    notes = [f"- `{row['op']}`: {row['note']}" for row in report["ops"] if row.get("note")]
+    notes += [f"- `{row['op']}` ({rt}): {c['note']}" for row in report["ops"] for rt, c in row["cells"].items()
+              if c.get("note")]
     if notes:
-        lines += ["", "Notes:", ""] + [f"- `{op}` ({rt}): {note}" for op, rt, note in notes]
+        lines += ["", "Notes:", ""] + notes
     return "\n".join(lines) + "\n"
 
 
@@ -651,8 +655,8 @@ def _coverage(args) -> int:
     if args.source == "opinfo":
         from . import opinfo
         report = opinfo.run(runtimes, pattern=args.ops, jobs=args.jobs, timeout=args.timeout,
-                            progress=not args.quiet)
-        text = json.dumps(report, indent=1) + "\n" if args.format == "json" else opinfo.to_markdown(report)
+                            progress=args.verbose > 0)
+        text = opinfo.dump(report) if args.format == "json" else opinfo.to_markdown(report)
     else:
         report = run_matrix(select_ops(args.ops), runtimes, jobs=args.jobs, timeout=args.timeout,
                             progress=args.verbose > 0)
@@ -671,12 +675,21 @@ def main(argv: list[str] | None = None) -> int:
                                 description="regenerate the committed coverage files")
     p.add_argument("--regenerate", action="store_true",
                    help="run the full matrix; rewrite docs/coverage.{json,md}, README totals, tests/coverage_expected.json")
+    p.add_argument("--regenerate-opinfo", action="store_true",
+                   help="run PyTorch's OpInfo samples (slow); rewrite docs/coverage_opinfo.{json,md}")
     p.add_argument("--jobs", type=int, default=2)
     args = p.parse_args(argv)
-    if not args.regenerate:
+    if not (args.regenerate or args.regenerate_opinfo):
         p.print_help()
         return 2
-    regenerate(jobs=args.jobs)
+    if args.regenerate:
+        regenerate(jobs=args.jobs)
+    if args.regenerate_opinfo:
+        from . import opinfo
+        report = opinfo.run(list(RUNTIMES), jobs=args.jobs, progress=True)
+        _write(os.path.join(REPO, "docs", "coverage_opinfo.json"), opinfo.dump(report))
+        _write(os.path.join(REPO, "docs", "coverage_opinfo.md"), opinfo.to_markdown(report))
+        print(opinfo.summary(report), file=sys.stderr)
     return 0
 
 

@@ -153,5 +153,5 @@ def _nonzero(g):
 
 
 entry(aten.nonzero.default, _nonzero, tol=EXACT, why="indices", lowp=(),
-      note="its row count depends on the values: the tpu program returns it padded with the count, and the "
-           "runtime trims it; a nonzero result read by another op inside the program is unsupported")
+      note="its row count depends on the values; a tpu program returns it padded, with the count, and the xla "
+           "runtime trims it (a nonzero result read by another op inside the program is unsupported)")
