@@ -40,6 +40,8 @@ CELL_TIMEOUT_S = 180.0
 
 @dataclasses.dataclass
 class Cell:
+    """One op on one runtime: its status, worst error, failing sample and reason."""
+
     status: str
     max_abs_err: float | None = None
     max_rel_err: float | None = None
@@ -98,7 +100,8 @@ class Column:
             return api._export_tpu(captures, platforms=("cpu",))
         if self.name == "onnx":
             return api._export_onnx(captures)
-        return self.converter().convert_programs(captures, quant_config=None)
+        # like tte.convert: one "serving_default" signature
+        return self.converter().convert_programs({"serving_default": captures["main"]}, quant_config=None)
 
 
 def _columns() -> dict[str, Column]:
@@ -119,7 +122,7 @@ def _op_module(entry, samples):
     import torch
     import torch.utils._pytree as pytree
 
-    from .optable import View, _is_input
+    from .optable import View, _is_input, view_of
 
     plans = []
     for s in samples:
@@ -136,7 +139,7 @@ def _op_module(entry, samples):
                     if is_input:
                         x = tensors[k]
                         k += 1
-                        values.append(View(x, how).apply(x) if how else x)
+                        values.append(view_of(x, how) if how else x)
                     else:
                         values.append(const)
                 args, kwargs = pytree.tree_unflatten(values, spec)
@@ -281,8 +284,11 @@ def _column_samples(entry, column: Column) -> list:
     return [s for s in entry.all_samples() if not (s.dtypes() & half)]
 
 
-def run_op(op_name: str, runtimes: Sequence[str]) -> dict[str, Cell]:
-    """Runs every sample of one op on each runtime (in this process); returns the cells."""
+def run_op(op_name: str, runtimes: Sequence[str], *, locate: bool = True) -> dict[str, Cell]:
+    """Runs every sample of one op on each runtime (in this process); returns the cells.
+
+    ``locate`` bisects an error down to the sample that causes it (a few more exports).
+    """
     from . import optable
     entry = optable.get(op_name)
     columns = _columns()
@@ -305,7 +311,7 @@ def run_op(op_name: str, runtimes: Sequence[str]) -> dict[str, Cell]:
             if key not in batches:
                 batches[key] = _Batch(entry, group)
             cell = batches[key].run(column)
-            if cell.status == "error" and len(group) > 1:
+            if cell.status == "error" and len(group) > 1 and locate:
                 # an error can hinge on one sample (a dtype, a 0-d input): find it. "unsupported" is about the op
                 cell = _first_failure(entry, column, group, cell)
             if cell.status != "pass":
@@ -342,6 +348,7 @@ def run_op_json(op_name: str, runtimes: Sequence[str]) -> dict:
 # ---- isolation: worker processes -----------------------------------------------------------
 
 _ISOLATION_REASONS = ("the runtime crashed", "timed out")
+_READY = "ready"
 
 
 def _worker(conn) -> None:
@@ -355,6 +362,7 @@ def _worker(conn) -> None:
         torch.set_num_threads(1)
     except ImportError:
         pass
+    conn.send(_READY)
     while True:
         try:
             task = conn.recv()
@@ -391,7 +399,8 @@ def run_isolated(tasks: Sequence[tuple[str, tuple]], *, jobs: int = 2, timeout: 
         p = ctx.Process(target=_worker, args=(child,), daemon=True)
         p.start()
         child.close()
-        return {"proc": p, "conn": parent, "task": None, "t0": 0.0}
+        # the timeout clock of a task starts when its worker is ready (imports done)
+        return {"proc": p, "conn": parent, "task": None, "t0": 0.0, "ready": False}
 
     def finish(w, result):
         i = w["task"]
@@ -411,11 +420,21 @@ def run_isolated(tasks: Sequence[tuple[str, tuple]], *, jobs: int = 2, timeout: 
         workers.extend(start() for _ in range(max(1, min(jobs, len(tasks)))))
         while pending or any(w["task"] is not None for w in workers):
             for w in workers:
-                if w["task"] is None and pending:
+                if w["ready"] and w["task"] is None and pending:
                     i = pending.pop()
                     w["task"], w["t0"] = i, time.monotonic()
                     w["conn"].send(tasks[i])
+            for w in [w for w in workers if not w["ready"]]:
+                if w["conn"].poll(0.05):
+                    try:
+                        w["ready"] = w["conn"].recv() == _READY
+                    except (EOFError, OSError):
+                        pass
+                if not w["ready"] and not w["proc"].is_alive():
+                    raise RuntimeError(f"a coverage worker process failed to start (exit code {w['proc'].exitcode})")
             busy = [w for w in workers if w["task"] is not None]
+            if not busy:
+                continue
             ready = wait([w["conn"] for w in busy] + [w["proc"].sentinel for w in busy], timeout=1.0)
             now = time.monotonic()
             for w in busy:

@@ -42,12 +42,14 @@ class View:
     how: str          # "t": swap the last two dims, "step": every other element of the last dim
     desc: str = ""
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        if self.how == "t":
-            return x.transpose(-1, -2)
-        if self.how == "step":
-            return x[..., ::2]
-        raise ValueError(f"unknown view {self.how!r}")
+
+def view_of(x: torch.Tensor, how: str) -> torch.Tensor:
+    """The non-contiguous view ``how`` (a View's) of ``x``."""
+    if how == "t":
+        return x.transpose(-1, -2)
+    if how == "step":
+        return x[..., ::2]
+    raise ValueError(f"unknown view {how!r}")
 
 
 @dataclasses.dataclass
