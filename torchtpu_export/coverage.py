@@ -169,7 +169,11 @@ def _first_line(e: BaseException, limit: int = 400) -> str:
 
 
 def _to_numpy(t):
+    import torch
+
     from .specs import as_numpy
+    if isinstance(t, torch.Tensor):
+        t = t.resolve_conj().resolve_neg()  # lazy conjugate/negative views have no numpy form
     return as_numpy(t)
 
 
@@ -279,9 +283,10 @@ def _first_failure(entry, column: Column, samples, failed: Cell) -> Cell:
     return cell
 
 
-def _column_samples(entry, column: Column) -> list:
+def _column_samples(entry, column: Column, samples=None) -> list:
+    """The samples (of ``samples``, default all of the entry's) whose dtypes the column is tested with."""
     half = _half_dtypes() - column.lowp
-    return [s for s in entry.all_samples() if not (s.dtypes() & half)]
+    return [s for s in (entry.all_samples() if samples is None else samples) if not (s.dtypes() & half)]
 
 
 def run_op(op_name: str, runtimes: Sequence[str], *, locate: bool = True) -> dict[str, Cell]:
@@ -292,15 +297,16 @@ def run_op(op_name: str, runtimes: Sequence[str], *, locate: bool = True) -> dic
     from . import optable
     entry = optable.get(op_name)
     columns = _columns()
+    everything = entry.all_samples()
     cells: dict[str, Cell] = {}
-    batches: dict[tuple, _Batch] = {}
+    batches: dict[tuple, _Batch] = {}   # columns that run the same samples share one export
     for rt in runtimes:
         column = columns[rt]
         missing = column.missing()
         if missing:
             cells[rt] = Cell("unsupported", reason=missing)
             continue
-        samples = _column_samples(entry, column)
+        samples = _column_samples(entry, column, everything)
         if not samples:
             cells[rt] = Cell("unsupported", reason="no sample of this op has a dtype this runtime is tested with")
             continue

@@ -98,6 +98,11 @@ def run_opinfo(name: str, runtimes: Sequence[str]) -> dict:
                     for rt in runtimes}
     except Exception as e:
         return {rt: Cell("error", reason=f"eager: {_first_line(e)}").to_json() for rt in runtimes}
+    seeded = _random_ops(batch)
+    if seeded:
+        # OpInfo seeds torch's generator around random ops; a compiled program has its own generator
+        reason = f"random ({', '.join(seeded)}): torch's random stream cannot be reproduced, values are not comparable"
+        return {rt: Cell("unsupported", reason=reason).to_json() for rt in runtimes}
     columns = _columns()
     out = {}
     for rt in runtimes:
@@ -110,6 +115,17 @@ def run_opinfo(name: str, runtimes: Sequence[str]) -> dict:
             cell = _first_failure(entry, columns[rt], cases, cell)
         out[rt] = cell.to_json()
     return out
+
+
+def _random_ops(batch) -> list[str]:
+    """The random ops (tagged nondeterministic_seeded) of the batch's core-ATen graph."""
+    import torch
+    try:
+        ep = batch.exported().run_decompositions()
+    except Exception:  # the columns will report the capture failure themselves
+        return []
+    return sorted({str(n.target) for n in ep.graph.nodes if n.op == "call_function"
+                   and isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags})
 
 
 def _same(a, b) -> bool:

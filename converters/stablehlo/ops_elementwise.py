@@ -182,3 +182,31 @@ def gelu(ctx, x, *, approximate="none"):
     out = jax.nn.gelu(x, approximate=approximate == "tanh")
     # torch's exact gelu gives nan at +inf (its erf form computes inf * 0 there)
     return jnp.where(jnp.isposinf(x), jnp.nan, out) if approximate != "tanh" else out
+
+
+# ---- non-core ops that torch.export's core decomposition leaves in graphs ------------------
+
+for _op, _fn in [(aten.erfc.default, jax.scipy.special.erfc), (aten.erfinv.default, jax.scipy.special.erfinv),
+                 (aten.exp2.default, jnp.exp2), (aten.lgamma.default, jax.scipy.special.gammaln),
+                 (aten.digamma.default, jax.scipy.special.digamma)]:
+    _unary(_op, _fn, Kind.INT_TO_FLOAT)
+
+_binary([aten.copysign.Tensor, aten.copysign.Scalar], jnp.copysign, Kind.INT_TO_FLOAT)
+# right shifts of signed integers are arithmetic, like torch's
+_binary([aten.bitwise_left_shift.Tensor, aten.bitwise_left_shift.Tensor_Scalar], jnp.left_shift)
+_binary([aten.bitwise_right_shift.Tensor, aten.bitwise_right_shift.Tensor_Scalar], jnp.right_shift)
+
+
+@lowers(aten.angle.default)
+def angle(ctx, x):
+    # real inputs: pi for negatives, 0 otherwise (-0.0 included), nan stays nan
+    x = ctx.cast(x, opmath(ctx.out_dtype()))
+    return jnp.where(jnp.isnan(x), x, jnp.where(x < 0, jnp.pi, 0).astype(x.dtype))
+
+
+@lowers(aten.round.decimals)
+def round_decimals(ctx, x, *, decimals):
+    # torch: round(x * 10^d) / 10^d, or round(x / 10^-d) * 10^-d for negative d
+    x = x.astype(opmath(x.dtype))
+    scale = jnp.asarray(10.0 ** abs(decimals), x.dtype)
+    return jnp.round(x * scale) / scale if decimals >= 0 else jnp.round(x / scale) * scale

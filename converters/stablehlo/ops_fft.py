@@ -29,3 +29,11 @@ def fft_c2r(ctx, x, dim, normalization, last_dim_size):
     axes = [d % x.ndim for d in dim]
     sizes = [x.shape[a] for a in axes[:-1]] + [last_dim_size]
     return jnp.fft.irfftn(x, s=sizes, axes=axes, norm=_INVERSE_NORM[normalization])
+
+
+@lowers(aten._fft_c2c.default)
+def fft_c2c(ctx, x, dim, normalization, forward):
+    axes = [d % x.ndim for d in dim]
+    if forward:
+        return jnp.fft.fftn(x, axes=axes, norm=_FORWARD_NORM[normalization])
+    return jnp.fft.ifftn(x, axes=axes, norm=_INVERSE_NORM[normalization])

@@ -1,6 +1,7 @@
 """Indexing: gather/scatter, index/index_put, select/slice scatter, masked scatter."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 import torch
@@ -185,3 +186,26 @@ def nonzero_static(ctx, x, *, size, fill_value=-1):
         return jnp.zeros((size, 0), ctx.out_dtype())
     idx = jnp.nonzero(x, size=size, fill_value=fill_value)
     return jnp.stack(idx, axis=-1).astype(ctx.out_dtype())
+
+
+def _searchsorted(boundaries, values, right, out_dtype):
+    side = "right" if right else "left"
+    if boundaries.ndim <= 1:
+        return jnp.searchsorted(boundaries, values, side=side).astype(out_dtype)
+    # one sorted row per leading index of values
+    lead = boundaries.shape[:-1]
+    rows = jax.vmap(lambda b, v: jnp.searchsorted(b, v, side=side))(
+        boundaries.reshape((-1, boundaries.shape[-1])), values.reshape((-1, values.shape[-1])))
+    return rows.reshape(lead + values.shape[-1:]).astype(out_dtype)
+
+
+@lowers(aten.searchsorted.Tensor)
+def searchsorted(ctx, sorted_sequence, values, *, out_int32=False, right=False, side=None, sorter=None):
+    if sorter is not None:
+        sorted_sequence = jnp.take_along_axis(sorted_sequence, sorter, axis=-1)
+    return _searchsorted(sorted_sequence, values, right or side == "right", ctx.out_dtype())
+
+
+@lowers(aten.bucketize.Tensor)
+def bucketize(ctx, values, boundaries, *, out_int32=False, right=False):
+    return _searchsorted(boundaries, values, right, ctx.out_dtype())

@@ -359,3 +359,17 @@ def native_dropout(ctx, x, p, train):
         return x, jnp.ones(x.shape, jnp.bool_)
     keep = jax.random.bernoulli(jax.random.key(0), 1 - p, x.shape)
     return jnp.where(keep, x / (1 - p), 0).astype(x.dtype), keep
+
+
+@lowers(aten.addmv.default)
+def addmv(ctx, bias, mat, vec, *, beta=1, alpha=1):
+    out = jnp.matmul(mat, vec, preferred_element_type=_acc(mat.dtype))
+    out = out * alpha if alpha != 1 else out
+    return (out if beta == 0 else out + (bias if beta == 1 else bias * beta)).astype(ctx.out_dtype())
+
+
+@lowers(aten.addbmm.default)
+def addbmm(ctx, bias, batch1, batch2, *, beta=1, alpha=1):
+    out = jnp.einsum("bij,bjk->ik", batch1, batch2, preferred_element_type=_acc(batch1.dtype))
+    out = out * alpha if alpha != 1 else out
+    return (out if beta == 0 else out + (bias if beta == 1 else bias * beta)).astype(ctx.out_dtype())

@@ -211,3 +211,16 @@ def resize_(ctx, x, size, memory_format=None):
     flat = jnp.reshape(x, (-1,))
     flat = flat[:n] if flat.shape[0] >= n else jnp.concatenate([flat, jnp.zeros((n - flat.shape[0],), x.dtype)])
     return jnp.reshape(flat, _shape(size))
+
+
+@lowers(aten.unfold.default)
+def unfold(ctx, x, dimension, size, step):
+    """Windows of ``size`` every ``step`` along ``dimension``, as a new last dim (Tensor.unfold)."""
+    if x.ndim == 0:
+        return x.reshape((1,))
+    dim = dimension % x.ndim
+    n = (x.shape[dim] - size) // step + 1
+    index = (np.arange(n)[:, None] * step + np.arange(size)[None, :]).astype(np.int32)
+    windows = jnp.take(x, jnp.asarray(index.reshape(-1)), axis=dim)
+    windows = windows.reshape(x.shape[:dim] + (n, size) + x.shape[dim + 1:])
+    return jnp.moveaxis(windows, dim + 1, -1)
