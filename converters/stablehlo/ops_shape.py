@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 import torch
+
+from torchtpu_export.capture import op_name, user_source_line
+from torchtpu_export.errors import UnsupportedOpError
 
 from .registry import lowers
 
@@ -74,6 +78,9 @@ def _slice_bounds(size, start, end, step):
 
 @lowers(aten.slice.Tensor)
 def slice_(ctx, x, dim=0, start=None, end=None, step=1):
+    if isinstance(start, jax.core.Tracer) or isinstance(end, jax.core.Tracer):
+        raise UnsupportedOpError(op_name(ctx.node.target), target="stablehlo", source=user_source_line(ctx.node),
+                                 reason="its bounds come from tensor values, so its shape depends on the data")
     dim = dim % x.ndim
     size = x.shape[dim]
     if isinstance(size, int) and (start is None or isinstance(start, int)) and (end is None or isinstance(end, int)):
@@ -155,7 +162,10 @@ def _mode_pad(mode):
     def rule(ctx, x, padding):
         n = len(padding) // 2
         widths = [(0, 0)] * (x.ndim - n) + [(padding[2 * (n - 1 - i)], padding[2 * (n - 1 - i) + 1]) for i in range(n)]
-        return jnp.pad(x, widths, mode=mode)
+        # like torch: pad by the positive widths, then crop by the negative ones
+        out = jnp.pad(x, [(max(lo, 0), max(hi, 0)) for lo, hi in widths], mode=mode)
+        crop = tuple(slice(-min(lo, 0), out.shape[d] + min(hi, 0)) for d, (lo, hi) in enumerate(widths))
+        return out[crop]
     return rule
 
 

@@ -11,10 +11,6 @@ from . import EXACT, F32_ULPS, S, Verdict, aten, edge_values, entry
 _MOVE = "moves or copies values"
 
 
-def _all_dtypes(g, make):
-    return [make(g.f), make(lambda *s: g.i(*s, dtype=torch.int64)), make(lambda *s: g.b(*s))]
-
-
 entry(aten.view.default, lambda g: [
     S(g.f(3, 4), [12], desc="flatten"), S(g.f(3, 4), [-1, 2], desc="[-1, 2]"), S(g.f(2, 6), [2, 3, 2], desc="split a dim"),
     S(g.f(), [1, 1], desc="0-d to [1, 1]"), S(g.f(1), [], desc="[1] to 0-d"), S(g.i(4, 3), [3, 4], desc="int32"),
@@ -146,11 +142,19 @@ def _mode_pad(nd: int):
     return samples
 
 
+def _negative_pad(nd: int):
+    def samples(g):
+        shape = (4, 5, 6)[:nd]
+        pads = [-1, 2, 1, -2, 0, -1][:2 * nd]
+        return _mode_pad(nd)(g) + [S(g.f(1, 2, *shape), pads, desc="negative widths crop")]
+    return samples
+
+
 entry(aten.reflection_pad1d.default, _mode_pad(1), tol=EXACT, why=_MOVE)
-entry(aten.reflection_pad2d.default, _mode_pad(2), tol=EXACT, why=_MOVE)
+entry(aten.reflection_pad2d.default, _negative_pad(2), tol=EXACT, why=_MOVE)
 entry(aten.reflection_pad3d.default, _mode_pad(3), tol=EXACT, why=_MOVE)
-entry(aten.replication_pad2d.default, _mode_pad(2), tol=EXACT, why=_MOVE)
-entry(aten.replication_pad3d.default, _mode_pad(3), tol=EXACT, why=_MOVE)
+entry(aten.replication_pad2d.default, _negative_pad(2), tol=EXACT, why=_MOVE)
+entry(aten.replication_pad3d.default, _negative_pad(3), tol=EXACT, why=_MOVE)
 
 
 # ---- creation ------------------------------------------------------------------------------
