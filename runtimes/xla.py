@@ -43,6 +43,7 @@ class XlaRunner:
         self.outputs = [TensorSpec.from_json(d) for d in spec["outputs"]]
         self.uses_x64 = bool(spec.get("uses_x64", True))
         self.dims = {k: tuple(v) for k, v in spec.get("dims", {}).items()}
+        self.ragged = {int(i): pos for i, pos in spec.get("ragged_outputs", {}).items()}
         self.platform = platform
         self.mesh, self._input_shardings = None, None
         with jax.enable_x64(self.uses_x64):
@@ -74,8 +75,11 @@ class XlaRunner:
         with jax.enable_x64(self.uses_x64):
             if self._input_shardings:
                 arrays = [jax.device_put(a, sh) for a, sh in zip(arrays, self._input_shardings)]
-            outs = self._call(self.weights, *arrays)
-            return [np.asarray(o) for o in outs]
+            outs = [np.asarray(o) for o in self._call(self.weights, *arrays)]
+        # data-dependent row counts: the program pads, its extra outputs say how many rows are real
+        for i, pos in self.ragged.items():
+            outs[i] = outs[i][:int(outs[pos])]
+        return outs[:len(self.outputs)]
 
 
 def _named(mesh, spec):

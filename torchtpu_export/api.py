@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from . import tpu_format
+from . import onnx_format, tpu_format
 from .capture import CapturedProgram, capture, flatten_call_args
 from .errors import InputError
 from .specs import TensorSpec
@@ -102,6 +102,56 @@ class TpuProgram:
         return f"TpuProgram(programs={self.signatures}, platforms={self.manifest['platforms']})"
 
 
+class OnnxProgram:
+    """An ``.onnx`` artifact: ``prog(*args)`` runs it on ONNX Runtime and returns numpy arrays
+    in the model's output structure; ``save`` writes it atomically."""
+
+    def __init__(self, artifact: onnx_format.OnnxArtifact):
+        self.artifact = artifact
+        self._runner = None
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "OnnxProgram":
+        return cls(onnx_format.read(path))
+
+    def _check(self, signature_name: str | None) -> None:
+        if signature_name not in (None, "main"):
+            raise InputError(f"an ONNX model has one program ('main'), not {signature_name!r}")
+
+    def inputs(self, signature_name: str | None = None) -> list[TensorSpec]:
+        self._check(signature_name)
+        return list(self.artifact.inputs)
+
+    def outputs(self, signature_name: str | None = None) -> list[TensorSpec]:
+        self._check(signature_name)
+        return list(self.artifact.outputs)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the ``.onnx`` file atomically."""
+        self.artifact.save(path)
+
+    def run_flat(self, inputs: Sequence, signature_name: str | None = None) -> list[np.ndarray]:
+        """Runs on already-flattened inputs (the captured input order); returns the flat outputs."""
+        self._check(signature_name)
+        if self._runner is None:
+            from .runtimes.onnx import OnnxRunner
+            self._runner = OnnxRunner(self.artifact.model, self.artifact.inputs, self.artifact.outputs)
+        return self._runner.run(list(inputs))
+
+    def __call__(self, *args, signature_name: str | None = None, **kwargs):
+        art = self.artifact
+        if art.in_spec is None:  # an ONNX file from elsewhere: flat inputs, flat outputs
+            if kwargs:
+                raise InputError("this ONNX model has no recorded call structure: pass its inputs positionally")
+            outs = self.run_flat(args, signature_name)
+            return outs[0] if len(outs) == 1 else tuple(outs)
+        flat = flatten_call_args(pytree.treespec_loads(art.in_spec), art.constant_inputs, args, kwargs)
+        return _unflatten(self.run_flat(flat, signature_name), art.out_spec)
+
+    def __repr__(self) -> str:
+        return f"OnnxProgram(inputs={[str(s) for s in self.artifact.inputs]})"
+
+
 def _converter(target: str):
     """The converter package of a target (imported on first use: each pulls in its toolchain)."""
     import importlib
@@ -155,6 +205,11 @@ def _quant_report(prog, captures, quant_config):
                    sum(w.nbytes for w in prog.artifact.weights.values()))
 
 
+def _export_onnx(captures, **options) -> OnnxProgram:
+    from .converters import onnx as onnx_converter
+    return OnnxProgram(onnx_converter.convert_programs(captures, **options))
+
+
 def export(module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *, target: str = "tpu",
            platforms: Sequence[str] = ("tpu", "cpu"), dynamic_shapes=None, kernels: str = "auto",
            strict_export: bool | str = False, narrow_64bit: bool = False, quant_config=None, mesh=None,
@@ -171,8 +226,8 @@ def export(module, sample_args: Sequence = (), sample_kwargs: dict | None = None
         return convert(module, sample_args, sample_kwargs, dynamic_shapes=dynamic_shapes,
                        quant_config=quant_config, strict_export=strict_export, **options)
     if target == "onnx":
-        from .converters import onnx as onnx_converter
-        return onnx_converter.export(module, sample_args, sample_kwargs, dynamic_shapes=dynamic_shapes, **options)
+        caps = _captures([("main", module, sample_args, sample_kwargs, None)], "onnx", strict_export, dynamic_shapes)
+        return _export_onnx(caps, **options)
     if options:
         raise InputError(f"unknown option(s) for the tpu target: {', '.join(sorted(options))}")
     caps = _captures([("main", module, sample_args, sample_kwargs, None)], "tpu", strict_export, dynamic_shapes)
@@ -270,7 +325,6 @@ def load(path: str | os.PathLike):
         from .edge import EdgeModel
         return EdgeModel.from_file(path)
     if kind == "onnx":
-        from .converters.onnx import OnnxProgram
         return OnnxProgram.from_file(path)
     raise InputError(f"{path} is a {kind} file, not a converted artifact; convert it first "
                      f"(torchtpu-export {os.fspath(path)} --target tpu)")

@@ -26,6 +26,11 @@ class Agreement:
             (f" ({self.detail})" if self.detail else "")
 
 
+def _is_inexact(dtype: np.dtype) -> bool:
+    # ml_dtypes' bfloat16 (and float8s) are numpy void-kind dtypes
+    return dtype.kind in "fc" or (dtype.kind == "V" and "float" in dtype.name)
+
+
 def compare(outputs: Sequence, references: Sequence, rtol: float = DEFAULT_RTOL) -> Agreement:
     """Outputs vs references, leaf by leaf. Floats: error relative to max |reference|; others: exact."""
     outputs, references = list(outputs), list(references)
@@ -37,7 +42,7 @@ def compare(outputs: Sequence, references: Sequence, rtol: float = DEFAULT_RTOL)
         o, r = as_numpy(o), as_numpy(r)
         if o.shape != r.shape:
             return Agreement(float("inf"), float("inf"), False, f"output {i}: shape {o.shape}, expected {r.shape}")
-        if r.dtype.kind in "fc" or o.dtype.kind in "fc":
+        if _is_inexact(r.dtype) or _is_inexact(o.dtype):
             o64, r64 = o.astype(np.complex128 if "c" in (o.dtype.kind + r.dtype.kind) else np.float64), \
                 r.astype(np.complex128 if "c" in (o.dtype.kind + r.dtype.kind) else np.float64)
             same_nan = np.isnan(o64) == np.isnan(r64)

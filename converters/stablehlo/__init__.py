@@ -21,8 +21,8 @@ from torchtpu_export.quant import parse as parse_quant
 
 from . import quantize
 from . import sharding as sharding_plans
-from . import (ops_composite, ops_elementwise, ops_hot, ops_index, ops_misc, ops_nn,  # noqa: F401  (registration)
-               ops_reduction, ops_shape)
+from . import (ops_backward, ops_composite, ops_distance, ops_elementwise, ops_embedding,  # noqa: F401
+               ops_fft, ops_hot, ops_index, ops_misc, ops_nn, ops_reduction, ops_sampling, ops_shape)
 from .fusion import fuse_hot_ops
 from .interpreter import check_supported, to_jax_function
 from .registry import LOWERINGS, NOT_SUPPORTED, LoweringContext, jax_dtype, lookup, lowers  # noqa: F401
@@ -34,12 +34,32 @@ KERNEL_MODES = ("auto", "pallas", "xla")
 
 # Composite ops this target lowers whole instead of letting torch decompose them.
 KEEP_WHOLE: list = [*ops_hot.KEEP_WHOLE]
+# core ops that torch.export's default table still decomposes, which this target lowers directly
+KEEP_WHOLE += [
+    _aten.adaptive_avg_pool1d.default, _aten.avg_pool1d.default, _aten.col2im.default,
+    _aten.embedding_dense_backward.default, _aten.fill.Scalar, _aten.native_group_norm_backward.default,
+    _aten.native_layer_norm_backward.default, _aten.reflection_pad1d.default, _aten.reflection_pad2d.default,
+    _aten.reflection_pad3d.default, _aten.replication_pad2d.default, _aten.replication_pad3d.default,
+    _aten.select_scatter.default, _aten.squeeze.dim, _aten.var.dim,
+]
+# and every non-core op it has a rule for
 KEEP_WHOLE += [op for op in LOWERINGS if op not in core_aten_ops() and op not in KEEP_WHOLE]
 
 
 def lowerable(op) -> bool:
     """Whether this target has a rule for ``op`` (capture skips decomposition when all ops do)."""
     return op in LOWERINGS
+
+# Core ATen ops that torch.export's default table still decomposes; lowering them whole keeps
+# the program closer to the model (and col2im, the pads and the norm backwards smaller).
+_aten = torch.ops.aten
+KEEP_WHOLE += [
+    _aten.adaptive_avg_pool1d.default, _aten.avg_pool1d.default, _aten.col2im.default,
+    _aten.embedding_dense_backward.default, _aten.fill.Scalar, _aten.native_group_norm_backward.default,
+    _aten.native_layer_norm_backward.default, _aten.reflection_pad1d.default, _aten.reflection_pad2d.default,
+    _aten.reflection_pad3d.default, _aten.replication_pad2d.default, _aten.replication_pad3d.default,
+    _aten.select_scatter.default, _aten.squeeze.dim, _aten.var.dim,
+]
 
 
 def _symbolic_specs(captured: CapturedProgram, narrow: bool):
@@ -142,6 +162,7 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
                 except Exception as e:
                     raise ConversionError(f"jax.export failed for platform {platform}: {type(e).__name__}: {e}",
                                           hint="rerun with --debug and report it") from e
+                ragged = {str(i): pos for i, pos in fn.ragged_outputs.items()}
                 programs[prog][platform] = bytes(exp.serialize())
                 mlir[prog][platform] = exp.mlir_module()
                 calling_convention = exp.calling_convention_version
@@ -157,6 +178,8 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
             "narrow_64bit": narrow_64bit,
             "calling_convention_version": calling_convention,
             "kernels": kernel_log,
+            # outputs whose row count depends on the data: output index -> the extra output with its count
+            "ragged_outputs": ragged,
             "op_histogram": cap.op_histogram(),
             "dims": {k: list(v) for k, v in sorted(cap.dim_ranges.items())},
         }

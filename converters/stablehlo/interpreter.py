@@ -14,7 +14,7 @@ from torch.fx.node import map_arg
 from torchtpu_export.capture import CapturedProgram, op_name, user_source_line
 from torchtpu_export.errors import ConversionError, UnsupportedOpError
 
-from .registry import NOT_SUPPORTED, LoweringContext, lookup
+from .registry import NOT_SUPPORTED, LoweringContext, Ragged, lookup
 
 # Python-level ops that appear in graphs with symbolic shapes.
 _PY_OPS = {
@@ -52,6 +52,8 @@ def _expected_dtype(ctx: LoweringContext, val):
 def _conform(ctx: LoweringContext, node, result):
     """Casts a rule's result to the dtype torch says the node has."""
     meta = node.meta.get("val")
+    if isinstance(result, Ragged):
+        return Ragged(_conform(ctx, node, result.values), result.count)
     if isinstance(meta, torch.Tensor) and hasattr(result, "dtype"):
         want = _expected_dtype(ctx, meta)
         if result.dtype != np.dtype(want):
@@ -72,6 +74,10 @@ def to_jax_function(captured: CapturedProgram, ctx: LoweringContext, weight_name
     quantized and is rebuilt as ``values * scale`` where the program reads it, which XLA fuses
     into the consuming matmul. Inputs enter and outputs leave in their declared dtypes even when
     the program computes in another (``ctx.dtype`` maps them, e.g. to bfloat16).
+
+    Outputs whose row count depends on the data (``Ragged``) come out padded, and their counts
+    are appended after the outputs; tracing records ``fn.ragged_outputs`` (output index ->
+    position of its count).
     """
     check_supported(captured, ctx.platform)
     weight_names = weight_names or {name: name for name in captured.weights}
@@ -111,19 +117,26 @@ def to_jax_function(captured: CapturedProgram, ctx: LoweringContext, weight_name
             elif node.op == "call_function":
                 env[node] = _run_node(ctx, node, env)
             elif node.op == "output":
-                return [_declared(env[o], o) if isinstance(o, torch.fx.Node) else jnp.asarray(o)
+                outs = [_declared(env[o], o) if isinstance(o, torch.fx.Node) else jnp.asarray(o)
                         for o in node.args[0]]
+                counts = [(i, o.count) for i, o in enumerate(outs) if isinstance(o, Ragged)]
+                fn.ragged_outputs = {i: len(outs) + k for k, (i, _) in enumerate(counts)}
+                return [o.values if isinstance(o, Ragged) else o for o in outs] + [c for _, c in counts]
             else:
                 raise UnsupportedOpError(f"{node.op} {node.target}", target="stablehlo",
                                          reason="graph node kind not supported", source=user_source_line(node))
         raise ConversionError("graph has no output node")
 
+    fn.ragged_outputs = {}
     return fn
 
 
 def _run_node(ctx: LoweringContext, node, env):
     args = map_arg(node.args, env.__getitem__)
     kwargs = map_arg(node.kwargs, env.__getitem__)
+    ragged = [a for a in node.all_input_nodes if isinstance(env[a], Ragged)]
+    if ragged:
+        return _use_ragged(node, env[ragged[0]], ragged[0], args)
     if node.target is operator.getitem or node.target in _PY_OPS:
         return node.target(*args, **kwargs)
     rule = lookup(node.target, ctx.platform)
@@ -138,3 +151,12 @@ def _run_node(ctx: LoweringContext, node, env):
             + (f"\n  at {user_source_line(node)}" if user_source_line(node) else ""),
             hint="this is a bug in torchtpu-export; rerun with --debug and report it") from e
     return _conform(ctx, node, result)
+
+
+def _use_ragged(node, value: Ragged, producer, args):
+    """A node reading a data-dependent-length value: only its size can be used inside the program."""
+    if node.target is torch.ops.aten.sym_size.int:
+        return value.count if args[1] == 0 else value.values.shape[args[1]]
+    raise UnsupportedOpError(op_name(node.target), target="stablehlo", source=user_source_line(node),
+                       reason=f"it reads the result of {op_name(producer.target)}, whose row count depends on the "
+                              "input's values; such a result can only be returned by the program")

@@ -13,10 +13,15 @@ from .registry import lowers
 aten = torch.ops.aten
 
 
+def opmath(dtype):
+    """The dtype torch computes in: float16/bfloat16 math runs in float32 and rounds once at the end."""
+    return jnp.float32 if dtype in (jnp.float16, jnp.bfloat16) else dtype
+
+
 def _unary(op, fn, kind=Kind.DEFAULT):
     @lowers(op)
     def rule(ctx, x):
-        return fn(ctx.cast(x, ctx.promoted_dtype(kind)))
+        return fn(ctx.cast(x, opmath(ctx.promoted_dtype(kind))))
     rule.__name__ = op.__name__
     return rule
 
@@ -36,7 +41,10 @@ for _op, _fn in [
 
 # Ops that keep the input dtype (ints stay ints).
 for _op, _fn in [
-    (aten.abs.default, jnp.abs), (aten.neg.default, jnp.negative), (aten.sign.default, jnp.sign), (aten.bitwise_not.default, jnp.invert),
+    (aten.abs.default, jnp.abs), (aten.neg.default, jnp.negative), (aten.bitwise_not.default, jnp.invert),
+    # torch's sign(nan) is 0
+    (aten.sign.default, lambda x: x if x.dtype == jnp.bool_ else jnp.where(jnp.isnan(x), 0, jnp.sign(x))
+     if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.sign(x)),
     (aten.relu.default, lambda x: jnp.maximum(x, jnp.zeros((), x.dtype))),
 ]:
     _unary(_op, _fn)
@@ -71,9 +79,10 @@ def logical_not(ctx, x):
 
 def _binary(ops, fn, kind=Kind.DEFAULT):
     @lowers(*ops)
-    def rule(ctx, a, b, **kwargs):
-        dt = ctx.promoted_dtype(kind)
-        return fn(ctx.cast(jnp.asarray(a), dt), ctx.cast(jnp.asarray(b), dt), **kwargs)
+    def rule(ctx, a, b, *args, out=None, **kwargs):
+        # ``out`` (of out= overloads) only says where torch would write the result
+        dt = opmath(ctx.promoted_dtype(kind))
+        return fn(ctx.cast(jnp.asarray(a), dt), ctx.cast(jnp.asarray(b), dt), *args, **kwargs)
     return rule
 
 
@@ -119,13 +128,13 @@ def _div_mode(a, b, rounding_mode=None):
 @lowers(aten.div.Tensor_mode, aten.div.Scalar_mode)
 def div_mode(ctx, a, b, *, rounding_mode=None):
     kind = Kind.INT_TO_FLOAT if rounding_mode is None else Kind.DEFAULT
-    dt = ctx.promoted_dtype(kind)
+    dt = opmath(ctx.promoted_dtype(kind))
     return _div_mode(ctx.cast(jnp.asarray(a), dt), ctx.cast(jnp.asarray(b), dt), rounding_mode)
 
 
 @lowers(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar)
 def pow_(ctx, a, b):
-    dt = ctx.promoted_dtype()
+    dt = opmath(ctx.promoted_dtype())
     a, b = jnp.asarray(a), jnp.asarray(b)
     if jnp.issubdtype(dt, jnp.integer) and b.ndim == 0 and not isinstance(ctx.node.args[1], torch.fx.Node):
         return lax.integer_pow(ctx.cast(a, dt), int(ctx.node.args[1]))
@@ -156,15 +165,48 @@ def hardtanh(ctx, x, min_val=-1.0, max_val=1.0):
 
 @lowers(aten.leaky_relu.default)
 def leaky_relu(ctx, x, negative_slope=0.01):
+    x = x.astype(opmath(x.dtype))
     return jnp.where(x > 0, x, x * jnp.asarray(negative_slope, x.dtype))
 
 
 @lowers(aten.elu.default)
 def elu(ctx, x, alpha=1.0, scale=1.0, input_scale=1.0):
+    x = x.astype(opmath(x.dtype))
     neg = jnp.asarray(alpha, x.dtype) * jnp.expm1(x * jnp.asarray(input_scale, x.dtype))
     return jnp.asarray(scale, x.dtype) * jnp.where(x > 0, x, neg)
 
 
 @lowers(aten.gelu.default)
 def gelu(ctx, x, *, approximate="none"):
-    return jax.nn.gelu(x, approximate=approximate == "tanh")
+    x = x.astype(opmath(x.dtype))
+    out = jax.nn.gelu(x, approximate=approximate == "tanh")
+    # torch's exact gelu gives nan at +inf (its erf form computes inf * 0 there)
+    return jnp.where(jnp.isposinf(x), jnp.nan, out) if approximate != "tanh" else out
+
+
+# ---- non-core ops that torch.export's core decomposition leaves in graphs ------------------
+
+for _op, _fn in [(aten.erfc.default, jax.scipy.special.erfc), (aten.erfinv.default, jax.scipy.special.erfinv),
+                 (aten.exp2.default, jnp.exp2), (aten.lgamma.default, jax.scipy.special.gammaln),
+                 (aten.digamma.default, jax.scipy.special.digamma)]:
+    _unary(_op, _fn, Kind.INT_TO_FLOAT)
+
+_binary([aten.copysign.Tensor, aten.copysign.Scalar], jnp.copysign, Kind.INT_TO_FLOAT)
+# right shifts of signed integers are arithmetic, like torch's
+_binary([aten.bitwise_left_shift.Tensor, aten.bitwise_left_shift.Tensor_Scalar], jnp.left_shift)
+_binary([aten.bitwise_right_shift.Tensor, aten.bitwise_right_shift.Tensor_Scalar], jnp.right_shift)
+
+
+@lowers(aten.angle.default)
+def angle(ctx, x):
+    # real inputs: pi for negatives, 0 otherwise (-0.0 included), nan stays nan
+    x = ctx.cast(x, opmath(ctx.out_dtype()))
+    return jnp.where(jnp.isnan(x), x, jnp.where(x < 0, jnp.pi, 0).astype(x.dtype))
+
+
+@lowers(aten.round.decimals)
+def round_decimals(ctx, x, *, decimals):
+    # torch: round(x * 10^d) / 10^d, or round(x / 10^-d) * 10^-d for negative d
+    x = x.astype(opmath(x.dtype))
+    scale = jnp.asarray(10.0 ** abs(decimals), x.dtype)
+    return jnp.round(x * scale) / scale if decimals >= 0 else jnp.round(x / scale) * scale

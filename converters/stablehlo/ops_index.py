@@ -1,11 +1,15 @@
 """Indexing: gather/scatter, index/index_put, select/slice scatter, masked scatter."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 import torch
 
-from .registry import lowers
+from torchtpu_export.capture import op_name, user_source_line
+from torchtpu_export.errors import UnsupportedOpError
+
+from .registry import Ragged, lowers
 
 aten = torch.ops.aten
 
@@ -14,19 +18,56 @@ def _wrap(index, size):
     return jnp.where(index < 0, index + size, index)
 
 
+def _data_dependent(ctx, what: str):
+    return UnsupportedOpError(op_name(ctx.node.target), target="stablehlo", source=user_source_line(ctx.node),
+                              reason=f"{what}: the result's shape depends on how many mask entries are true")
+
+
 @lowers(aten.index.Tensor)
 def index(ctx, x, indices):
-    idx = tuple(slice(None) if i is None else (i if i.dtype == jnp.bool_ else _wrap(i, x.shape[d]))
-                for d, i in enumerate(indices))
+    if any(i is not None and i.dtype == jnp.bool_ for i in indices):
+        if len(indices) != 1:
+            raise _data_dependent(ctx, "indexing with a boolean mask next to other indices")
+        # x[mask]: the selected rows padded to mask.size, valid only as a program output
+        mask = indices[0]
+        rows = jnp.nonzero(mask, size=mask.size, fill_value=0)
+        return Ragged(x[rows], jnp.sum(mask, dtype=jnp.int64))
+    idx = tuple(slice(None) if i is None else _wrap(i, x.shape[d]) for d, i in enumerate(indices))
     return x[idx]
 
 
 @lowers(aten.index_put.default)
 def index_put(ctx, x, indices, values, accumulate=False):
-    idx = tuple(slice(None) if i is None else (i if i.dtype == jnp.bool_ else _wrap(i, x.shape[d]))
-                for d, i in enumerate(indices))
     values = ctx.cast(values, x.dtype)
+    if any(i is not None and i.dtype == jnp.bool_ for i in indices):
+        return _masked_put(ctx, x, indices, values, accumulate)
+    idx = tuple(slice(None) if i is None else _wrap(i, x.shape[d]) for d, i in enumerate(indices))
     return x.at[idx].add(values) if accumulate else x.at[idx].set(values)
+
+
+def _masked_put(ctx, x, indices, values, accumulate):
+    """``x[mask] = values`` (or ``+=``) as a select: the mask covers the dims after the leading Nones."""
+    lead = 0
+    while indices[lead] is None:
+        lead += 1
+    mask = indices[lead]
+    if mask.dtype != jnp.bool_ or any(i is not None for i in indices[lead + 1:]):
+        raise _data_dependent(ctx, "index_put mixing a boolean mask with other index tensors")
+    rest = x.ndim - lead - mask.ndim
+    m = mask.reshape((1,) * lead + mask.shape + (1,) * rest)
+    # values broadcast against (x.shape[:lead], number of true entries, x.shape[lead + mask.ndim:])
+    if values.ndim <= rest or values.shape[values.ndim - rest - 1] == 1:
+        v = values.reshape(values.shape[:values.ndim - rest - 1] + (1,) * mask.ndim + values.shape[values.ndim - rest:]) \
+            if values.ndim > rest else values
+        v = jnp.broadcast_to(v, x.shape)
+    elif lead == 0:
+        # one value row per true entry, in order
+        pos = jnp.cumsum(mask.reshape(-1).astype(jnp.int32)) - 1
+        rows = values.reshape((values.shape[0],) + x.shape[mask.ndim:])
+        v = jnp.take(rows, jnp.clip(pos, 0, rows.shape[0] - 1), axis=0).reshape(x.shape)
+    else:
+        raise _data_dependent(ctx, "index_put with a boolean mask after a slice and per-entry values")
+    return jnp.where(m, x + v, x) if accumulate else jnp.where(m, v, x)
 
 
 @lowers(aten.index_select.default)
@@ -128,3 +169,43 @@ def masked_scatter(ctx, x, mask, source):
     src = source.reshape(-1)
     vals = jnp.take(src, jnp.clip(pos, 0, max(src.shape[0] - 1, 0)), axis=0) if src.shape[0] else jnp.zeros_like(pos, x.dtype)
     return jnp.where(flat_mask, vals.astype(x.dtype), x.reshape(-1)).reshape(x.shape)
+
+
+@lowers(aten.nonzero.default)
+def nonzero(ctx, x):
+    """Row count depends on the values: padded to x.size rows, valid only as a program output."""
+    if x.ndim == 0:
+        return Ragged(jnp.zeros((1, 0), ctx.out_dtype()), (x != 0).astype(jnp.int64))
+    idx = jnp.nonzero(x, size=x.size, fill_value=0)
+    return Ragged(jnp.stack(idx, axis=-1).astype(ctx.out_dtype()), jnp.sum(x != 0, dtype=jnp.int64))
+
+
+@lowers(aten.nonzero_static.default)
+def nonzero_static(ctx, x, *, size, fill_value=-1):
+    if x.ndim == 0:
+        return jnp.zeros((size, 0), ctx.out_dtype())
+    idx = jnp.nonzero(x, size=size, fill_value=fill_value)
+    return jnp.stack(idx, axis=-1).astype(ctx.out_dtype())
+
+
+def _searchsorted(boundaries, values, right, out_dtype):
+    side = "right" if right else "left"
+    if boundaries.ndim <= 1:
+        return jnp.searchsorted(boundaries, values, side=side).astype(out_dtype)
+    # one sorted row per leading index of values
+    lead = boundaries.shape[:-1]
+    rows = jax.vmap(lambda b, v: jnp.searchsorted(b, v, side=side))(
+        boundaries.reshape((-1, boundaries.shape[-1])), values.reshape((-1, values.shape[-1])))
+    return rows.reshape(lead + values.shape[-1:]).astype(out_dtype)
+
+
+@lowers(aten.searchsorted.Tensor)
+def searchsorted(ctx, sorted_sequence, values, *, out_int32=False, right=False, side=None, sorter=None):
+    if sorter is not None:
+        sorted_sequence = jnp.take_along_axis(sorted_sequence, sorter, axis=-1)
+    return _searchsorted(sorted_sequence, values, right or side == "right", ctx.out_dtype())
+
+
+@lowers(aten.bucketize.Tensor)
+def bucketize(ctx, values, boundaries, *, out_int32=False, right=False):
+    return _searchsorted(boundaries, values, right, ctx.out_dtype())

@@ -113,6 +113,20 @@ def batch_norm_training(ctx, x, w, b, running_mean, running_var, training, momen
     return _batch_norm(x, w, b, mean, var, eps), mean, lax.rsqrt(var + eps)
 
 
+@lowers(aten._native_batch_norm_legit_functional.default)
+def batch_norm_functional(ctx, x, w, b, running_mean, running_var, training, momentum, eps):
+    """Batch norm that returns the updated running stats (torch.export's form of training-mode batch norm)."""
+    if not training:
+        out, save_mean, save_rstd = batch_norm_inference(ctx, x, w, b, running_mean, running_var, momentum, eps)
+        return out, save_mean, save_rstd, running_mean, running_var
+    mean, var = _batch_stats(x)
+    n = x.size // x.shape[1]
+    unbiased = var * (n / max(n - 1, 1))
+    new_mean = (1 - momentum) * running_mean + momentum * mean.astype(running_mean.dtype)
+    new_var = (1 - momentum) * running_var + momentum * unbiased.astype(running_var.dtype)
+    return _batch_norm(x, w, b, mean, var, eps), mean, lax.rsqrt(var + eps), new_mean, new_var
+
+
 @lowers(aten._native_batch_norm_legit.no_stats)
 def batch_norm_no_stats(ctx, x, w, b, training, momentum, eps):
     mean, var = _batch_stats(x)
@@ -235,7 +249,7 @@ def avg_pool(x, nd, kernel, stride, padding, ceil_mode, count_include_pad, divis
     strides = (1,) * lead + tuple(stride)
     pads = [(0, 0)] * lead + [(p, h) for p, h in zip(padding, hi)]
     acc = _acc(x.dtype)
-    sums = lax.reduce_window(x.astype(acc), jnp.array(0, acc), lax.add, window, strides, pads)
+    sums = lax.reduce_window(x.astype(acc), np.array(0, acc), lax.add, window, strides, pads)
     if divisor_override:
         div = jnp.asarray(divisor_override, acc)
     else:
@@ -247,7 +261,7 @@ def avg_pool(x, nd, kernel, stride, padding, ceil_mode, count_include_pad, divis
         else:
             ones = jnp.ones(spatial, acc)
             cpads = [(p, h) for p, h in zip(padding, hi)]
-        div = lax.reduce_window(ones, jnp.array(0, acc), lax.add, tuple(kernel), tuple(stride), cpads)
+        div = lax.reduce_window(ones, np.array(0, acc), lax.add, tuple(kernel), tuple(stride), cpads)
     return (sums / div).astype(x.dtype)
 
 
@@ -359,3 +373,17 @@ def native_dropout(ctx, x, p, train):
         return x, jnp.ones(x.shape, jnp.bool_)
     keep = jax.random.bernoulli(jax.random.key(0), 1 - p, x.shape)
     return jnp.where(keep, x / (1 - p), 0).astype(x.dtype), keep
+
+
+@lowers(aten.addmv.default)
+def addmv(ctx, bias, mat, vec, *, beta=1, alpha=1):
+    out = jnp.matmul(mat, vec, preferred_element_type=_acc(mat.dtype))
+    out = out * alpha if alpha != 1 else out
+    return (out if beta == 0 else out + (bias if beta == 1 else bias * beta)).astype(ctx.out_dtype())
+
+
+@lowers(aten.addbmm.default)
+def addbmm(ctx, bias, batch1, batch2, *, beta=1, alpha=1):
+    out = jnp.einsum("bij,bjk->ik", batch1, batch2, preferred_element_type=_acc(batch1.dtype))
+    out = out * alpha if alpha != 1 else out
+    return (out if beta == 0 else out + (bias if beta == 1 else bias * beta)).astype(ctx.out_dtype())

@@ -158,3 +158,44 @@ def topk(ctx, x, k, dim=-1, largest=True, sorted=True):
         idx = jnp.argsort(xt, axis=-1, stable=True, descending=largest)[..., :k]
         vals = jnp.take_along_axis(xt, idx, axis=-1)
     return jnp.moveaxis(vals, -1, dim), jnp.moveaxis(idx, -1, dim)
+
+
+# ---- non-core ops that torch.export's core decomposition leaves in graphs ------------------
+
+@lowers(aten.linalg_vector_norm.default)
+def linalg_vector_norm(ctx, x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    x = jnp.abs(ctx.cast(x, ctx.out_dtype()))
+    ax = axes(x, dim)
+    if ord == 0:
+        return jnp.sum((x != 0).astype(x.dtype), axis=ax, keepdims=keepdim)
+    if math.isinf(ord):
+        return (jnp.max if ord > 0 else jnp.min)(x, axis=ax, keepdims=keepdim)
+    if ord == 1:
+        return jnp.sum(x, axis=ax, keepdims=keepdim)
+    if ord == 2:
+        return jnp.sqrt(jnp.sum(x * x, axis=ax, keepdims=keepdim))
+    return jnp.power(jnp.sum(jnp.power(x, ord), axis=ax, keepdims=keepdim), 1.0 / ord)
+
+
+@lowers(aten.var_mean.correction)
+def var_mean(ctx, x, dim=None, *, correction=None, keepdim=False):
+    x = ctx.cast(x, ctx.out_dtype(0))
+    var = _var(x, dim, 1 if correction is None else correction, keepdim)
+    return var, jnp.mean(x, axis=axes(x, dim), keepdims=keepdim)
+
+
+@lowers(aten.cumprod.default)
+def cumprod(ctx, x, dim, *, dtype=None):
+    x = ctx.cast(x, ctx.out_dtype())
+    return jnp.cumprod(x, axis=dim % x.ndim) if x.ndim else x
+
+
+@lowers(aten.sort.stable)
+def sort_stable(ctx, x, *, stable=None, dim=-1, descending=False):
+    return sort(ctx, x, dim, descending)
+
+
+@lowers(aten.logsumexp.default)
+def logsumexp(ctx, x, dim, keepdim=False):
+    x = ctx.cast(x, ctx.out_dtype())
+    return jax.scipy.special.logsumexp(x, axis=axes(x, dim), keepdims=keepdim)

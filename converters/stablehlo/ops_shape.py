@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 import torch
+
+from torchtpu_export.capture import op_name, user_source_line
+from torchtpu_export.errors import UnsupportedOpError
 
 from .registry import lowers
 
@@ -74,6 +78,9 @@ def _slice_bounds(size, start, end, step):
 
 @lowers(aten.slice.Tensor)
 def slice_(ctx, x, dim=0, start=None, end=None, step=1):
+    if isinstance(start, jax.core.Tracer) or isinstance(end, jax.core.Tracer):
+        raise UnsupportedOpError(op_name(ctx.node.target), target="stablehlo", source=user_source_line(ctx.node),
+                                 reason="its bounds come from tensor values, so its shape depends on the data")
     dim = dim % x.ndim
     size = x.shape[dim]
     if isinstance(size, int) and (start is None or isinstance(start, int)) and (end is None or isinstance(end, int)):
@@ -155,7 +162,10 @@ def _mode_pad(mode):
     def rule(ctx, x, padding):
         n = len(padding) // 2
         widths = [(0, 0)] * (x.ndim - n) + [(padding[2 * (n - 1 - i)], padding[2 * (n - 1 - i) + 1]) for i in range(n)]
-        return jnp.pad(x, widths, mode=mode)
+        # like torch: pad by the positive widths, then crop by the negative ones
+        out = jnp.pad(x, [(max(lo, 0), max(hi, 0)) for lo, hi in widths], mode=mode)
+        crop = tuple(slice(-min(lo, 0), out.shape[d] + min(hi, 0)) for d, (lo, hi) in enumerate(widths))
+        return out[crop]
     return rule
 
 
@@ -204,9 +214,23 @@ def arange(ctx, start, end, step=1, **kwargs):
     return (jnp.asarray(start, acc) + jnp.arange(n, dtype=acc) * jnp.asarray(step, acc)).astype(dt)
 
 
-@lowers(aten.resize_.default)
+@lowers(aten.resize_.default, aten.resize.default)
 def resize_(ctx, x, size, memory_format=None):
+    # new elements are uninitialised memory in torch; here they are zeros
     n = math.prod(size)
     flat = jnp.reshape(x, (-1,))
     flat = flat[:n] if flat.shape[0] >= n else jnp.concatenate([flat, jnp.zeros((n - flat.shape[0],), x.dtype)])
     return jnp.reshape(flat, _shape(size))
+
+
+@lowers(aten.unfold.default)
+def unfold(ctx, x, dimension, size, step):
+    """Windows of ``size`` every ``step`` along ``dimension``, as a new last dim (Tensor.unfold)."""
+    if x.ndim == 0:
+        return x.reshape((1,))
+    dim = dimension % x.ndim
+    n = (x.shape[dim] - size) // step + 1
+    index = (np.arange(n)[:, None] * step + np.arange(size)[None, :]).astype(np.int32)
+    windows = jnp.take(x, jnp.asarray(index.reshape(-1)), axis=dim)
+    windows = windows.reshape(x.shape[:dim] + (n, size) + x.shape[dim + 1:])
+    return jnp.moveaxis(windows, dim + 1, -1)

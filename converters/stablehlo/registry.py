@@ -21,6 +21,18 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dty
 
 LOWERINGS: dict[object, dict[str | None, Callable]] = {}
 
+
+class Ragged:
+    """A value whose leading dim depends on the data (nonzero, boolean-mask indexing).
+
+    ``values`` is padded to the largest possible row count and ``count`` says how many rows
+    are real. Such a value can only be a program output: the program returns both and the
+    runtime trims the padding.
+    """
+
+    def __init__(self, values, count):
+        self.values, self.count = values, count
+
 # Ops with no lowering, and why. Kept explicit so the coverage table can say so.
 NOT_SUPPORTED: dict[object, str] = {}
 

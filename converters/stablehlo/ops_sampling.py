@@ -1,0 +1,110 @@
+"""Spatial sampling: grid_sampler_2d (bilinear / nearest / bicubic) and col2im (fold)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+import torch
+
+from .ops_nn import _acc
+from .registry import lowers
+
+aten = torch.ops.aten
+
+_BILINEAR, _NEAREST, _BICUBIC = 0, 1, 2
+_ZEROS, _BORDER, _REFLECTION = 0, 1, 2
+
+
+def _unnormalize(coord, size, align_corners):
+    # [-1, 1] -> [0, size - 1] (align_corners) or [-0.5, size - 0.5]
+    scale = (size - 1) / 2 if align_corners else size / 2
+    return coord * scale + (size - 1) / 2
+
+
+def _reflect(coord, twice_low, twice_high):
+    if twice_low == twice_high:
+        return jnp.zeros_like(coord)
+    low, span = twice_low / 2, (twice_high - twice_low) / 2
+    c = jnp.abs(coord - low)
+    extra = jnp.fmod(c, span)
+    flips = jnp.floor(c / span).astype(jnp.int32)
+    return jnp.where(flips % 2 == 0, extra + low, span + low - extra)
+
+
+def _pad_coordinates(coord, size, padding_mode, align_corners):
+    if padding_mode == _BORDER:
+        return jnp.clip(coord, 0, size - 1)
+    if padding_mode == _REFLECTION:
+        coord = _reflect(coord, 0, 2 * (size - 1)) if align_corners else _reflect(coord, -1, 2 * size - 1)
+        return jnp.clip(coord, 0, size - 1)
+    return coord
+
+
+def _cubic_weights(t):
+    a = -0.75
+    def near(s):  # |s| <= 1
+        return ((a + 2) * s - (a + 3)) * s * s + 1
+    def far(s):  # 1 < |s| < 2
+        return ((a * s - 5 * a) * s + 8 * a) * s - 4 * a
+    return far(t + 1), near(t), near(1 - t), far(2 - t)
+
+
+@lowers(aten.grid_sampler_2d.default)
+def grid_sampler_2d(ctx, x, grid, interpolation_mode, padding_mode, align_corners):
+    acc = _acc(x.dtype)
+    xf, grid = x.astype(acc), grid.astype(acc)
+    n, c, h, w = x.shape
+    batch = jnp.arange(n).reshape((n, 1, 1))
+
+    def tap(ix, iy, weight):
+        """weight * x[:, :, iy, ix], zero where (ix, iy) is outside the input."""
+        inside = (ix >= 0) & (ix < w) & (iy >= 0) & (iy < h)
+        xi = jnp.where(inside, ix, 0).astype(jnp.int32)
+        yi = jnp.where(inside, iy, 0).astype(jnp.int32)
+        vals = xf[batch, :, yi, xi]  # (n, oh, ow, c)
+        return jnp.moveaxis(vals * jnp.where(inside, weight, 0)[..., None], -1, 1)
+
+    gx, gy = grid[..., 0], grid[..., 1]
+    if interpolation_mode == _BICUBIC:
+        ix, iy = _unnormalize(gx, w, align_corners), _unnormalize(gy, h, align_corners)
+        x0, y0 = jnp.floor(ix), jnp.floor(iy)
+        wx, wy = _cubic_weights(ix - x0), _cubic_weights(iy - y0)
+        out = 0
+        for j in range(4):
+            yy = _pad_coordinates(y0 - 1 + j, h, padding_mode, align_corners)
+            for i in range(4):
+                xx = _pad_coordinates(x0 - 1 + i, w, padding_mode, align_corners)
+                out = out + tap(xx, yy, wx[i] * wy[j])
+        return out.astype(x.dtype)
+    ix = _pad_coordinates(_unnormalize(gx, w, align_corners), w, padding_mode, align_corners)
+    iy = _pad_coordinates(_unnormalize(gy, h, align_corners), h, padding_mode, align_corners)
+    if interpolation_mode == _NEAREST:
+        # round half to even, like torch's nearbyint
+        return tap(jnp.round(ix), jnp.round(iy), jnp.ones_like(ix)).astype(x.dtype)
+    x0, y0 = jnp.floor(ix), jnp.floor(iy)
+    x1, y1 = x0 + 1, y0 + 1
+    out = (tap(x0, y0, (x1 - ix) * (y1 - iy)) + tap(x1, y0, (ix - x0) * (y1 - iy))
+           + tap(x0, y1, (x1 - ix) * (iy - y0)) + tap(x1, y1, (ix - x0) * (iy - y0)))
+    return out.astype(x.dtype)
+
+
+@lowers(aten.col2im.default)
+def col2im(ctx, x, output_size, kernel_size, dilation, padding, stride):
+    batched = x.ndim == 3
+    if not batched:
+        x = x[None]
+    (h, w), (kh, kw), (dh, dw), (ph, pw), (sh, sw) = output_size, kernel_size, dilation, padding, stride
+    oh = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    ow = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    n, c = x.shape[0], x.shape[1] // (kh * kw)
+    acc = _acc(x.dtype)
+    cols = x.astype(acc).reshape((n, c, kh, kw, oh, ow))
+    out = jnp.zeros((n, c, h + 2 * ph, w + 2 * pw), acc)
+    # every kernel tap adds its column block to a strided window of the padded output
+    for i in range(kh):
+        for j in range(kw):
+            rows = slice(i * dh, i * dh + sh * (oh - 1) + 1, sh)
+            colsl = slice(j * dw, j * dw + sw * (ow - 1) + 1, sw)
+            out = out.at[:, :, rows, colsl].add(cols[:, :, i, j])
+    out = lax.slice(out, (0, 0, ph, pw), (n, c, ph + h, pw + w)).astype(x.dtype)
+    return out if batched else out[0]

@@ -1,0 +1,232 @@
+"""The op table: every core ATen overload (plus the composite ops a target keeps whole),
+with sample inputs and the tolerance each op is held to.
+
+One table feeds the coverage matrix (``torchtpu-export coverage``), the test suite and
+``docs/coverage.md``. An entry is registered once, next to its family's other entries::
+
+    entry(aten.sin.default, unary(-4, 4), tol=F32_ULPS, why="...")
+
+Samples are deterministic (seeded by the op's name), small, and cover 0-d and broadcast
+shapes, non-contiguous inputs (the op sees a transposed or strided view made inside the
+graph), negative dims, edge values, and the integer and bool dtypes the op accepts.
+float16/bfloat16 variants are derived from the float32 samples.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+aten = torch.ops.aten
+
+# Tolerances are relative to the output's scale (its largest finite magnitude), as in numerics.compare.
+EXACT = 0.0
+F32_ULPS = 1e-6       # elementwise float32 math: a few ulps apart between libms
+F32_ACCUM = 1e-5      # float32 reductions and matmuls: the summation order differs
+LOWP_RTOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}  # a few ulps of the half types
+
+
+@dataclasses.dataclass
+class View:
+    """A tensor argument that the op sees as a non-contiguous view of ``base``.
+
+    The program's input is ``base`` (contiguous); the view is taken inside the graph, so
+    eager torch and every converter see the same strided tensor.
+    """
+
+    base: torch.Tensor
+    how: str          # "t": swap the last two dims, "step": every other element of the last dim
+    desc: str = ""
+
+
+def view_of(x: torch.Tensor, how: str) -> torch.Tensor:
+    """The non-contiguous view ``how`` (a View's) of ``x``."""
+    if how == "t":
+        return x.transpose(-1, -2)
+    if how == "step":
+        return x[..., ::2]
+    raise ValueError(f"unknown view {how!r}")
+
+
+@dataclasses.dataclass
+class Sample:
+    """One call of the op: positional and keyword arguments (tensors, Views, Python values)."""
+
+    args: tuple
+    kwargs: dict
+    desc: str
+    dynamic: dict | None = None  # input index -> {dim: (min, max)}: exported with symbolic dims
+    lowp: bool = True            # derive float16/bfloat16 variants from it
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The program inputs of this sample (View bases), in call order."""
+        return [leaf.base if isinstance(leaf, View) else leaf for leaf in self._leaves() if _is_input(leaf)]
+
+    def _leaves(self) -> list:
+        return pytree.tree_leaves((self.args, self.kwargs), is_leaf=lambda x: isinstance(x, View))
+
+    def dtypes(self) -> set[torch.dtype]:
+        """The dtypes of its tensors, and the ``dtype=`` it asks for."""
+        out = {t.dtype for t in self.tensors()}
+        if isinstance(self.kwargs.get("dtype"), torch.dtype):
+            out.add(self.kwargs["dtype"])
+        return out
+
+    def cast(self, dtype: torch.dtype) -> "Sample":
+        def conv(x):
+            if isinstance(x, View):
+                return View(conv(x.base), x.how, x.desc)
+            if isinstance(x, torch.Tensor) and x.dtype == torch.float32:
+                return x.to(dtype)
+            return x
+        args, kwargs = pytree.tree_map(conv, (self.args, self.kwargs), is_leaf=lambda x: isinstance(x, View))
+        return Sample(args, kwargs, f"{self.desc} [{_short_dtype(dtype)}]", self.dynamic, False)
+
+
+def _is_input(leaf) -> bool:
+    return isinstance(leaf, (torch.Tensor, View))
+
+
+def _short_dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def S(*args, desc: str, dynamic: dict | None = None, lowp: bool = True, **kwargs) -> Sample:
+    """A sample: ``S(x, 2, desc="...", dim=-1)`` calls ``op(x, 2, dim=-1)``."""
+    return Sample(tuple(args), kwargs, desc, dynamic, lowp)
+
+
+Comparator = Callable[[list, list, Sample], "Verdict"]
+
+
+@dataclasses.dataclass
+class Verdict:
+    """How one sample's outputs compare with torch's."""
+
+    ok: bool
+    max_abs_err: float = 0.0
+    max_rel_err: float = 0.0
+    detail: str = ""
+
+
+@dataclasses.dataclass
+class Entry:
+    """One op of the table.
+
+    ``tol`` is the float32 tolerance relative to the output scale, ``why`` its reason;
+    ``compare`` replaces value comparison for ops whose values are not defined (random ops,
+    uninitialised memory); ``rewrite`` puts the op into the captured graph for the few core
+    ops that torch.export never emits (out= variants, symbolic-shape queries), replacing the
+    node the module's call was captured as; ``compared`` names the outputs that are compared
+    when the others are implementation details.
+    """
+
+    op: Any
+    samples: Callable[["Gen"], list[Sample]]
+    tol: float = F32_ULPS
+    why: str = "elementwise float32 math: a few ulps between libms"
+    compare: Comparator | None = None
+    call: Callable | None = None
+    rewrite: Callable | None = None
+    lowp: Sequence[torch.dtype] = (torch.float16, torch.bfloat16)
+    lowp_tol: float | None = None
+    note: str = ""
+    compared: tuple[int, ...] | None = None
+
+    @property
+    def name(self) -> str:
+        return str(self.op)
+
+    @property
+    def core(self) -> bool:
+        """Whether the op is core ATen (tagged torch.Tag.core); the others are composites a target may keep."""
+        from ..core_ops import core_aten_ops
+        return self.op in core_aten_ops()
+
+    def invoke(self, *args, **kwargs):
+        return (self.call or self.op)(*args, **kwargs)
+
+    def tolerance(self, sample: Sample) -> float:
+        lowp = [LOWP_RTOL[d] for d in sample.dtypes() if d in LOWP_RTOL]
+        if lowp:
+            return max(self.lowp_tol or 0.0, self.tol, *lowp)
+        return self.tol
+
+    def all_samples(self) -> list[Sample]:
+        """The float32/int/bool samples, then their float16 and bfloat16 variants."""
+        base = self.samples(Gen(self.name))
+        out = list(base)
+        for dtype in self.lowp:
+            out += [s.cast(dtype) for s in base if s.lowp and torch.float32 in s.dtypes()]
+        return out
+
+
+TABLE: dict[str, Entry] = {}
+
+
+def entry(op, samples: Callable[["Gen"], list[Sample]], **fields) -> Entry:
+    """Registers the table entry of ``op``."""
+    e = Entry(op, samples, **fields)
+    if e.name in TABLE:
+        raise ValueError(f"{e.name} is in the op table twice")
+    TABLE[e.name] = e
+    return e
+
+
+class Gen:
+    """Seeded sample data for one op: the same op always gets the same numbers."""
+
+    def __init__(self, name: str):
+        self.g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+
+    def f(self, *shape, lo: float = -3.0, hi: float = 3.0, dtype=torch.float32) -> torch.Tensor:
+        return (torch.rand(shape, generator=self.g, dtype=torch.float64) * (hi - lo) + lo).to(dtype)
+
+    def n(self, *shape, dtype=torch.float32) -> torch.Tensor:
+        return torch.randn(shape, generator=self.g, dtype=torch.float64).to(dtype)
+
+    def i(self, *shape, lo: int = -5, hi: int = 6, dtype=torch.int32) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=self.g, dtype=torch.int64).to(dtype)
+
+    def b(self, *shape) -> torch.Tensor:
+        return torch.rand(shape, generator=self.g) > 0.5
+
+    def perm(self, n: int) -> torch.Tensor:
+        return torch.randperm(n, generator=self.g)
+
+    @staticmethod
+    def t(x: torch.Tensor) -> View:
+        """``x`` as the op sees it, but reached through a transposed (non-contiguous) view."""
+        return View(x.transpose(-1, -2).contiguous(), "t", "transposed")
+
+    @staticmethod
+    def step(x: torch.Tensor) -> View:
+        """``x`` reached through a stride-2 slice of the last dim."""
+        base = torch.zeros(x.shape[:-1] + (2 * x.shape[-1],), dtype=x.dtype)
+        base[..., ::2] = x
+        return View(base, "step", "strided")
+
+
+def edge_values(dtype=torch.float32) -> torch.Tensor:
+    """Zeros, signed zeros, huge and tiny magnitudes, infinities and NaN (3x4)."""
+    return torch.tensor([0.0, -0.0, 1.0, -1.0, 3.5e37, -3.5e37, math.inf, -math.inf, math.nan, 1e-37, 0.5, -2.5],
+                        dtype=dtype).reshape(3, 4)
+
+
+def op_names() -> list[str]:
+    """Every entry's op name, core ops first, each group sorted."""
+    _load()
+    return sorted(TABLE, key=lambda n: (not TABLE[n].core, n))
+
+
+def get(name: str) -> Entry:
+    _load()
+    return TABLE[name]
+
+
+def _load() -> None:
+    from . import (_backward, _composite, _elementwise, _index, _misc, _nn, _reduction, _shape)  # noqa: F401
