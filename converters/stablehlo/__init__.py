@@ -34,7 +34,9 @@ KERNEL_MODES = ("auto", "pallas", "xla")
 
 # Composite ops this target lowers whole instead of letting torch decompose them.
 KEEP_WHOLE: list = [*ops_hot.KEEP_WHOLE]
-# core ops that torch.export's default table still decomposes, which this target lowers directly
+# Core ATen ops that torch.export's default table still decomposes; lowering them whole keeps
+# the program closer to the model (and col2im, the pads and the norm backwards smaller).
+_aten = torch.ops.aten
 KEEP_WHOLE += [
     _aten.adaptive_avg_pool1d.default, _aten.avg_pool1d.default, _aten.col2im.default,
     _aten.embedding_dense_backward.default, _aten.fill.Scalar, _aten.native_group_norm_backward.default,
@@ -49,17 +51,6 @@ KEEP_WHOLE += [op for op in LOWERINGS if op not in core_aten_ops() and op not in
 def lowerable(op) -> bool:
     """Whether this target has a rule for ``op`` (capture skips decomposition when all ops do)."""
     return op in LOWERINGS
-
-# Core ATen ops that torch.export's default table still decomposes; lowering them whole keeps
-# the program closer to the model (and col2im, the pads and the norm backwards smaller).
-_aten = torch.ops.aten
-KEEP_WHOLE += [
-    _aten.adaptive_avg_pool1d.default, _aten.avg_pool1d.default, _aten.col2im.default,
-    _aten.embedding_dense_backward.default, _aten.fill.Scalar, _aten.native_group_norm_backward.default,
-    _aten.native_layer_norm_backward.default, _aten.reflection_pad1d.default, _aten.reflection_pad2d.default,
-    _aten.reflection_pad3d.default, _aten.replication_pad2d.default, _aten.replication_pad3d.default,
-    _aten.select_scatter.default, _aten.squeeze.dim, _aten.var.dim,
-]
 
 
 def _symbolic_specs(captured: CapturedProgram, narrow: bool):
