@@ -105,6 +105,11 @@ def test_dynamic_int8(model):
     if name == "cnn":  # every conv with enough weights to matter
         convs = [(x[0], w[0]) for x, w, *_ in op_inputs(content, "CONV_2D") if w[1] >= MIN_ELEMENTS]
         assert len(convs) > 20 and all(c == ("FLOAT32", "INT8") for c in convs), convs
+        # depthwise weights are int8 too, dequantized at load (the hybrid depthwise kernel is slow)
+        big_dw = [w for _, w, *_ in op_inputs(content, "DEPTHWISE_CONV_2D") if w[1] >= MIN_ELEMENTS]
+        assert big_dw and len(tensor_types(content, "DEQUANTIZE")) == len(big_dw)
+        assert all(t == ["INT8"] for t in tensor_types(content, "DEQUANTIZE"))
+        assert op_version(content, "DEQUANTIZE") == 5  # per-channel
     else:
         assert tensor_types(content, "EMBEDDING_LOOKUP")[0][1] == "INT8"
     err = error_on_random_inputs(m, edge, args, "dynamic_int8")

@@ -111,6 +111,8 @@ def _quantized_version(op) -> int:
         return 3 if t0 == _F16 else (5 if _per_channel(ins[0]) else 2) if t0 == _I8 else 1
     if code == "QUANTIZE":
         return 3 if _per_channel(op.outputs[0]) else 1
+    if code == "EMBEDDING_LOOKUP":
+        return 4 if _per_channel(op.inputs[1]) else 1
     if hybrid:
         if code == "FULLY_CONNECTED":
             return 12 if per_channel else 9 if op.options.get("asymmetricQuantizeInputs") else 3
