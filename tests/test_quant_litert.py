@@ -4,6 +4,8 @@ Bounds (documented in README): weights shrink about 4x (int8, dynamic_int8) or 2
 float (torch eager) on random inputs that are not the calibration samples, dynamic_int8 keeps the
 top-1 of logits on >= 99% of rows and cosine >= 0.999, int8 keeps cosine >= 0.99, fp16 >= 0.9999.
 """
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -186,6 +188,25 @@ def test_pt2e_model_converts_to_int8_ops():
     assert err.cosine >= 0.9999 and err.max_rel_err < 0.02, err
     with pytest.raises(InputError, match="already quantized"):
         tte.convert(qm, args, quant_config="dynamic_int8")
+
+
+def test_real_pt2e_file_converts_to_int8_ops(tmp_path, cli):
+    """A .pt2 made by the real flow (torchao prepare/convert_pt2e, litert-torch's PT2EQuantizer):
+    tests/data/make_small_cnn_pt2e.py."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401
+    path = os.path.join(os.path.dirname(__file__), "data", "small_cnn_pt2e.pt2")
+    out = tmp_path / "m.tflite"
+    r = cli(path, "--target", "litert", "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert "quantization pt2e" in r.stdout
+    content = out.read_bytes()
+    for code in ("CONV_2D", "FULLY_CONNECTED", "MAX_POOL_2D", "MEAN"):
+        ops = tensor_types(content, code)
+        assert ops and all(t[0] == "INT8" for t in ops), (code, ops)
+    ep = torch.export.load(path)
+    args = ep.example_inputs[0]
+    err = error_on_random_inputs(ep.module(), tte.load(out), args, "pt2e")
+    assert err.cosine >= 0.9999 and err.max_rel_err < 0.02, err
 
 
 def test_pt2e_linear_stack():

@@ -285,7 +285,31 @@ def calibrate_activations(g: Graph) -> Graph:
     for i in watch:
         if not masked[i] and np.isfinite(lo[i]):
             q.ranges[id(tensors[i])] = activation_quant(lo[i], hi[i])
+    _symmetric_matmul_operands(g, q.ranges)
     return g
+
+
+def symmetric_quant(q: Quant) -> Quant:
+    """Zero point 0 and a scale covering what ``q`` covers."""
+    lo, hi = _real_range(q)
+    return Quant(max(-lo, hi, 1e-12) / 127.0, 0)
+
+
+def _symmetric_matmul_operands(g: Graph, ranges: dict) -> None:
+    # XNNPACK runs an int8 BATCH_MATMUL only when its right operand has zero point 0 (LiteRT's kernel
+    # runs any): the operand, and the layout moves it comes through, get symmetric scales.
+    producer = g.producers()
+    for op in g.ops:
+        if op.code != "BATCH_MATMUL":
+            continue
+        t = op.inputs[1]
+        while _is_activation(t) and id(t) in ranges:
+            ranges[id(t)] = symmetric_quant(ranges[id(t)])
+            p = producer.get(id(t))
+            spec = INT8_OPS.get(p.code) if p is not None else None
+            if spec is None or spec.out != "same":
+                break
+            t = p.inputs[spec.data[0]]
 
 
 # ---- int8: the rewrite ------------------------------------------------------------------------
@@ -420,7 +444,10 @@ class _Int8Rewrite:
             x = op.inputs[i]
             if spec.out == "same" and i == data[0]:
                 continue
-            ins[i] = _const_int8(x, shared) if x.is_const else self.as_int8(x, shared if spec.out == "joint" else None)
+            if x.is_const and op.code == "BATCH_MATMUL" and i == 1:
+                ins[i] = _const_int8(x, symmetric_quant(_const_int8(x).quant))  # see _symmetric_matmul_operands
+            else:
+                ins[i] = _const_int8(x, shared) if x.is_const else self.as_int8(x, shared if spec.out == "joint" else None)
         if spec.weight is not None:
             w = op.inputs[spec.weight]
             qw, sw = per_channel_int8(w.data, spec.weight_axis)
