@@ -5,8 +5,8 @@
 - ``dynamic_int8``: the weights of FULLY_CONNECTED, CONV_2D, BATCH_MATMUL and
   EMBEDDING_LOOKUP are int8 with one symmetric scale per output channel; activations stay
   float, and LiteRT's hybrid kernels quantize them on the fly, per run and asymmetrically
-  (``asymmetric_quantize_inputs``). DEPTHWISE_CONV_2D and TRANSPOSE_CONV weights are int8 too,
-  read through a DEQUANTIZE (their hybrid kernels are slower than float on XNNPACK).
+  (``asymmetric_quantize_inputs``). DEPTHWISE_CONV_2D and TRANSPOSE_CONV weights and GATHER
+  tables are int8 too, read through a DEQUANTIZE (no hybrid kernel, or one slower than float on XNNPACK).
 - ``int8``: weights and activations int8, after TFLite's quantization spec: activations per
   tensor and asymmetric, their scales from the float graph run on the user's calibration
   samples; weights symmetric per output channel; biases int32 at input scale x weight scale;
@@ -523,9 +523,16 @@ def _hybrid_weight(op: Op) -> tuple[int, int] | None:
     return None
 
 
-# Weights of ops whose hybrid kernels XNNPACK does not run (LiteRT's own is slower than float):
-# stored int8 per channel and read through a DEQUANTIZE, which LiteRT computes once, at load.
-_WEIGHT_ONLY = {"DEPTHWISE_CONV_2D": (1, 3), "TRANSPOSE_CONV": (1, 0)}
+# Weights of ops with no hybrid kernel, or one XNNPACK does not run (LiteRT's own is slower than
+# float): stored int8 per channel and read through a DEQUANTIZE, which LiteRT computes once, at load.
+def _weight_only(op: Op) -> tuple[int, int] | None:
+    if op.code == "DEPTHWISE_CONV_2D":
+        return 1, 3
+    if op.code == "TRANSPOSE_CONV":
+        return 1, 0
+    if op.code == "GATHER" and op.inputs[0].rank:  # tables (embedding bags), one scale per gathered slice
+        return 0, op.options.get("axis", 0) % op.inputs[0].rank
+    return None
 
 
 def _dynamic_int8(g: Graph) -> None:
@@ -533,7 +540,8 @@ def _dynamic_int8(g: Graph) -> None:
     dequantized: dict[tuple, Tensor] = {}
     ops: list[Op] = []
     for op in g.ops:
-        where = _hybrid_weight(op) or _WEIGHT_ONLY.get(op.code)
+        hybrid = _hybrid_weight(op)
+        where = hybrid or _weight_only(op)
         w = op.inputs[where[0]] if where is not None and where[0] < len(op.inputs) else None
         if w is None or not w.is_const or w.dtype != F32 or w.size < MIN_ELEMENTS:
             ops.append(op)
@@ -542,9 +550,9 @@ def _dynamic_int8(g: Graph) -> None:
         key = (id(w), axis)
         if key not in done:
             qw, scale = per_channel_int8(w.data, axis)
-            done[key] = Tensor(f"{w.name}/int8" if op.code in _WEIGHT_ONLY else w.name, w.shape, I8, qw,
+            done[key] = Tensor(f"{w.name}/int8" if hybrid is None else w.name, w.shape, I8, qw,
                                quant=Quant(scale, 0, axis))
-        if op.code in _WEIGHT_ONLY:
+        if hybrid is None:
             if key not in dequantized:
                 dequantized[key] = Tensor(w.name, w.shape, F32)
                 ops.append(Op("DEQUANTIZE", [done[key]], [dequantized[key]]))
@@ -578,7 +586,7 @@ def _fp16(g: Graph) -> None:
 def quantize_weights(g: Graph) -> Graph:
     """``fp16``: float weights become float16 read through DEQUANTIZE. ``dynamic_int8``: the weights of
     FULLY_CONNECTED, CONV_2D, BATCH_MATMUL and EMBEDDING_LOOKUP become int8 per output channel (hybrid
-    kernels); those of DEPTHWISE_CONV_2D and TRANSPOSE_CONV int8 read through DEQUANTIZE."""
+    kernels); those of DEPTHWISE_CONV_2D, TRANSPOSE_CONV and GATHER tables int8 read through DEQUANTIZE."""
     q = _begin(g)
     if q is not None and q.recipe == "fp16":
         _fp16(g)
