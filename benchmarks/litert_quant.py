@@ -156,6 +156,12 @@ def report(rows, threads_all: int, runs: int, load_start: float, load_end: float
         "interleaved. Error: against torch eager on the model's sample inputs (first output): cosine, and top-1 "
         "agreement of the last axis for logits. *speed-up* is float's latency over the recipe's.",
         "",
+        "Reading it: the zoo models have seeded random weights, so their logits are close together and "
+        "top-1 agreement is a harsh measure (cosine is the steadier one). MobileNetV2's time is mostly "
+        "depthwise convolutions, which stay float in `dynamic_int8` (int8 weights dequantized at load: "
+        "LiteRT's hybrid depthwise kernel is slower than float on XNNPACK), so its speed-up is small. On this "
+        "shared 2-core machine, timings of sub-millisecond models with 2 threads are mostly scheduling noise.",
+        "",
     ]
     for r in rows:
         lines += [f"## {r['model']}", "",

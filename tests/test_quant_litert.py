@@ -275,3 +275,17 @@ def test_cli_prints_the_report(tmp_path, cli):
     assert "quantization dynamic_int8" in r.stdout and "cosine" in r.stdout
     r = cli("inspect", str(out))
     assert "quantized: dynamic_int8" in r.stdout
+
+
+def test_report_with_keyword_and_constant_inputs():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 64)
+
+        def forward(self, x, *, bias, scale=1.0):
+            return self.fc(x) * scale + bias
+
+    m = M()
+    edge = tte.convert(m, (torch.randn(2, 64),), {"bias": torch.randn(64), "scale": 2.0}, quant_config="dynamic_int8")
+    assert edge.quant_report.cosine >= 0.999 and edge.quant_report.shrink > 3.5, edge.quant_report

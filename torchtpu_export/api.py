@@ -146,10 +146,12 @@ def _quant_report(prog, captures, recipe: str, float_bytes: int, quant_bytes: in
     """Size before and after, and the error against the float model (torch eager) on the sample inputs."""
     from .quant import measure
     name, cap = next(iter(captures.items()))
+    leaves = list(cap.sample_inputs)
+    for i in sorted(cap.constant_inputs):  # the non-tensor arguments torch.export specialised
+        leaves.insert(i, cap.constant_inputs[i])
+    args, kwargs = pytree.tree_unflatten(leaves, cap.in_spec)
     with torch.no_grad():
-        ref = cap.exported.module()(*cap.sample_inputs) if not cap.constant_inputs else None
-    if ref is None:
-        return None
+        ref = cap.exported.module()(*args, **kwargs)
     got = prog.run_flat(cap.sample_inputs, signature_name=name if len(captures) > 1 else None)
     return measure(recipe, pytree.tree_leaves(ref), got, float_bytes, quant_bytes)
 
