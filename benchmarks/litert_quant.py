@@ -22,7 +22,6 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from litert_vs_litert_torch import REPO, _feed, ensure_bench_venv, latency  # noqa: E402
@@ -176,7 +175,8 @@ def report(rows, threads_all: int, runs: int, load_start: float, load_end: float
             lines.append(f"| {label} | " + " | ".join(cell(k, lambda k: f"{r[key][k]:.2f}") for k in cols) + " |")
             lines.append("| speed-up | " + " | ".join(
                 cell(k, lambda k: f"{r[key]['float'] / r[key][k]:.2f}x") for k in cols) + " |")
-        lines.append("| cosine | " + " | ".join(cell(k, lambda k: f"{r['error'][k]['cosine']:.5f}") for k in cols) + " |")
+        lines.append("| cosine | " + " | ".join(
+            cell(k, lambda k: f"{r['error'][k]['cosine']:.5f}") for k in cols) + " |")
         lines.append("| top-1 | " + " | ".join(cell(k, lambda k: "-" if r["error"][k]["top1"] is None
                                                      else f"{r['error'][k]['top1']:.1%}") for k in cols) + " |")
         lines.append("| convert s | " + " | ".join(

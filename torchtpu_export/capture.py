@@ -171,7 +171,7 @@ def _eval_mode(module):
     modes = [(m, m.training) for m in module.modules()]
     try:
         module.eval()
-    except NotImplementedError:  # modules from ExportedProgram.module() (pt2e's) refuse eval(); their graph is fixed
+    except NotImplementedError:  # ExportedProgram.module()s (pt2e's) refuse eval(); their graph is fixed anyway
         for m, _ in modes:
             m.training = False
     try:

@@ -365,9 +365,9 @@ def _data_inputs(op: Op, spec: Int8Op) -> list[int]:
     return [i for i in idx if i < len(op.inputs) and op.inputs[i] is not None and op.inputs[i].dtype == F32]
 
 
+# Walks the ops in order, keeping each activation as int8, float, or both (a QUANTIZE or DEQUANTIZE
+# is made where a consumer first needs the other form, right before it).
 class _Int8Rewrite:
-    """Walks the ops in order, keeping each activation as int8, float, or both (with a QUANTIZE or
-    DEQUANTIZE made where a consumer first needs the other form)."""
 
     def __init__(self, g: Graph, q: GraphQuant):
         self.g, self.ranges, self.q = g, q.ranges, q
@@ -447,7 +447,8 @@ class _Int8Rewrite:
             if x.is_const and op.code == "BATCH_MATMUL" and i == 1:
                 ins[i] = _const_int8(x, symmetric_quant(_const_int8(x).quant))  # see _symmetric_matmul_operands
             else:
-                ins[i] = _const_int8(x, shared) if x.is_const else self.as_int8(x, shared if spec.out == "joint" else None)
+                ins[i] = _const_int8(x, shared) if x.is_const else \
+                    self.as_int8(x, shared if spec.out == "joint" else None)
         if spec.weight is not None:
             w = op.inputs[spec.weight]
             qw, sw = per_channel_int8(w.data, spec.weight_axis)
