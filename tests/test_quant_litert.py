@@ -142,6 +142,9 @@ def test_int8(model):
     assert content.count(b"TRANSPOSE") == float_edge.model_content().count(b"TRANSPOSE")
     err = error_on_random_inputs(m, edge, args, "int8")
     assert err.cosine >= 0.99, err
+    x = [t.numpy() for t in random_like(args, 7)]
+    np.testing.assert_allclose(edge.run_flat(x)[0], edge.run_flat(x, runtime="compiled_model")[0],
+                               atol=1e-6 * np.abs(edge.run_flat(x)[0]).max())
     if name == "cnn":  # fully integer between the input QUANTIZE and the output DEQUANTIZE
         assert len(tensor_types(content, "QUANTIZE")) == 1 and len(tensor_types(content, "DEQUANTIZE")) == 1
 
