@@ -43,6 +43,7 @@ coverage: venv
 bench: venv
 	@if [ -f benchmarks/run.py ]; then $(PY) benchmarks/run.py; fi
 	$(PY) benchmarks/litert_vs_litert_torch.py
+	$(PY) benchmarks/litert_quant.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

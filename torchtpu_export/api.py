@@ -176,7 +176,10 @@ def _export_tpu(captures, *, platforms=("tpu", "cpu"), kernels="auto", narrow_64
                                                 narrow_64bit=narrow_64bit, mesh=mesh, sharding=sharding,
                                                 quant_config=quant_config))
     if quant_config is not None and "cpu" in platforms:
-        prog.quant_report = _quant_report(prog, captures, quant_config)
+        from .quant import parse
+        float_bytes = sum(t.numel() * t.element_size() for c in captures.values() for t in c.weights.values())
+        prog.quant_report = _quant_report(prog, captures, parse(quant_config, "tpu").recipe, float_bytes,
+                                          sum(w.nbytes for w in prog.artifact.weights.values()))
     return prog
 
 
@@ -185,24 +188,32 @@ def build(target: str, captures: dict[str, CapturedProgram], **options):
     if target == "tpu":
         return _export_tpu(captures, **{"platforms": ("cpu",), **options})
     if target == "litert":
-        from .converters import litert
-        return litert.convert_programs(captures, **options)
+        return _convert_litert(captures, options.pop("quant_config", None), options)
     raise InputError(f"cannot build {target!r} from captured programs")
 
 
-def _quant_report(prog, captures, quant_config):
+def _quant_report(prog, captures, recipe: str, float_bytes: int, quant_bytes: int):
     """Size before and after, and the error against the float model (torch eager) on the sample inputs."""
-    from .quant import measure, parse
-    recipe = parse(quant_config, "tpu").recipe
+    from .quant import measure
     name, cap = next(iter(captures.items()))
+    leaves = list(cap.sample_inputs)
+    for i in sorted(cap.constant_inputs):  # the non-tensor arguments torch.export specialised
+        leaves.insert(i, cap.constant_inputs[i])
+    args, kwargs = pytree.tree_unflatten(leaves, cap.in_spec)
     with torch.no_grad():
-        ref = cap.exported.module()(*cap.sample_inputs) if not cap.constant_inputs else None
-    if ref is None:
-        return None
+        ref = cap.exported.module()(*args, **kwargs)
     got = prog.run_flat(cap.sample_inputs, signature_name=name if len(captures) > 1 else None)
-    float_bytes = sum(t.numel() * t.element_size() for c in captures.values() for t in c.weights.values())
-    return measure(recipe, pytree.tree_leaves(ref), got, float_bytes,
-                   sum(w.nbytes for w in prog.artifact.weights.values()))
+    return measure(recipe, pytree.tree_leaves(ref), got, float_bytes, quant_bytes)
+
+
+def _convert_litert(captures, quant_config, options):
+    from .converters import litert
+    edge = litert.convert_programs(captures, quant_config=quant_config, **options)
+    info = edge.quantization
+    if info is not None:  # a recipe, or a model quantized with pt2e
+        edge.quant_report = _quant_report(edge, captures, info["recipe"], info["float_weight_bytes"],
+                                          info["weight_bytes"])
+    return edge
 
 
 def _export_onnx(captures, **options) -> OnnxProgram:
@@ -271,15 +282,26 @@ def convert(module, sample_args: Sequence = (), sample_kwargs: dict | None = Non
     inputs are transposed for you), so a vision model takes camera frames as they come, with no
     TRANSPOSE at its boundary. ``io_dtypes="web"``: every input and output is float32, int32 or
     uint8, the tensor types LiteRT.js accepts (int64 token ids become int32, checked to fit).
+    ``quant_config``: ``"fp16"``, ``"dynamic_int8"`` or ``{"recipe": "int8", "calibration": [sample_args,
+    ...]}``; the result's ``quant_report`` gives sizes and the error against float on the sample inputs.
     """
-    from .converters import litert
     if not isinstance(sample_args, (tuple, list)):
         sample_args = (sample_args,)
     if channels_last_io:
+        if isinstance(quant_config, dict) and isinstance(quant_config.get("calibration"), (list, tuple)):
+            quant_config = dict(quant_config, calibration=[
+                dict(zip(("args", "kwargs"), channels_last(module, *_sample_parts(c))[1:]))
+                for c in quant_config["calibration"]])
         module, sample_args, sample_kwargs = channels_last(module, sample_args, sample_kwargs)
     caps = _captures([("serving_default", module, sample_args, sample_kwargs, None)], "litert", strict_export,
                      dynamic_shapes)
-    return litert.convert_programs(caps, quant_config=quant_config, **options)
+    return _convert_litert(caps, quant_config, options)
+
+
+def _sample_parts(sample) -> tuple:
+    if isinstance(sample, dict) and set(sample) <= {"args", "kwargs"}:
+        return tuple(sample.get("args", ())), sample.get("kwargs")
+    return (tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)), None
 
 
 class SignatureSet:
@@ -297,9 +319,8 @@ class SignatureSet:
         return self
 
     def convert(self, *, quant_config=None, strict_export: bool | str = False, **options):
-        from .converters import litert
         caps = _captures(self.entries, "litert", strict_export)
-        return litert.convert_programs(caps, quant_config=quant_config, **options)
+        return _convert_litert(caps, quant_config, options)
 
     def export(self, *, target: str = "tpu", strict_export: bool | str = False, **options):
         if target == "litert":

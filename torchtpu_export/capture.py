@@ -169,7 +169,11 @@ def _eval_mode(module):
         yield
         return
     modes = [(m, m.training) for m in module.modules()]
-    module.eval()
+    try:
+        module.eval()
+    except NotImplementedError:  # ExportedProgram.module()s (pt2e's) refuse eval(); their graph is fixed anyway
+        for m, _ in modes:
+            m.training = False
     try:
         yield
     finally:

@@ -99,7 +99,8 @@ def _convert_parser() -> argparse.ArgumentParser:
                    help="litert target: 'web' makes every input/output float32, int32 or uint8 (LiteRT.js)")
     p.add_argument("--channels-last", action="store_true",
                    help="litert target: 4-D float inputs and outputs in NHWC (camera frames, canvases)")
-    p.add_argument("--quantize", default=None, metavar="RECIPE", help="quantization recipe (see README)")
+    p.add_argument("--quantize", default=None, metavar="RECIPE",
+                   help="quantization recipe: tpu int8_weight_only, bf16; litert fp16, dynamic_int8, int8 (see README)")
     p.add_argument("--strict", default="false", choices=["false", "true", "auto"], help="torch.export strict mode")
     p.add_argument("--trust-pickle", action="store_true",
                    help="allow loading a pickled module (torch.save); unpickling runs code from the file")
@@ -142,6 +143,10 @@ def _convert(args) -> int:
         raise InputError("--io-dtypes and --channels-last apply to --target litert")
     if args.quantize:
         options["quant_config"] = args.quantize
+        if args.quantize == "int8" and args.target == "litert":
+            # the command line has one set of inputs: they calibrate (the API takes a calibration set)
+            options["quant_config"] = {"recipe": "int8", "calibration": [{"args": margs, "kwargs": mkwargs}]}
+            _out(args, "int8: activation scales calibrated on the sample inputs only")
     if isinstance(model, torch.export.ExportedProgram) and sample is not None:
         _check_inputs_match(model, sample)
     artifact = api.export(model, margs, mkwargs, target=args.target, strict_export=strict, **options)

@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from .errors import ArtifactError, InputError
 from .fileio import write_bytes_atomic
-from .specs import TensorSpec, numpy_dtype
+from .specs import TensorSpec, as_numpy, numpy_dtype
 
 METADATA_NAME = "torchtpu_export"
 _TYPE_NAMES = {0: "float32", 1: "float16", 2: "int32", 3: "uint8", 4: "int64", 5: "string", 6: "bool", 7: "int16",
@@ -96,6 +96,8 @@ def _signature_io(model) -> dict:
         sig = model.SignatureDefs(i)
         sub = model.Subgraphs(sig.SubgraphIndex())
 
+        quant = {}
+
         def specs(n, get):
             res = []
             for j in range(n):
@@ -103,11 +105,24 @@ def _signature_io(model) -> dict:
                 t = sub.Tensors(tm.TensorIndex())
                 shape = tuple(int(d) for d in t.ShapeAsNumpy()) if t.ShapeLength() else ()
                 res.append(TensorSpec(tm.Name().decode(), shape, _TYPE_NAMES.get(t.Type(), str(t.Type()))))
+                q = t.Quantization()
+                if q is not None and q.ScaleLength() == 1 and t.Type() in (3, 9):  # uint8, int8
+                    quant[tm.Name().decode()] = (float(q.Scale(0)), int(q.ZeroPoint(0)) if q.ZeroPointLength() else 0)
             return res
         out[sig.SignatureKey().decode()] = {"inputs": specs(sig.InputsLength(), sig.Inputs),
                                             "outputs": specs(sig.OutputsLength(), sig.Outputs),
-                                            "subgraph": sig.SubgraphIndex()}
+                                            "subgraph": sig.SubgraphIndex(), "quant": quant}
     return out
+
+
+def _quantize_input(x, scale_zero: tuple, dtype: str) -> np.ndarray:
+    # float values for a quantized (integer I/O) input: q = round(x / scale) + zero_point, saturated
+    a = as_numpy(x)
+    if a.dtype.kind != "f":
+        return a  # already quantized by the caller
+    info = np.iinfo(numpy_dtype(dtype))
+    scale, zero = scale_zero
+    return np.clip(np.rint(a.astype(np.float64) / scale) + zero, info.min, info.max).astype(numpy_dtype(dtype))
 
 
 class EdgeModel:
@@ -118,7 +133,7 @@ class EdgeModel:
     structure the module returned.
     """
 
-    def __init__(self, content: bytes, signatures: dict | None = None):
+    def __init__(self, content: bytes, signatures: dict | None = None, quantization: dict | None = None):
         self._content = bytes(content)
         model = _model(self._content)
         try:
@@ -127,6 +142,9 @@ class EdgeModel:
             raise _damaged(e) from e
         meta = read_metadata(self._content, verify=True) if signatures is None else {"signatures": signatures}
         self._meta = (meta or {}).get("signatures", {})
+        # recipe and weight sizes when quantized; tte.convert adds the error against float as quant_report
+        self.quantization = quantization if signatures is not None else (meta or {}).get("quantization")
+        self.quant_report = None
         if not self._io:
             raise ArtifactError("the flatbuffer has no SignatureDef; LiteRT runs models through signatures",
                                 hint="convert it with a tool that writes signatures (e.g. torchtpu-export)")
@@ -216,10 +234,23 @@ class EdgeModel:
         specs = self.inputs(sig)
         if len(inputs) != len(specs):
             raise InputError(f"expected {len(specs)} inputs ({', '.join(str(s) for s in specs)}), got {len(inputs)}")
+        quant = self._io[sig]["quant"] if sig in self._meta else {}
+        if quant:  # integer I/O (int8 recipe): float values in and out, as the module takes and gives them
+            io_ins = {s.name: s for s in self._io[sig]["inputs"]}
+            inputs = [_quantize_input(x, quant[s.name], io_ins[s.name].dtype)
+                      if s.name in quant and s.dtype.startswith(("float", "bfloat")) else x
+                      for x, s in zip(inputs, specs)]
         outs = self.runner(sig, runtime=runtime).run(list(inputs))
-        # 64-bit outputs travel as 32-bit ones inside the model: give back torch's dtype
-        return [o.astype(numpy_dtype(s.dtype)) if s.dtype != "bfloat16" and o.dtype != numpy_dtype(s.dtype) else o
-                for o, s in zip(outs, self.outputs(sig))]
+        result = []
+        for o, s in zip(outs, self.outputs(sig)):
+            if s.name in quant and s.dtype.startswith(("float", "bfloat")):
+                scale, zero = quant[s.name]
+                o = ((o.astype(np.float32) - zero) * np.float32(scale)).astype(np.float32)
+            # 64-bit outputs travel as 32-bit ones inside the model: give back torch's dtype
+            if s.dtype != "bfloat16" and o.dtype != numpy_dtype(s.dtype):
+                o = o.astype(numpy_dtype(s.dtype))
+            result.append(o)
+        return result
 
     def __call__(self, *args, signature_name: str | None = None, **kwargs):
         sig = self._signature(signature_name)
@@ -301,11 +332,16 @@ def _describe(path: str, content: bytes) -> dict:
             weight_count += 1
             weight_bytes += n
     versions = meta.get("versions", {})
+    extra = [f"TRANSPOSE ops: {transposes}",
+             "made by torchtpu-export" if meta else "not made by torchtpu-export (no pytree metadata)"]
+    quant = meta.get("quantization")
+    if quant:
+        extra.append(f"quantized: {quant['recipe']} (weights {quant['weight_bytes']:,} bytes; "
+                     f"{quant['float_weight_bytes']:,} in float)")
     return {
         "path": path, "kind": "litert", "size": os.path.getsize(path), "programs": programs,
         "versions": versions, "schema_version": model.Version(),
         "weights": {"count": weight_count, "bytes": weight_bytes},
-        "transposes": transposes,
-        "extra_lines": [f"TRANSPOSE ops: {transposes}",
-                        "made by torchtpu-export" if meta else "not made by torchtpu-export (no pytree metadata)"],
+        "transposes": transposes, "quantization": quant,
+        "extra_lines": extra,
     }

@@ -68,6 +68,7 @@ def load_model(spec: str, *, trust_pickle: bool = False, sample_inputs: Sequence
         return _load_factory(spec)
     kind = sniff_model(spec)
     if kind == "pt2":
+        from torch.ao.quantization.fx import _decomposed  # noqa: F401 (the quantize ops of pt2e-quantized models)
         try:
             ep = torch.export.load(spec)
         except Exception as e:

@@ -88,9 +88,10 @@ class QuantReport:
 def measure(recipe: str, float_outputs: Sequence[Any], quant_outputs: Sequence[Any], float_bytes: int,
             quant_bytes: int) -> QuantReport:
     """Compares quantized outputs with float ones (all floating outputs together)."""
-    f = [as_numpy(x).astype(np.float64) for x in float_outputs]
-    q = [as_numpy(x).astype(np.float64) for x in quant_outputs]
-    pairs = [(a, b) for a, b in zip(f, q) if a.dtype.kind == "f" and a.size]
+    f = [as_numpy(x) for x in float_outputs]
+    q = [as_numpy(x) for x in quant_outputs]
+    # floating outputs only: integer ones (indices, token ids) are exact or plainly wrong, not "close"
+    pairs = [(a.astype(np.float64), b.astype(np.float64)) for a, b in zip(f, q) if a.dtype.kind == "f" and a.size]
     if not pairs:
         return QuantReport(recipe, float_bytes, quant_bytes, 0.0, 0.0, 1.0, None)
     fa = np.concatenate([a.ravel() for a, _ in pairs])

@@ -17,9 +17,10 @@ import torchtpu_export
 from torchtpu_export.capture import CapturedProgram
 from torchtpu_export.errors import InputError, UnsupportedOpError
 
-from . import ops_elementwise, ops_index, ops_misc, ops_nn, ops_reduction, ops_shape  # noqa: F401 (registration)
+from . import ops_elementwise, ops_index, ops_misc, ops_nn, ops_quant, ops_reduction, ops_shape  # noqa: F401
 from .lower import AtenProgram, check_supported  # noqa: F401
-from .passes import PIPELINE, run_pipeline
+from .passes import PIPELINE, REQUIRED, run_pipeline
+from .quantize import constant_bytes, graph_quants
 from .registry import BUILDERS, IO_DTYPES, NOT_SUPPORTED, builds  # noqa: F401
 from .writer import METADATA_NAME, serialize
 
@@ -68,10 +69,11 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
     ``io_dtypes="web"`` makes every input and output float32, int32 or uint8 (what LiteRT.js
     takes: int64 token ids become int32, bool masks int32), ``"auto"`` (default) narrows only
     64-bit types.
+
+    ``quant_config``: ``"fp16"``, ``"dynamic_int8"``, or ``{"recipe": "int8", "calibration":
+    [sample_args, ...], "integer_io": False}`` (see :mod:`.quantize`). A model quantized with
+    PyTorch's pt2e flow converts to int8 ops without it.
     """
-    if quant_config is not None:
-        raise InputError("quant_config is not supported by the litert target yet",
-                         hint="convert without quantization")
     skip = tuple(options.pop("skip_passes", ()))
     io_dtypes = options.pop("io_dtypes", "auto")
     if io_dtypes not in IO_DTYPES:
@@ -79,9 +81,10 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
     unknown = sorted(set(options))
     if unknown:
         raise InputError(f"unknown option(s) for the litert target: {', '.join(unknown)}")
-    bad = [s for s in skip if s not in {p.__name__ for p in PIPELINE} or s == "lower"]
+    bad = [s for s in skip if s not in {p.__name__ for p in PIPELINE} or s in {p.__name__ for p in REQUIRED}]
     if bad:
         raise InputError(f"skip_passes names no optional pass: {', '.join(bad)}")
+    quants = graph_quants(quant_config, captures, io_dtypes)
     graphs, signatures = [], {}
     for name, cap in captures.items():
         dynamic = [f"{s.name}{list(s.shape)}" for s in cap.inputs if any(isinstance(d, str) for d in s.shape)]
@@ -89,7 +92,7 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
             raise UnsupportedOpError("dynamic shapes", target="litert",
                                      reason=f"it converts static shapes only; dynamic dims in {', '.join(dynamic)}",
                                      hint="convert without dynamic_shapes (one signature per shape you need)")
-        g = run_pipeline(AtenProgram.from_capture(name, cap, io_dtypes), skip)
+        g = run_pipeline(AtenProgram.from_capture(name, cap, io_dtypes, quants[name]), skip)
         graphs.append(g)
         signatures[name] = {
             "inputs": [s.to_json() for s in cap.inputs],
@@ -103,8 +106,14 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
         "versions": {"torchtpu_export": torchtpu_export.__version__, "torch": torch.__version__.split("+")[0]},
         "signatures": signatures,
     }
+    quantized = [g.quant for g in graphs if g.quant is not None]
+    if quantized:
+        float_constants = {k: v for q in quantized for k, v in q.float_constants.items()}
+        metadata["quantization"] = {"recipe": quantized[0].recipe,
+                                    "float_weight_bytes": sum(float_constants.values()),
+                                    "weight_bytes": sum(constant_bytes(graphs).values())}
     from torchtpu_export.edge import EdgeModel  # the artifact's reader; it imports a runtime only to run
-    return EdgeModel(serialize(graphs, metadata), signatures)
+    return EdgeModel(serialize(graphs, metadata), signatures, quantization=metadata.get("quantization"))
 
 
 def _spec_text(spec: pytree.TreeSpec) -> str:

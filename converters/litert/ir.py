@@ -13,22 +13,52 @@ from typing import Iterable, Iterator
 import numpy as np
 
 
+class Quant:
+    """Affine quantization of a tensor: ``real = (q - zero_point) * scale``, one scale for the whole
+    tensor or one per slice along ``axis`` (the schema's QuantizationParameters)."""
+
+    __slots__ = ("scale", "zero_point", "axis")
+
+    def __init__(self, scale, zero_point=0, axis: int = 0):
+        self.scale = np.asarray(scale, np.float32).reshape(-1)
+        self.zero_point = np.broadcast_to(np.asarray(zero_point, np.int64).reshape(-1), self.scale.shape).copy()
+        self.axis = int(axis)
+
+    @property
+    def per_channel(self) -> bool:
+        return self.scale.size > 1
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Quant) and self.axis == other.axis and np.array_equal(self.scale, other.scale) \
+            and np.array_equal(self.zero_point, other.zero_point)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        if self.per_channel:
+            return f"Quant({self.scale.size} scales, axis {self.axis})"
+        return f"Quant({float(self.scale[0]):.4g}, {int(self.zero_point[0])})"
+
+
 class Tensor:
     """A value of a graph: shape, numpy dtype, and data when constant.
 
     ``channels_last`` marks tensors that a builder laid out NHWC on purpose
     (the activations around CONV_2D and friends): the layout pass never
-    changes their layout.
+    changes their layout. ``quant`` is set on quantized (int8, int32 bias)
+    tensors.
     """
 
-    __slots__ = ("name", "shape", "dtype", "data", "channels_last")
+    __slots__ = ("name", "shape", "dtype", "data", "channels_last", "quant")
 
-    def __init__(self, name: str, shape, dtype, data: np.ndarray | None = None, channels_last: bool = False):
+    def __init__(self, name: str, shape, dtype, data: np.ndarray | None = None, channels_last: bool = False,
+                 quant: Quant | None = None):
         self.name = name
         self.shape = tuple(int(d) for d in shape)
         self.dtype = np.dtype(dtype)
         self.data = data
         self.channels_last = channels_last
+        self.quant = quant
 
     @property
     def is_const(self) -> bool:
@@ -44,7 +74,8 @@ class Tensor:
 
     def __repr__(self) -> str:
         kind = "const " if self.is_const else ""
-        return f"<{kind}{self.name}: {self.dtype.name}{list(self.shape)}>"
+        q = f" {self.quant!r}" if self.quant is not None else ""
+        return f"<{kind}{self.name}: {self.dtype.name}{list(self.shape)}{q}>"
 
 
 class Op:
@@ -75,6 +106,7 @@ class Graph:
         self.input_names: list[str] = []
         self.output_names: list[str] = []
         self.ops: list[Op] = []
+        self.quant = None  # what the quantization passes do to it (quantize.GraphQuant); None keeps it float
 
     def producers(self) -> dict[int, Op]:
         """id(tensor) -> the op that computes it."""

@@ -26,7 +26,7 @@ ELEMENTWISE = {
     "SELECT_V2", "LESS", "LESS_EQUAL", "GREATER", "GREATER_EQUAL", "EQUAL", "NOT_EQUAL", "LOGICAL_AND",
     "LOGICAL_OR", "ATAN2", "RELU", "RELU6", "RELU_N1_TO_1", "RELU_0_TO_1", "LOGISTIC", "TANH", "EXP", "LOG",
     "SQRT", "RSQRT", "ABS", "NEG", "SIN", "COS", "CEIL", "FLOOR", "ROUND", "SIGN", "GELU", "HARD_SWISH",
-    "LEAKY_RELU", "ELU", "CAST", "LOGICAL_NOT", "SQUARE", "BITWISE_XOR",
+    "LEAKY_RELU", "ELU", "CAST", "LOGICAL_NOT", "SQUARE", "BITWISE_XOR", "QUANTIZE", "DEQUANTIZE",
 }
 # ops whose first input and output keep the rank, with per-axis parameters we can remap
 _AXIS_OPS = {"CONCATENATION", "MEAN", "SUM", "REDUCE_MAX", "REDUCE_MIN", "REDUCE_PROD", "REDUCE_ANY", "REDUCE_ALL",
@@ -396,7 +396,7 @@ class _Rewriter:
         """The tensor that holds ``t`` in ``label`` (``t`` itself for label 0), not yet computed."""
         if label == 0:
             return t
-        return Tensor(f"{t.name}/nhwc", _phys_shape(t, label), t.dtype)
+        return Tensor(f"{t.name}/nhwc", _phys_shape(t, label), t.dtype, quant=t.quant)
 
     def produced(self, t: Tensor, label: int, p: Tensor) -> None:
         self.avail.setdefault(id(t), {})[label] = p

@@ -35,9 +35,10 @@ class AtenProgram:
     inputs: list[torch.fx.Node]
     captured: CapturedProgram
     io_dtypes: str = "auto"  # see registry.io_dtype
+    quant: object = None  # quantize.GraphQuant, handed to the graph
 
     @classmethod
-    def from_capture(cls, name: str, cap: CapturedProgram, io_dtypes: str = "auto") -> "AtenProgram":
+    def from_capture(cls, name: str, cap: CapturedProgram, io_dtypes: str = "auto", quant=None) -> "AtenProgram":
         graph = torch.fx.Graph()
         env: dict = {}
         out = graph.graph_copy(cap.graph, env)
@@ -45,7 +46,7 @@ class AtenProgram:
         by_name = {old.name: new for old, new in env.items()}  # the copy may rename nodes
         constants = {by_name[p]: cap.weights[w] for p, w in cap.weight_placeholders.items() if p in by_name}
         inputs = [by_name[p] for p in cap.input_placeholders]
-        return cls(name, graph, constants, inputs, cap, io_dtypes)
+        return cls(name, graph, constants, inputs, cap, io_dtypes, quant)
 
 
 def check_supported(prog: AtenProgram) -> None:
@@ -102,6 +103,7 @@ def lower(prog: AtenProgram) -> Graph:
     """The TFLite graph of ``prog``: inputs and outputs named as captured, ops from the builders."""
     check_supported(prog)
     graph = Graph(prog.name)
+    graph.quant = prog.quant
     ctx = BuildContext(graph)
     env: dict = {}
     cap = prog.captured

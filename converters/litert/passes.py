@@ -16,6 +16,7 @@ import torch
 from .ir import Graph, Op, Tensor
 from .layout import REDUCERS, assign_nhwc_layout
 from .lower import AtenProgram, live_nodes, lower
+from .quantize import calibrate_activations, fold_quantize_dequantize, quantize_activations, quantize_weights
 
 aten = torch.ops.aten
 
@@ -471,8 +472,16 @@ PIPELINE = [
     fuse_activations,
     pad_max_pool_with_zeros,
     eliminate_dead_code,
+    # quantization (quant_config, or pt2e pairs in the model): on the final float graph
+    fold_quantize_dequantize,
+    calibrate_activations,
+    quantize_activations,
+    quantize_weights,
+    eliminate_dead_code,
     name_outputs,
 ]
+# Passes that skip_passes may not leave out: the graph would not be the model, or not the one asked for.
+REQUIRED = {lower, fold_quantize_dequantize, calibrate_activations, quantize_activations, quantize_weights}
 
 
 def run_pipeline(prog: AtenProgram, skip: tuple = ()) -> Graph:

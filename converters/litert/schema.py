@@ -77,7 +77,65 @@ def _broadcast_gt4(op) -> bool:
 
 
 def op_version(op) -> int:
-    """The builtin version this op needs, after TFLite's op_version.cc (float and integer features only)."""
+    """The builtin version this op needs, after TFLite's op_version.cc.
+
+    Versions add features, so an op using several (int8 and a 5-D input, say) needs the highest.
+    """
+    return max(_plain_version(op), _quantized_version(op))
+
+
+# int8 kernels (full integer), by the version that added them
+_INT8_VERSION = {
+    **dict.fromkeys((
+        "ADD", "SUB", "MUL", "MAX_POOL_2D", "AVERAGE_POOL_2D", "TRANSPOSE", "SLICE", "STRIDED_SLICE",
+        "RESIZE_BILINEAR", "RESIZE_NEAREST_NEIGHBOR", "MAXIMUM", "MINIMUM", "PACK", "UNPACK", "SPLIT", "SPLIT_V",
+        "CONCATENATION", "PAD", "PADV2", "SOFTMAX", "MEAN", "MIRROR_PAD", "REDUCE_MAX", "REDUCE_MIN", "RELU6",
+        "RSQRT", "SUM", "LOG_SOFTMAX", "GREATER", "LESS_EQUAL", "SQUARED_DIFFERENCE", "DEPTH_TO_SPACE",
+        "SPACE_TO_DEPTH", "LESS", "GREATER_EQUAL", "EQUAL", "NOT_EQUAL", "TANH", "LOGISTIC", "EXP", "LOG",
+        "REDUCE_PROD", "RELU", "ABS", "GELU", "L2_NORMALIZATION", "ARG_MAX", "ARG_MIN", "SPACE_TO_BATCH_ND",
+        "BATCH_TO_SPACE_ND", "SELECT", "GATHER", "BATCH_MATMUL"), 2),
+    "BROADCAST_TO": 3, "TILE": 3, "REVERSE_V2": 3, "CONV_2D": 3, "DEPTHWISE_CONV_2D": 3, "FULLY_CONNECTED": 4,
+}
+
+
+def _quantized_version(op) -> int:
+    code = op.code
+    ins = [t for t in op.inputs if t is not None]
+    if not ins:
+        return 1
+    t0 = ins[1].dtype if code == "SPLIT" else ins[0].dtype
+    w = op.inputs[1] if len(op.inputs) > 1 and op.inputs[1] is not None else None
+    hybrid = t0 == np.float32 and w is not None and w.dtype == _I8
+    per_channel = w is not None and w.quant is not None and w.quant.per_channel
+    if code == "DEQUANTIZE":
+        return 3 if t0 == _F16 else (5 if _per_channel(ins[0]) else 2) if t0 == _I8 else 1
+    if code == "QUANTIZE":
+        return 3 if _per_channel(op.outputs[0]) else 1
+    if code == "EMBEDDING_LOOKUP":
+        return 4 if _per_channel(op.inputs[1]) else 1
+    if hybrid:
+        if code == "FULLY_CONNECTED":
+            return 12 if per_channel else 9 if op.options.get("asymmetricQuantizeInputs") else 3
+        if code == "CONV_2D":
+            return 5 if per_channel else 2
+        if code == "DEPTHWISE_CONV_2D":
+            return 6 if per_channel else 4
+        if code == "BATCH_MATMUL":
+            return 4 if op.options.get("asymmetricQuantizeInputs") else 1
+    if code == "TRANSPOSE_CONV" and w is not None and w.dtype == _I8:
+        return 2
+    if code == "MUL" and t0 == _I8:
+        a, b, y = op.inputs[0].quant, op.inputs[1].quant, op.outputs[0].quant
+        if a is not None and b is not None and y is not None and a.scale[0] * b.scale[0] / y.scale[0] >= 1:
+            return 3
+    return _INT8_VERSION.get(code, 1) if t0 == _I8 else 1
+
+
+def _per_channel(t) -> bool:
+    return t.quant is not None and t.quant.per_channel
+
+
+def _plain_version(op) -> int:
     code, o = op.code, op.options
     t0 = op.inputs[0].dtype if op.inputs and op.inputs[0] is not None else None
     r0 = op.inputs[0].rank if op.inputs and op.inputs[0] is not None else 0

@@ -183,6 +183,19 @@ def _build(graphs, tensor_buffer, buffers: _Buffers, meta_idx, description, exte
     return bytes(memoryview(builder.Bytes)[builder.Head():])
 
 
+def _quantization(builder, q) -> int:
+    scale = _vector(builder, fb.QuantizationParametersStartScaleVector, [float(x) for x in q.scale],
+                    builder.PrependFloat32)
+    zero = _vector(builder, fb.QuantizationParametersStartZeroPointVector, [int(x) for x in q.zero_point],
+                   builder.PrependInt64)
+    fb.QuantizationParametersStart(builder)
+    fb.QuantizationParametersAddScale(builder, scale)
+    fb.QuantizationParametersAddZeroPoint(builder, zero)
+    if q.axis:
+        fb.QuantizationParametersAddQuantizedDimension(builder, q.axis)
+    return fb.QuantizationParametersEnd(builder)
+
+
 def _subgraph(builder, g: Graph, buffer_of: dict[int, int], opcodes: dict[str, int], index: int):
     tensors = list(g.tensors())
     tindex = {id(t): i for i, t in enumerate(tensors)}
@@ -192,11 +205,14 @@ def _subgraph(builder, g: Graph, buffer_of: dict[int, int], opcodes: dict[str, i
     tables = []
     for t in tensors:
         shape = _int_vector(builder, t.shape, fb.TensorStartShapeVector)
+        quant = _quantization(builder, t.quant) if t.quant is not None else None
         fb.TensorStart(builder)
         fb.TensorAddShape(builder, shape)
         fb.TensorAddType(builder, schema.TENSOR_TYPE[t.dtype])
         fb.TensorAddBuffer(builder, buffer_of.get(id(t), 0))
         fb.TensorAddName(builder, names[t.name])
+        if quant is not None:
+            fb.TensorAddQuantization(builder, quant)
         tables.append(fb.TensorEnd(builder))
     ops = []
     for op in g.ops:
