@@ -40,10 +40,8 @@ test: venv web-deps
 coverage: venv
 	$(PY) -m torchtpu_export.coverage --regenerate
 
-bench: venv
-	@if [ -f benchmarks/run.py ]; then $(PY) benchmarks/run.py; fi
-	$(PY) benchmarks/litert_vs_litert_torch.py
-	$(PY) benchmarks/litert_quant.py
+bench: venv web-deps
+	$(PY) benchmarks/run.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,50 @@
+"""make bench: every benchmark, one after another, each writing its table to benchmarks/RESULTS-*.md.
+
+    python benchmarks/run.py                 # all
+    python benchmarks/run.py tpu litert      # some (names below)
+
+Benchmarks measure; they never fail a build on a number. Run them on a quiet machine: the 2-thread
+latencies and conversion times move with whatever else the cores are doing.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+BENCHMARKS = {
+    # name: (script, arguments) -- each writes benchmarks/RESULTS-<name>.md
+    "tpu": ("tpu_export.py", ["-o", "RESULTS-tpu.md"]),
+    "litert": ("litert_vs_litert_torch.py", ["-o", "RESULTS-litert.md"]),
+    "quant": ("litert_quant.py", ["-o", "RESULTS-quant.md"]),
+    "scale": ("scale.py", ["-o", "RESULTS-scale.md"]),
+    "pallas": ("pallas_kernels.py", []),
+    "web": ("web.py", []),
+}
+
+
+def main(names) -> int:
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        print(f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    failed = []
+    for name in names or BENCHMARKS:
+        script, args = BENCHMARKS[name]
+        args = [os.path.join(HERE, a) if a.startswith("RESULTS-") else a for a in args]
+        print(f"== {name}: {script} {' '.join(args)}", flush=True)
+        t = time.perf_counter()
+        proc = subprocess.run([sys.executable, os.path.join(HERE, script), *args])
+        print(f"== {name}: exit {proc.returncode} after {time.perf_counter() - t:.0f} s", flush=True)
+        if proc.returncode:
+            failed.append(name)
+    if failed:
+        print(f"benchmarks that did not complete: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
