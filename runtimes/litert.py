@@ -43,6 +43,8 @@ class InterpreterRunner:
                              f"got {len(inputs)}")
         feed = {s.name: coerce_input(s, x, dtype=dt) for s, x, dt in zip(self.inputs, inputs, self._input_dtypes)}
         try:
+            # the signature runner resizes its inputs to these arrays' shapes and allocates before invoking
+            # (ResizeInputTensor + AllocateTensors): dynamic dims take the size they are given
             out = self._runner(**feed)
         except (ValueError, RuntimeError) as e:
             raise ArtifactError(f"LiteRT failed to run the model: {str(e).strip()[:300]}") from e
@@ -87,20 +89,94 @@ class CompiledModelRunner:
         self._in = [(_np_dtype(in_details[s.name]["dtype"]), tuple(in_details[s.name]["shape"])) for s in self.inputs]
         self._out = [(_np_dtype(out_details[s.name]["dtype"]), tuple(out_details[s.name]["shape"]))
                      for s in self.outputs]
+        self._dynamic = any(isinstance(d, str) for s in self.inputs for d in s.shape)
+        if self._dynamic:
+            self._host: list[np.ndarray] = []
+            self._resize([np.zeros(shape, dt) for dt, shape in self._in])
+        else:
+            self._in_buffers = self.model.create_input_buffers(self.signature_index)
+            self._out_buffers = self.model.create_output_buffers(self.signature_index)
+
+    def _resize(self, arrays: list[np.ndarray]) -> None:
+        # New input sizes. LiteRT resizes the inputs (strictly: only dims that are -1 in their
+        # shape_signature), but sizes output buffers for the old shapes until it has run; so the
+        # outputs' sizes come from their symbolic shapes, and their buffers wrap arrays held here.
+        from ai_edge_litert.tensor_buffer import TensorBuffer
+        sizes: dict[str, int] = {}
+        for spec, a in zip(self.inputs, arrays):
+            sizes.update({d: n for d, n in zip(spec.shape, a.shape) if isinstance(d, str)})
+        out_shapes = [tuple(d if isinstance(d, int) else _eval_dim(d, sizes, spec.name) for d in spec.shape)
+                      for spec in self.outputs]
+        for i, (a, (dt, shape)) in enumerate(zip(arrays, self._in)):
+            if a.shape != shape:
+                try:
+                    self.model.resize_input_tensor(i, a.shape, self.signature_index, strict=True)
+                except (ValueError, RuntimeError) as e:
+                    raise InputError(f"input {self.inputs[i].name}: LiteRT cannot resize it to {list(a.shape)}: "
+                                     f"{str(e).strip()[:200]}") from e
+                self._in[i] = (dt, a.shape)
+        self._out = [(dt, shape) for (dt, _), shape in zip(self._out, out_shapes)]
         self._in_buffers = self.model.create_input_buffers(self.signature_index)
-        self._out_buffers = self.model.create_output_buffers(self.signature_index)
+        self._host = [_aligned(shape, dt) for dt, shape in self._out]
+        self._out_buffers = [TensorBuffer.create_from_host_memory(h) for h in self._host]
 
     def run(self, inputs: Sequence) -> list[np.ndarray]:
         if len(inputs) != len(self.inputs):
             raise InputError(f"expected {len(self.inputs)} inputs, got {len(inputs)}")
-        for buf, spec, x, (dt, _) in zip(self._in_buffers, self.inputs, inputs, self._in):
-            buf.write(coerce_input(spec, x, dtype=dt.name))
+        arrays = [coerce_input(spec, x, dtype=dt.name) for spec, x, (dt, _) in zip(self.inputs, inputs, self._in)]
+        if self._dynamic:
+            if any(a.shape != shape for a, (_, shape) in zip(arrays, self._in)):
+                self._resize(arrays)
+        for buf, a in zip(self._in_buffers, arrays):
+            buf.write(a)
         try:
             self.model.run_by_index(self.signature_index, self._in_buffers, self._out_buffers)
         except (ValueError, RuntimeError) as e:
             raise ArtifactError(f"LiteRT CompiledModel failed to run the model: {str(e).strip()[:300]}") from e
+        if self._dynamic:
+            return [h.copy() for h in self._host]
         return [buf.read(int(np.prod(shape, dtype=np.int64)), dt).reshape(shape)
                 for buf, (dt, shape) in zip(self._out_buffers, self._out)]
+
+
+_ALIGN = 64  # what LiteRT's host-memory buffers need
+
+
+def _aligned(shape, dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    raw = np.zeros(n * dtype.itemsize + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start:start + n * dtype.itemsize].view(dtype).reshape(shape)
+
+
+def _eval_dim(text: str, sizes: dict, name: str) -> int:
+    # A symbolic dim as torch prints it ("s0", "2*s1", "(s0 - 1)//2 + 1", "Max(1, s0)"), evaluated
+    # from the inputs' sizes. A small evaluator: the text comes from the file's metadata.
+    import ast
+    ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+           ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b}
+    calls = {"Max": max, "Min": min, "Mod": lambda a, b: a % b, "FloorDiv": lambda a, b: a // b}
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name) and node.id in sizes:
+            return sizes[node.id]
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -ev(node.operand)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in calls:
+            return calls[node.func.id](*(ev(a) for a in node.args))
+        raise ValueError(ast.dump(node))
+    try:
+        return int(ev(ast.parse(text, mode="eval")))
+    except (SyntaxError, ValueError, ZeroDivisionError) as e:
+        raise InputError(f"output {name}: cannot size its dynamic dim {text!r} for the CompiledModel runner ({e})",
+                         hint="run it with runtime='interpreter'") from None
 
 
 def _np_dtype(d) -> np.dtype:

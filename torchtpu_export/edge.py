@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from .errors import ArtifactError, InputError
 from .fileio import write_bytes_atomic
-from .specs import TensorSpec, numpy_dtype
+from .specs import TensorSpec, check_dims, numpy_dtype
 
 METADATA_NAME = "torchtpu_export"
 _TYPE_NAMES = {0: "float32", 1: "float16", 2: "int32", 3: "uint8", 4: "int64", 5: "string", 6: "bool", 7: "int16",
@@ -102,6 +102,10 @@ def _signature_io(model) -> dict:
                 tm = get(j)
                 t = sub.Tensors(tm.TensorIndex())
                 shape = tuple(int(d) for d in t.ShapeAsNumpy()) if t.ShapeLength() else ()
+                if t.ShapeSignatureLength():
+                    # -1 in shape_signature: a dynamic dim, named after its tensor and axis
+                    shape = tuple(f"{tm.Name().decode()}_{k}" if int(d) < 0 else n
+                                  for k, (d, n) in enumerate(zip(t.ShapeSignatureAsNumpy(), shape)))
                 res.append(TensorSpec(tm.Name().decode(), shape, _TYPE_NAMES.get(t.Type(), str(t.Type()))))
             return res
         out[sig.SignatureKey().decode()] = {"inputs": specs(sig.InputsLength(), sig.Inputs),
@@ -170,6 +174,11 @@ class EdgeModel:
             return [TensorSpec.from_json(d) for d in self._meta[sig]["outputs"]]
         return list(self._io[sig]["outputs"])
 
+    def dim_ranges(self, signature_name: str | None = None) -> dict[str, tuple]:
+        """The dynamic dims of a signature's inputs -> (min, max or None), as exported."""
+        sig = self._signature(signature_name)
+        return {k: tuple(v) for k, v in self._meta.get(sig, {}).get("dims", {}).items()}
+
     def model_content(self) -> bytes:
         """The flatbuffer's bytes."""
         return self._content
@@ -193,11 +202,12 @@ class EdgeModel:
             raise InputError(f"unknown LiteRT runtime {runtime!r}; choose one of {', '.join(litert.RUNTIMES)}")
         key = (sig, runtime, num_threads)
         if key not in self._runners:
+            # torch's shapes (dynamic dims by name) with the dtypes the flatbuffer declares
             ins, outs = self.inputs(sig), self.outputs(sig)
             io_ins = {s.name: s for s in self._io[sig]["inputs"]}
             io_outs = {s.name: s for s in self._io[sig]["outputs"]}
-            ins = [io_ins.get(s.name, s) for s in ins]
-            outs = [io_outs.get(s.name, s) for s in outs]
+            ins = [TensorSpec(s.name, s.shape, io_ins[s.name].dtype) if s.name in io_ins else s for s in ins]
+            outs = [TensorSpec(s.name, s.shape, io_outs[s.name].dtype) if s.name in io_outs else s for s in outs]
             if runtime == "interpreter":
                 # one Interpreter serves every signature of the model
                 interp = self._interpreters.get(num_threads)
@@ -216,6 +226,8 @@ class EdgeModel:
         specs = self.inputs(sig)
         if len(inputs) != len(specs):
             raise InputError(f"expected {len(specs)} inputs ({', '.join(str(s) for s in specs)}), got {len(inputs)}")
+        inputs = [x if hasattr(x, "shape") else np.asarray(x) for x in inputs]
+        check_dims(specs, inputs, self.dim_ranges(sig))
         outs = self.runner(sig, runtime=runtime).run(list(inputs))
         # 64-bit outputs travel as 32-bit ones inside the model: give back torch's dtype
         return [o.astype(numpy_dtype(s.dtype)) if s.dtype != "bfloat16" and o.dtype != numpy_dtype(s.dtype) else o

@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 
 import torchtpu_export
 from torchtpu_export.capture import CapturedProgram
-from torchtpu_export.errors import InputError, UnsupportedOpError
+from torchtpu_export.errors import InputError
 
 from . import ops_elementwise, ops_index, ops_misc, ops_nn, ops_reduction, ops_shape  # noqa: F401 (registration)
 from .lower import AtenProgram, check_supported  # noqa: F401
@@ -84,11 +84,6 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
         raise InputError(f"skip_passes names no optional pass: {', '.join(bad)}")
     graphs, signatures = [], {}
     for name, cap in captures.items():
-        dynamic = [f"{s.name}{list(s.shape)}" for s in cap.inputs if any(isinstance(d, str) for d in s.shape)]
-        if dynamic:
-            raise UnsupportedOpError("dynamic shapes", target="litert",
-                                     reason=f"it converts static shapes only; dynamic dims in {', '.join(dynamic)}",
-                                     hint="convert without dynamic_shapes (one signature per shape you need)")
         g = run_pipeline(AtenProgram.from_capture(name, cap, io_dtypes), skip)
         graphs.append(g)
         signatures[name] = {
@@ -97,6 +92,8 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
             "in_spec": _spec_text(cap.in_spec),
             "out_spec": _spec_text(cap.out_spec),
             "constant_inputs": {str(i): _jsonable(v) for i, v in cap.constant_inputs.items()},
+            # dynamic dims -> [min, max or None]: the sizes the model was exported for
+            "dims": {name: list(rng) for name, rng in cap.dim_ranges.items()},
         }
     metadata = {
         "format": FORMAT, "format_version": FORMAT_VERSION,

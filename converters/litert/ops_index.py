@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .dims import broadcast_shapes, is_static
 from .ir import Tensor
 from .registry import BOOL, I32, builds
 
@@ -23,7 +24,8 @@ def _index_i32(ctx, idx: Tensor, n: int) -> Tensor:
     if idx.is_const:
         return ctx.const((idx.data.astype(np.int64) % max(n, 1)).astype(np.int32))
     i = ctx.cast(idx, I32)
-    return ctx.op("FLOOR_MOD", [i, ctx.const(np.asarray(max(n, 1), np.int32))], shape=i.shape, dtype=I32)
+    return ctx.op("FLOOR_MOD", [i, ctx.const(max(n, 1) if not is_static(n) else np.asarray(max(n, 1), np.int32))],
+                  shape=i.shape, dtype=I32)
 
 
 def _combine(ctx, parts: list, shape) -> Tensor:
@@ -38,13 +40,13 @@ def _combine(ctx, parts: list, shape) -> Tensor:
         else:
             term = t if stride == 1 else ctx.op("MUL", [t, ctx.const(np.asarray(stride, np.int32))], shape=t.shape,
                                                 dtype=I32)
-            dyn = term if dyn is None else ctx.op("ADD", [dyn, term], shape=np.broadcast_shapes(dyn.shape, term.shape),
+            dyn = term if dyn is None else ctx.op("ADD", [dyn, term], shape=broadcast_shapes(dyn.shape, term.shape),
                                                   dtype=I32)
     if dyn is None:
         return ctx.const(np.broadcast_to(const_part, shape).astype(np.int32))
     if const_part.any() or const_part.shape != ():
         dyn = ctx.op("ADD", [dyn, ctx.const(const_part.astype(np.int32))],
-                     shape=np.broadcast_shapes(dyn.shape, const_part.shape), dtype=I32)
+                     shape=broadcast_shapes(dyn.shape, const_part.shape), dtype=I32)
     return ctx.broadcast_to(dyn, tuple(shape))
 
 
@@ -63,7 +65,7 @@ def index(ctx, x, indices):
         dims = list(range(len(dims)))
     d0, k = dims[0], len(dims)
     idx = [_index_i32(ctx, indices[d], x.shape[d]) for d in dims]
-    bshape = np.broadcast_shapes(*(i.shape for i in idx))
+    bshape = broadcast_shapes(*(i.shape for i in idx))
     merged = x.shape[d0:d0 + k]
     if k == 1:
         flat_idx, xm = idx[0], x
@@ -225,7 +227,7 @@ def index_put(ctx, x, indices, values, accumulate=False):
     # general: the flat position of every updated element, from the index tensors and iotas
     adjacent = dims == list(range(dims[0], dims[-1] + 1))
     idx = [_index_i32(ctx, indices[d], x.shape[d]) for d in dims]
-    bshape = np.broadcast_shapes(*(i.shape for i in idx))
+    bshape = broadcast_shapes(*(i.shape for i in idx))
     rest = [d for d in range(x.rank) if d not in dims]
     if adjacent:
         upd_dims = [("rest", d) for d in rest if d < dims[0]] + [("b", j) for j in range(len(bshape))] + \

@@ -13,6 +13,7 @@ import math
 import numpy as np
 import torch
 
+from .dims import all_static, broadcast_shapes, is_static
 from .ir import Tensor
 from .registry import BOOL, I32, BuildContext, Missing, builds
 from . import schema
@@ -109,7 +110,7 @@ def _conv2d(ctx, x, w, b, stride, padding, dilation, groups):
     xl = _pad_channels_last(ctx, ctx.to_channels_last(x), pads)
     ho = (xl.shape[1] - dilation[0] * (w.shape[2] - 1) - 1) // stride[0] + 1
     wo = (xl.shape[2] - dilation[1] * (w.shape[3] - 1) - 1) // stride[1] + 1
-    if out_shape is not None and out_shape != (n, o, ho, wo):
+    if out_shape is not None and all_static(out_shape) and out_shape != (n, o, ho, wo):
         raise ValueError(f"convolution output {out_shape} != computed {(n, o, ho, wo)}")
     filt = _filter(ctx, w, (0, 2, 3, 1))  # OIHW -> OHWI (grouped: I is C / groups)
     y = _channels_last_op(ctx, "CONV_2D", [xl, filt, _bias(ctx, b, o, x.dtype)], (n, o, ho, wo), x.dtype,
@@ -194,13 +195,13 @@ def _conv_transpose2d(ctx, x, w, b, stride, padding, output_padding):
     # TFLite's SAME transposed conv crops total//2 before: torch's padding when the two agree
     same = tuple(h_ * s for h_, s in zip((h, wd), stride))
     if want == same and all(p == (f - s_) // 2 for p, f, s_ in zip(padding, full, same)):
-        y = _channels_last_op(ctx, "TRANSPOSE_CONV", [np.asarray([n, *want, o], np.int32), filt, xl, bias],
+        y = _channels_last_op(ctx, "TRANSPOSE_CONV", [ctx.vector([n, *want, o]), filt, xl, bias],
                               (n, o, *want), x.dtype, padding=schema.SAME, strideH=stride[0], strideW=stride[1])
         return ctx.from_channels_last(y)
     extra = [max(p + w_ - f, 0) for p, w_, f in zip(padding, want, full)]
     # positions past the full output (output_padding > padding) hold just the bias: add it after padding
     conv_bias = ctx.const(np.zeros(o, x.dtype)) if any(extra) else bias
-    y = _channels_last_op(ctx, "TRANSPOSE_CONV", [np.asarray([n, *full, o], np.int32), filt, xl, conv_bias],
+    y = _channels_last_op(ctx, "TRANSPOSE_CONV", [ctx.vector([n, *full, o]), filt, xl, conv_bias],
                           (n, o, *full), x.dtype, padding=schema.VALID, strideH=stride[0], strideW=stride[1])
     if any(extra):
         y = _pad_channels_last(ctx, y, [(0, e) for e in extra])
@@ -210,7 +211,7 @@ def _conv_transpose2d(ctx, x, w, b, stride, padding, output_padding):
     if want != full or any(padding):
         out = ctx.channels_last_tensor((n, o, *want), x.dtype)
         begin = np.asarray([0, padding[0], padding[1], 0], np.int32)
-        size = np.asarray([n, want[0], want[1], o], np.int32)
+        size = ctx.vector([-1 if not is_static(n) else n, want[0], want[1], o])
         ctx.op("SLICE", [y, begin, size], outputs=[out])
         y = out
     return ctx.from_channels_last(y)
@@ -295,10 +296,12 @@ def _max_pool_taps(ctx, x, nd, kernel, stride, padding, dilation, ceil_mode):
     taps, offsets = [], []
     for tap in np.ndindex(*kernel):
         begin = [0] * len(lead) + [t * d for t, d in zip(tap, dilation)]
-        end = list(lead) + [b + (o - 1) * s + 1 for b, o, s in zip(begin[len(lead):], outs, stride)]
+        # the leading (batch, channel) dims are taken whole: end_mask, so they may be dynamic
+        end = [0] * len(lead) + [b + (o - 1) * s + 1 for b, o, s in zip(begin[len(lead):], outs, stride)]
         strides = [1] * len(lead) + list(stride)
         t = ctx.op("STRIDED_SLICE", [xp, np.asarray(begin, np.int32), np.asarray(end, np.int32),
-                                     np.asarray(strides, np.int32)], shape=lead + tuple(outs), dtype=x.dtype)
+                                     np.asarray(strides, np.int32)], shape=lead + tuple(outs), dtype=x.dtype,
+                   endMask=(1 << len(lead)) - 1)
         taps.append(ctx.reshape(t, t.shape + (1,)))
         offsets.append(sum(t_ * d * int(np.prod(spatial[i + 1:])) for i, (t_, d) in enumerate(zip(tap, dilation))))
     stacked = taps[0] if len(taps) == 1 else ctx.op("CONCATENATION", taps, shape=lead + tuple(outs) + (len(taps),),
@@ -448,6 +451,7 @@ def _adaptive_avg(ctx, x, out_sizes):
         return ctx.op("MEAN", [x, np.arange(2, 2 + nd, dtype=np.int32)], keepDims=True)
     if out_sizes == spatial:
         return x
+    spatial = ctx.static(spatial, "its pooling windows depend on the input size and are fixed at conversion")
     if nd == 2 and all(s % o == 0 for s, o in zip(spatial, out_sizes)):
         k = tuple(s // o for s, o in zip(spatial, out_sizes))
         return _avg_pool2d(ctx, x, k, k, (0, 0), False, True, None)
@@ -607,7 +611,7 @@ def matmul(ctx, a, b):
     if a.rank == 1 or b.rank == 1:
         a2 = ctx.reshape(a, (1,) + a.shape) if a.rank == 1 else a
         b2 = ctx.reshape(b, b.shape + (1,)) if b.rank == 1 else b
-        shape = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]) + (a2.shape[-2], b2.shape[-1])
+        shape = broadcast_shapes(a2.shape[:-2], b2.shape[:-2]) + (a2.shape[-2], b2.shape[-1])
         return ctx.reshape(batch_matmul(ctx, a2, b2, shape), ctx.out_shape())
     return batch_matmul(ctx, a, b, ctx.out_shape())
 
@@ -833,15 +837,13 @@ def scaled_dot_product_attention(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is
         rep = q.shape[-3] // k.shape[-3]
         k, v = _repeat_heads(ctx, k, rep), _repeat_heads(ctx, v, rep)
     qs = ctx.op("MUL", [q, ctx.const(np.asarray(scale, q.dtype))], shape=q.shape, dtype=q.dtype)
-    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2])
     scores = ctx.op("BATCH_MATMUL", [qs, k], shape=batch + (lq, sk), dtype=q.dtype, adjY=True)
     lowest = np.finfo(q.dtype).min
     if is_causal:
-        keep = np.tril(np.ones((lq, sk), bool))
-        scores = ctx.op("ADD", [scores, ctx.const(np.where(keep, 0.0, lowest).astype(q.dtype))],
-                        shape=scores.shape, dtype=q.dtype)
+        scores = ctx.op("ADD", [scores, _causal_bias(ctx, lq, sk, q.dtype)], shape=scores.shape, dtype=q.dtype)
     if attn_mask is not None:
-        shape = np.broadcast_shapes(scores.shape, attn_mask.shape)
+        shape = broadcast_shapes(scores.shape, attn_mask.shape)
         if attn_mask.dtype == BOOL:
             scores = ctx.op("SELECT_V2", [attn_mask, scores, ctx.const(np.asarray(lowest, q.dtype))],
                             shape=shape, dtype=q.dtype)
@@ -849,6 +851,21 @@ def scaled_dot_product_attention(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is
             scores = ctx.op("ADD", [scores, ctx.cast(attn_mask, q.dtype)], shape=shape, dtype=q.dtype)
     p = ctx.op("SOFTMAX", [scores], shape=scores.shape, dtype=q.dtype, beta=1.0)
     return ctx.op("BATCH_MATMUL", [p, v], dtype=q.dtype)
+
+
+def _causal_bias(ctx, lq, sk, dtype) -> Tensor:
+    # 0 where key j <= query i, the lowest float elsewhere (torch's top-left causal mask)
+    lowest = np.finfo(dtype).min
+    if is_static(lq) and is_static(sk):
+        keep = np.tril(np.ones((lq, sk), bool))
+        return ctx.const(np.where(keep, 0.0, lowest).astype(dtype))
+    # a dynamic length: the mask from two iotas, at run time
+    zero, one = ctx.const(np.asarray(0, np.int32)), ctx.const(np.asarray(1, np.int32))
+    rows = ctx.op("RANGE", [zero, ctx.reshape(ctx.dim(lq), ()), one], shape=(lq,), dtype=I32)
+    cols = ctx.op("RANGE", [zero, ctx.reshape(ctx.dim(sk), ()), one], shape=(sk,), dtype=I32)
+    keep = ctx.op("LESS_EQUAL", [cols, ctx.reshape(rows, (lq, 1))], shape=(lq, sk), dtype=BOOL)
+    return ctx.op("SELECT_V2", [keep, ctx.const(np.zeros((), dtype)), ctx.const(np.asarray(lowest, dtype))],
+                  shape=(lq, sk), dtype=dtype)
 
 
 def _repeat_heads(ctx, t: Tensor, rep: int) -> Tensor:

@@ -13,7 +13,8 @@ import operator
 import numpy as np
 import torch
 
-from .ir import Graph, Op, Tensor
+from .dims import all_static
+from .ir import Graph, Op, Tensor, shape_input
 from .layout import REDUCERS, assign_nhwc_layout
 from .lower import AtenProgram, live_nodes, lower
 
@@ -177,21 +178,29 @@ def compose_transposes(g: Graph) -> Graph:
 def simplify_moves(g: Graph) -> Graph:
     """TRANSPOSEs that only move size-1 dims become RESHAPEs; chains of RESHAPEs become one."""
     producer: dict[int, Op] = {}
+    ops = []
     for op in g.ops:
         if op.code == "TRANSPOSE" and op.inputs[1].is_const:
             perm, x = _perm(op), op.inputs[0]
             kept = [p for p in perm if x.shape[p] != 1]
-            if kept == sorted(kept):
+            shape = shape_input(op.outputs[0].shape, x) if kept == sorted(kept) else None
+            if shape is not None:
+                ops += shape[1]
                 op.code = "RESHAPE"
-                op.inputs = [x, _shape_tensor(op.outputs[0].shape)]
+                op.inputs = [x, shape[0]]
         if op.code == "RESHAPE":
+            # a dynamic target keeps its run-time operand, which computes this very output shape
+            shape = shape_input(op.outputs[0].shape)
+            target = shape[0] if shape is not None else op.inputs[1]
             src = producer.get(id(op.inputs[0]))
             if src is not None and src.code == "RESHAPE":
-                op.inputs = [src.inputs[0], _shape_tensor(op.outputs[0].shape)]
+                op.inputs = [src.inputs[0], target]
             else:
-                op.inputs = [op.inputs[0], _shape_tensor(op.outputs[0].shape)]
+                op.inputs = [op.inputs[0], target]
         for t in op.outputs:
             producer[id(t)] = op
+        ops.append(op)
+    g.ops = ops
     return eliminate_dead_code(g)
 
 
@@ -218,10 +227,6 @@ def drop_kept_dims(g: Graph) -> Graph:
         kept.append(op)
     g.ops = kept
     return g
-
-
-def _shape_tensor(shape) -> Tensor:
-    return Tensor("shape", (len(shape),), np.int32, np.asarray(shape, np.int32))
 
 
 def _same_pads(n: int, k: int, s: int, d: int) -> tuple[int, int, int]:
@@ -254,7 +259,7 @@ def use_same_padding(g: Graph) -> Graph:
             continue
         spec = pad.inputs[1].data if pad.inputs[1].is_const else None
         x = pad.inputs[0]
-        if spec is None or x.rank != 4 or spec[0].any() or spec[3].any():
+        if spec is None or x.rank != 4 or spec[0].any() or spec[3].any() or not all_static(x.shape[1:3]):
             continue
         if op.code == "MAX_POOL_2D":
             kernel = (op.options["filterHeight"], op.options["filterWidth"])
@@ -446,7 +451,9 @@ def name_outputs(g: Graph) -> Graph:
     for t, name in zip(g.outputs, g.output_names):
         if t.is_const or id(t) in inputs or id(t) in seen:
             copy = Tensor(name, t.shape, t.dtype)
-            g.ops.append(Op("RESHAPE", [t, _shape_tensor(t.shape)], [copy]))
+            shape, shape_ops = shape_input(t.shape, t)
+            g.ops += shape_ops
+            g.ops.append(Op("RESHAPE", [t, shape], [copy]))
             t = copy
         t.name = name
         seen.add(id(t))

@@ -18,6 +18,7 @@ from torchtpu_export.edge import weights_digest
 from torchtpu_export.errors import ConversionError
 
 from . import schema
+from .dims import concrete, is_static
 from .ir import Graph
 
 METADATA_NAME = "torchtpu_export"
@@ -191,9 +192,14 @@ def _subgraph(builder, g: Graph, buffer_of: dict[int, int], opcodes: dict[str, i
         names.setdefault(t.name, builder.CreateSharedString(t.name))
     tables = []
     for t in tensors:
-        shape = _int_vector(builder, t.shape, fb.TensorStartShapeVector)
+        # a dynamic dim: -1 in shape_signature, its sample size in shape (what LiteRT allocates on load)
+        shape = _int_vector(builder, [concrete(d, g.hints) for d in t.shape], fb.TensorStartShapeVector)
+        signature = _int_vector(builder, [d if is_static(d) else -1 for d in t.shape],
+                                fb.TensorStartShapeSignatureVector) if t.dynamic else None
         fb.TensorStart(builder)
         fb.TensorAddShape(builder, shape)
+        if signature is not None:
+            fb.TensorAddShapeSignature(builder, signature)
         fb.TensorAddType(builder, schema.TENSOR_TYPE[t.dtype])
         fb.TensorAddBuffer(builder, buffer_of.get(id(t), 0))
         fb.TensorAddName(builder, names[t.name])
