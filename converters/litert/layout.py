@@ -254,7 +254,7 @@ def _op_kind(op: Op) -> str:
         if op.inputs[0].rank != op.outputs[0].rank:
             return "fixed"
         if code == "STRIDED_SLICE" and any(op.options.get(k, 0) for k in ("ellipsisMask", "newAxisMask",
-                                                                        "shrinkAxisMask")):
+                                                                        "shrinkAxisMask", "beginMask", "endMask")):
             return "fixed"
         return "axis"
     return "fixed"

@@ -21,8 +21,9 @@ def _strides(shape) -> list[int]:
 
 def _index_i32(ctx, idx: Tensor, n: int) -> Tensor:
     # An index tensor as int32; constant negative indices wrap like torch's.
-    if idx.is_const:
-        return ctx.const((idx.data.astype(np.int64) % max(n, 1)).astype(np.int32))
+    if idx.is_const and (is_static(n) or not (idx.data < 0).any()):
+        wrapped = idx.data.astype(np.int64) % max(n, 1) if is_static(n) else idx.data
+        return ctx.const(wrapped.astype(np.int32))
     i = ctx.cast(idx, I32)
     return ctx.op("FLOOR_MOD", [i, ctx.const(max(n, 1) if not is_static(n) else np.asarray(max(n, 1), np.int32))],
                   shape=i.shape, dtype=I32)

@@ -859,13 +859,17 @@ def _causal_bias(ctx, lq, sk, dtype) -> Tensor:
     if is_static(lq) and is_static(sk):
         keep = np.tril(np.ones((lq, sk), bool))
         return ctx.const(np.where(keep, 0.0, lowest).astype(dtype))
-    # a dynamic length: the mask from two iotas, at run time
+    # a dynamic length: the mask from two iotas, at run time (once per graph)
+    if ("causal", lq, sk, dtype) in ctx.cache:
+        return ctx.cache["causal", lq, sk, dtype]
     zero, one = ctx.const(np.asarray(0, np.int32)), ctx.const(np.asarray(1, np.int32))
     rows = ctx.op("RANGE", [zero, ctx.reshape(ctx.dim(lq), ()), one], shape=(lq,), dtype=I32)
     cols = ctx.op("RANGE", [zero, ctx.reshape(ctx.dim(sk), ()), one], shape=(sk,), dtype=I32)
     keep = ctx.op("LESS_EQUAL", [cols, ctx.reshape(rows, (lq, 1))], shape=(lq, sk), dtype=BOOL)
-    return ctx.op("SELECT_V2", [keep, ctx.const(np.zeros((), dtype)), ctx.const(np.asarray(lowest, dtype))],
+    bias = ctx.op("SELECT_V2", [keep, ctx.const(np.zeros((), dtype)), ctx.const(np.asarray(lowest, dtype))],
                   shape=(lq, sk), dtype=dtype)
+    ctx.cache["causal", lq, sk, dtype] = bias
+    return bias
 
 
 def _repeat_heads(ctx, t: Tensor, rep: int) -> Tensor:

@@ -131,6 +131,9 @@ class BuildContext:
         self._count = 0
         self._dims: dict = {}  # dynamic dim -> its run-time value
         self._shapes: dict = {}  # id(input) -> its SHAPE
+        # values computed at run time from the dynamic sizes alone (shape vectors, masks), made once
+        # per graph: ops run in the order they are emitted, so an earlier result serves later nodes
+        self.cache: dict = {}
 
     # ---- what torch says about the node ------------------------------------------------
 
@@ -261,9 +264,11 @@ class BuildContext:
     def vector(self, values):
         """An int32 vector of ``values`` (ints and dynamic dims): a numpy constant when all are ints,
         else a tensor computed at run time."""
-        values = [normalize(v) for v in values]
+        values = tuple(normalize(v) for v in values)
         if all(is_static(v) for v in values):
             return np.asarray(values, np.int32)
+        if values in self.cache:
+            return self.cache[values]
         pieces, run = [], []
         for v in values:
             if is_static(v):
@@ -275,9 +280,10 @@ class BuildContext:
             pieces.append(self.dim(v))
         if run:
             pieces.append(self.const(np.asarray(run, np.int32)))
-        if len(pieces) == 1:
-            return pieces[0]
-        return self.op("CONCATENATION", pieces, shape=(len(values),), dtype=I32, axis=0)
+        out = pieces[0] if len(pieces) == 1 else \
+            self.op("CONCATENATION", pieces, shape=(len(values),), dtype=I32, axis=0)
+        self.cache[values] = out
+        return out
 
     def bounds(self, d) -> tuple:
         """(min, max) of a dim over the exported ranges of its symbols; max is None when unbounded."""
@@ -392,12 +398,12 @@ class BuildContext:
         shape = tuple(normalize(d) for d in shape)
         if x.shape == shape:
             return x
-        if not all_static(shape):
+        grown = [d for d, (a, b) in enumerate(zip(x.shape, shape)) if a != b] if x.rank == len(shape) else None
+        if not all_static(shape) and not (grown and all_static(shape[d] for d in grown) and not x.is_const):
             return self.op("BROADCAST_TO", [x, self.shape_operand(shape)], shape=shape, dtype=x.dtype)
         if x.is_const:
             return self.const(np.broadcast_to(x.data, shape))
-        grown = [d for d, (a, b) in enumerate(zip(x.shape, shape)) if a != b]
-        if x.rank == len(shape) and len(grown) <= 2 and all(shape[d] <= 4 for d in grown):
+        if grown is not None and len(grown) <= 2 and all(shape[d] <= 4 for d in grown):
             # a few copies side by side: XNNPACK runs CONCATENATION, not BROADCAST_TO
             for d in grown:
                 out_shape = x.shape[:d] + (shape[d],) + x.shape[d + 1:]
