@@ -1,5 +1,6 @@
 """Runs ``.tflite`` flatbuffers on LiteRT: the Interpreter (signature runners) and the CompiledModel API.
 
+Both load a model from its bytes or, better for large models, from its path.
 Both take the flat list of input arrays in the signature's input order and
 return the outputs in the signature's output order. Arrays are converted to
 the dtypes the flatbuffer declares (64-bit values travel as 32-bit ones);
@@ -23,11 +24,13 @@ class InterpreterRunner:
 
     name = "litert"
 
-    def __init__(self, content: bytes, signature: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
+    def __init__(self, content, signature: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
                  *, num_threads: int | None = None, interpreter=None):
         from ai_edge_litert.interpreter import Interpreter
         try:
-            self.interpreter = interpreter or Interpreter(model_content=content, num_threads=num_threads)
+            # a path: LiteRT maps the file itself, so a large model is not held twice
+            source = {"model_path": content} if isinstance(content, str) else {"model_content": content}
+            self.interpreter = interpreter or Interpreter(**source, num_threads=num_threads)
             self._runner = self.interpreter.get_signature_runner(signature)
         except (ValueError, RuntimeError) as e:
             raise ArtifactError(f"LiteRT cannot load signature {signature!r}: {str(e).strip()[:300]}",
@@ -70,13 +73,16 @@ class CompiledModelRunner:
 
     name = "litert-compiled"
 
-    def __init__(self, content: bytes, signature: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
+    def __init__(self, content, signature: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
                  *, num_threads: int | None = None):
         from ai_edge_litert.compiled_model import CompiledModel, CpuOptions, HardwareAccelerator, Options
         options = Options(hardware_accelerators=HardwareAccelerator.CPU,
                           cpu_options=CpuOptions(num_threads=num_threads or 1))
         try:
-            self.model = CompiledModel.from_buffer(content, environment=_environment(), options=options)
+            if isinstance(content, str):  # a path, as for the Interpreter
+                self.model = CompiledModel.from_file(content, environment=_environment(), options=options)
+            else:
+                self.model = CompiledModel.from_buffer(content, environment=_environment(), options=options)
         except (ValueError, RuntimeError) as e:
             raise ArtifactError(f"LiteRT CompiledModel cannot load the flatbuffer: {str(e).strip()[:300]}") from e
         self.signature_index = self.model.get_signature_index(signature)

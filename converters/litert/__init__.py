@@ -8,6 +8,8 @@ op family) emit TFLite ops into a small graph IR, the passes in
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from typing import Mapping
 
 import torch
@@ -21,7 +23,7 @@ from . import ops_elementwise, ops_index, ops_misc, ops_nn, ops_reduction, ops_s
 from .lower import AtenProgram, check_supported  # noqa: F401
 from .passes import PIPELINE, run_pipeline
 from .registry import BUILDERS, IO_DTYPES, NOT_SUPPORTED, builds  # noqa: F401
-from .writer import METADATA_NAME, serialize
+from .writer import METADATA_NAME, serialize, write
 
 log = logging.getLogger("torchtpu_export")
 aten = torch.ops.aten
@@ -101,7 +103,25 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
         "signatures": signatures,
     }
     from torchtpu_export.edge import EdgeModel  # the artifact's reader; it imports a runtime only to run
-    return EdgeModel(serialize(graphs, metadata), signatures)
+    if _weight_bytes(graphs) < IN_MEMORY_LIMIT:
+        return EdgeModel(serialize(graphs, metadata), signatures)
+    # a large model goes straight to a file, weights streamed from the graph (no copy in memory)
+    fd, path = tempfile.mkstemp(prefix="torchtpu_export.", suffix=".tflite")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(graphs, f, metadata)
+    except BaseException:
+        os.unlink(path)
+        raise
+    return EdgeModel.from_file(path, signatures=signatures, temporary=True)
+
+
+# Models with more weight bytes than this are written to a temporary file as they convert.
+IN_MEMORY_LIMIT = 64 << 20
+
+
+def _weight_bytes(graphs) -> int:
+    return sum(t.data.nbytes for g in graphs for t in g.tensors() if t.data is not None)
 
 
 def _spec_text(spec: pytree.TreeSpec) -> str:
