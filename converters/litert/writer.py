@@ -8,6 +8,7 @@ The output depends only on the graphs: the same model gives the same bytes.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import json
 import mmap
@@ -97,19 +98,40 @@ def write(graphs: list[Graph], f, metadata: dict | None = None, *, description: 
                                           f"match the tensor {t.dtype}{list(t.shape)}")
                 per[id(t)] = buffers.add(t.data) if t.data.size else 0
         tensor_buffer.append(per)
-    meta_idx = None
-    if metadata is not None:
-        # a digest of every constant, so a reader can tell a damaged file from a model
-        metadata = dict(metadata, weights_blake2b=weights_digest(buffers.data[1:]))
-        meta_idx = buffers.add(np.frombuffer(json.dumps(metadata, sort_keys=True).encode(), np.uint8))
-    parts = (graphs, tensor_buffer, buffers, meta_idx, description)
-    if sum(len(d) for d in buffers.data) < external_threshold:
-        _write_inline(f, parts)
-    else:
-        _write_external(f, parts)
+    if metadata is None:
+        parts = (graphs, tensor_buffer, buffers, None, description)
+        _write(f, parts, external_threshold)
+        return
+    # A digest of every constant, so a reader can tell a damaged file from a model. It is computed
+    # while the file is written (hashing and writing both release the GIL), then put in place of a
+    # placeholder of the same length.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        digest = pool.submit(weights_digest, buffers.data[1:])
+        placeholder = _metadata_bytes(metadata, "0" * 32)
+        meta_idx = buffers.add(np.frombuffer(placeholder, np.uint8))
+        start = f.tell()
+        positions = _write(f, (graphs, tensor_buffer, buffers, meta_idx, description), external_threshold)
+        final = _metadata_bytes(metadata, digest.result())
+    if len(final) != len(placeholder):
+        raise ConversionError("the metadata changed size; please report this")
+    end = f.tell()
+    f.seek(start + positions[meta_idx])
+    f.write(final)
+    f.seek(end)
 
 
-def _write_inline(f, parts) -> None:
+def _metadata_bytes(metadata: dict, digest: str) -> bytes:
+    return json.dumps(dict(metadata, weights_blake2b=digest), sort_keys=True).encode()
+
+
+def _write(f, parts, external_threshold: int) -> dict[int, int]:
+    # the file; returns buffer -> where its data starts, from the start of the flatbuffer
+    if sum(len(d) for d in parts[2].data) < external_threshold:
+        return _write_inline(f, parts)
+    return _write_external(f, parts)
+
+
+def _write_inline(f, parts) -> dict[int, int]:
     # The data vectors are built first, so they end the file, after every table. The builder works
     # in an anonymous mapping that only reserves their room: its untouched pages take no memory,
     # and the data itself goes to ``f`` from the arrays, into the gaps the builder left.
@@ -133,9 +155,10 @@ def _write_inline(f, parts) -> None:
                 f.write(buffers.data[i])
                 pos = start + len(buffers.data[i])
             f.write(view[pos:size])
+    return {i: start - head for start, i in spans}
 
 
-def _write_external(f, parts) -> None:
+def _write_external(f, parts) -> dict[int, int]:
     # Past 2 GB: the flatbuffer holds no data; each buffer follows it at an offset (schema: offset/size).
     # Two passes: the flatbuffer's size fixes where the data starts; offsets are u64 fields, so the
     # second build has the same size as the first.
@@ -157,6 +180,7 @@ def _write_external(f, parts) -> None:
         f.write(b"\0" * (off - written))
         f.write(d)
         written = off + len(d)
+    return dict(enumerate(offsets))
 
 
 def _round_up(n: int, a: int) -> int:
