@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from torchtpu_export.errors import ArtifactError, InputError
-from torchtpu_export.specs import TensorSpec, coerce_input
+from torchtpu_export.specs import TensorSpec, bind_dims, coerce_input, eval_dim
 
 RUNTIMES = ("interpreter", "compiled_model")
 
@@ -108,10 +108,8 @@ class CompiledModelRunner:
         # shape_signature), but sizes output buffers for the old shapes until it has run; so the
         # outputs' sizes come from their symbolic shapes, and their buffers wrap arrays held here.
         from ai_edge_litert.tensor_buffer import TensorBuffer
-        sizes: dict[str, int] = {}
-        for spec, a in zip(self.inputs, arrays):
-            sizes.update({d: n for d, n in zip(spec.shape, a.shape) if isinstance(d, str)})
-        out_shapes = [tuple(d if isinstance(d, int) else _eval_dim(d, sizes, spec.name) for d in spec.shape)
+        sizes = bind_dims(self.inputs, arrays)
+        out_shapes = [tuple(d if isinstance(d, int) else eval_dim(d, sizes, f"output {spec.name}") for d in spec.shape)
                       for spec in self.outputs]
         for i, (a, (dt, shape)) in enumerate(zip(arrays, self._in)):
             if a.shape != shape:
@@ -154,35 +152,6 @@ def _aligned(shape, dtype) -> np.ndarray:
     raw = np.zeros(n * dtype.itemsize + _ALIGN, np.uint8)
     start = -raw.ctypes.data % _ALIGN
     return raw[start:start + n * dtype.itemsize].view(dtype).reshape(shape)
-
-
-def _eval_dim(text: str, sizes: dict, name: str) -> int:
-    # A symbolic dim as torch prints it ("s0", "2*s1", "(s0 - 1)//2 + 1", "Max(1, s0)"), evaluated
-    # from the inputs' sizes. A small evaluator: the text comes from the file's metadata.
-    import ast
-    ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-           ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b}
-    calls = {"Max": max, "Min": min, "Mod": lambda a, b: a % b, "FloorDiv": lambda a, b: a // b}
-
-    def ev(node):
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
-            return node.value
-        if isinstance(node, ast.Name) and node.id in sizes:
-            return sizes[node.id]
-        if isinstance(node, ast.BinOp) and type(node.op) in ops:
-            return ops[type(node.op)](ev(node.left), ev(node.right))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -ev(node.operand)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in calls:
-            return calls[node.func.id](*(ev(a) for a in node.args))
-        raise ValueError(ast.dump(node))
-    try:
-        return int(ev(ast.parse(text, mode="eval")))
-    except (SyntaxError, ValueError, ZeroDivisionError) as e:
-        raise InputError(f"output {name}: cannot size its dynamic dim {text!r} for the CompiledModel runner ({e})",
-                         hint="run it with runtime='interpreter'") from None
 
 
 def _np_dtype(d) -> np.dtype:

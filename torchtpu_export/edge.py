@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 
 from .errors import ArtifactError, InputError
 from .fileio import atomic_open, link_atomic, write_bytes_atomic
-from .specs import TensorSpec, check_dims, numpy_dtype
+from .specs import TensorSpec, bind_dims, check_dims, numpy_dtype
 
 METADATA_NAME = "torchtpu_export"
 _TYPE_NAMES = {0: "float32", 1: "float16", 2: "int32", 3: "uint8", 4: "int64", 5: "string", 6: "bool", 7: "int16",
@@ -290,7 +290,15 @@ class EdgeModel:
         if len(inputs) != len(specs):
             raise InputError(f"expected {len(specs)} inputs ({', '.join(str(s) for s in specs)}), got {len(inputs)}")
         inputs = [x if hasattr(x, "shape") else np.asarray(x) for x in inputs]
-        check_dims(specs, inputs, self.dim_ranges(sig))
+        ranges = self.dim_ranges(sig)
+        check_dims(specs, inputs, ranges)
+        # symbols that inputs only have inside expressions ("4*s0"), against their ranges too
+        for name, n in bind_dims(specs, inputs).items():
+            lo, hi = ranges.get(name, (0, None))
+            if n < lo or (hi is not None and n > hi):
+                raise InputError(f"dynamic dim {name} = {n} (from the inputs' sizes {[list(np.shape(x)) for x in inputs]}) "
+                                 f"is outside the exported range [{lo}, {hi if hi is not None else 'inf'}]",
+                                 hint="export again with wider dynamic_shapes bounds")
         outs = self.runner(sig, runtime=runtime).run(list(inputs))
         # 64-bit outputs travel as 32-bit ones inside the model: give back torch's dtype
         return [o.astype(numpy_dtype(s.dtype)) if s.dtype != "bfloat16" and o.dtype != numpy_dtype(s.dtype) else o

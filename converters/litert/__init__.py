@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import tempfile
 from typing import Mapping
 
@@ -95,7 +96,7 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
             "out_spec": _spec_text(cap.out_spec),
             "constant_inputs": {str(i): _jsonable(v) for i, v in cap.constant_inputs.items()},
             # dynamic dims -> [min, max or None]: the sizes the model was exported for
-            "dims": {name: list(rng) for name, rng in cap.dim_ranges.items()},
+            "dims": _dim_ranges(cap),
         }
     metadata = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
@@ -122,6 +123,28 @@ IN_MEMORY_LIMIT = 64 << 20
 
 def _weight_bytes(graphs) -> int:
     return sum(t.data.nbytes for g in graphs for t in g.tensors() if t.data is not None)
+
+
+def _dim_ranges(cap: CapturedProgram) -> dict[str, list]:
+    # every symbol of the inputs' dims, those inside expressions ("4*s0") included
+    ranges = {name: list(rng) for name, rng in cap.dim_ranges.items()}
+    for sym, rng in cap.exported.range_constraints.items():
+        name = str(sym)
+        if name not in ranges and any(isinstance(d, str) and name in _names(d) for s in cap.inputs for d in s.shape):
+            ranges[name] = [_bound(rng.lower) or 0, _bound(rng.upper)]
+    return ranges
+
+
+def _names(text: str) -> set:
+    return set(re.findall(r"[A-Za-z_]\w*", text))
+
+
+def _bound(v) -> int | None:
+    try:
+        v = int(v)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return v if abs(v) < 2**62 else None
 
 
 def _spec_text(spec: pytree.TreeSpec) -> str:

@@ -22,6 +22,7 @@ import numpy as np
 import sympy
 import torch
 
+
 def symbol(name: str) -> sympy.Symbol:
     """The symbol of a dynamic dim (positive integers, as torch.export's sizes are)."""
     return sympy.Symbol(name, integer=True, positive=True)
@@ -100,12 +101,23 @@ def concrete(d, hints: dict) -> int:
     return int(v)
 
 
-def symbols_of(shape) -> set:
-    out = set()
-    for d in shape:
-        if not is_static(d):
-            out |= d.free_symbols
-    return out
+def source_of(sym, tensors):
+    """``(tensor, axis, a, b)``: a dim of one of ``tensors`` that is ``a * sym + b`` (a plain ``sym``
+    preferred), from which ``sym`` can be read; None when there is none."""
+    linear = None
+    for t in tensors:
+        for axis, d in enumerate(t.shape):
+            if d == sym:
+                return t, axis, 1, 0
+            if linear is None and not is_static(d) and d.free_symbols == {sym}:
+                try:
+                    poly = sympy.Poly(d, sym)
+                except sympy.PolynomialError:  # floor(), Mod(): not linear
+                    continue
+                if poly.degree() == 1 and all(c.is_Integer for c in poly.all_coeffs()):
+                    a, b = poly.all_coeffs()
+                    linear = t, axis, int(a), int(b)
+    return linear
 
 
 def broadcast_shapes(*shapes) -> tuple:

@@ -14,7 +14,7 @@ from torchtpu_export.errors import ConversionError, TteError, UnsupportedOpError
 from torchtpu_export.safetensors_io import to_numpy
 
 from .ir import Graph, Tensor
-from .dims import canon, concrete, symbol
+from .dims import canon, source_of, symbol
 from .registry import BUILDERS, NOT_SUPPORTED, BuildContext, Missing, io_dtype, ir_shape, numpy_dtype
 
 # Nodes that compute nothing the model returns.
@@ -107,22 +107,20 @@ def lower(prog: AtenProgram) -> Graph:
     env: dict = {}
     cap = prog.captured
     # Every captured input is a signature input, used or not; 64-bit inputs are cast on entry.
-    for spec, node, sample in zip(cap.inputs, prog.inputs, cap.sample_inputs):
+    for spec, node in zip(cap.inputs, prog.inputs):
         val = node.meta["val"]
-        t = Tensor(spec.name, _input_shape(val.shape, node), io_dtype(val.dtype, prog.io_dtypes))
-        for d, n in zip(t.shape, sample.shape):
-            if not isinstance(d, int) and d.is_Symbol:
-                graph.hints[d] = int(n)
-        graph.inputs.append(t)
+        graph.inputs.append(Tensor(spec.name, _input_shape(val.shape, node), io_dtype(val.dtype, prog.io_dtypes)))
         graph.input_names.append(spec.name)
     graph.ranges = {symbol(name): tuple(rng) for name, rng in cap.dim_ranges.items()}
-    for t in graph.inputs:
-        for d in t.shape:
-            try:
-                concrete(d, graph.hints)
-            except TypeError:
-                raise UnsupportedOpError("dynamic input dims", target="litert", reason=f"input {t.name} has the dim {d}, "
-                                         "and LiteRT can only size it from an input dim that is a plain symbol") from None
+    # each symbol's sample size, read where the model will read it at run time
+    symbols = set().union(*(d.free_symbols for t in graph.inputs for d in t.shape if not isinstance(d, int)))
+    for sym in sorted(symbols, key=str):
+        found = source_of(sym, graph.inputs)
+        if found is None:
+            raise UnsupportedOpError("dynamic input dims", target="litert", reason=f"the dynamic dim {sym} appears "
+                                     "in the inputs only inside expressions LiteRT cannot solve for it")
+        t, axis, a, b = found
+        graph.hints[sym] = (int(cap.sample_inputs[graph.inputs.index(t)].shape[axis]) - b) // a
     for node, t in zip(prog.inputs, graph.inputs):
         ctx.node = node
         env[node] = ctx.cast(t, numpy_dtype(node.meta["val"].dtype))

@@ -9,6 +9,7 @@ PAD + VALID into SAME where the two agree.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -404,6 +405,9 @@ def _avg_pool2d(ctx, x, kernel, stride, padding, ceil_mode, count_include_pad, d
     y = _channels_last_op(ctx, "AVERAGE_POOL_2D", [xl], (n, c, *outs), x.dtype, padding=schema.VALID,
                           strideH=stride[0], strideW=stride[1], filterHeight=kernel[0], filterWidth=kernel[1])
     # AVERAGE_POOL_2D divides by the kernel area; torch may divide by something else
+    if divisor_override is None and not any(padding) and not ceil_mode:
+        return ctx.from_channels_last(y)  # every window is whole
+    ctx.static((h, w), "its divisors (the window sizes at the borders) are a table built at conversion time")
     dh, dw = _avg_divisors((h, w), kernel, stride, padding, ceil_mode, count_include_pad, outs)
     div = np.outer(dh, dw) if divisor_override is None else np.full(outs, float(divisor_override))
     factor = (kernel[0] * kernel[1]) / div
@@ -494,10 +498,34 @@ def _nearest_index(n_in, n_out, scale):
     return np.minimum(np.floor(np.arange(n_out, dtype=np.float64) * np.float32(s)).astype(np.int64), n_in - 1)
 
 
+def _integer_factors(ctx, output_size, scale_factors) -> tuple:
+    # A dynamic image is resized exactly like torch only by integer factors: other sizes sample at
+    # positions that torch computes from each size (tables built at conversion time).
+    if output_size is not None or scale_factors is None or any(float(f) != int(f) or f < 1 for f in scale_factors):
+        raise ctx.unsupported("resizing an image of dynamic size needs integer scale factors: the sampling "
+                              "positions of other resizes are tables built at conversion time")
+    return tuple(int(f) for f in scale_factors)
+
+
+def _resize_dynamic(ctx, x, code, size, **options):
+    y = _channels_last_op(ctx, code, [ctx.to_channels_last(x), ctx.vector(size)], (*x.shape[:2], *size), x.dtype,
+                          **options)
+    return ctx.from_channels_last(y)
+
+
 @builds(aten.upsample_nearest2d.vec, aten.upsample_nearest2d.default)
 def upsample_nearest2d(ctx, x, output_size, scale_factors=None, *rest):
     if isinstance(scale_factors, (int, float)) and rest:  # .default: (output_size, scales_h, scales_w)
         scale_factors = (scale_factors, rest[0])
+    if not all_static(x.shape[2:]):
+        fh, fw = _integer_factors(ctx, output_size, scale_factors)
+        if fh == fw and 1 < fh <= 4:
+            return _depth_to_space_upscale(ctx, x, fh)
+        # RESIZE_NEAREST_NEIGHBOR reads floor(dst * float32(in / out)): torch's dst // f when that float is not below 1/f
+        if any(Fraction(float(np.float32(1 / f))) < Fraction(1, f) for f in (fh, fw)):
+            raise ctx.unsupported(f"nearest resizing of a dynamic size by {fh}x{fw}: TFLite's float scale would "
+                                  "round some positions differently from torch's")
+        return _resize_dynamic(ctx, x, "RESIZE_NEAREST_NEIGHBOR", (x.shape[2] * fh, x.shape[3] * fw))
     size, scales = _resize_size(x, output_size, scale_factors)
     idx = [_nearest_index(n, o, None if scales is None else s)
            for n, o, s in zip(x.shape[2:], size, scales or (None, None))]
@@ -506,13 +534,7 @@ def upsample_nearest2d(ctx, x, output_size, scale_factors=None, *rest):
     factor = size[0] // x.shape[2] if x.shape[2] else 0
     if factor > 1 and size == (x.shape[2] * factor, x.shape[3] * factor) and factor <= 4 and \
             all(np.array_equal(a, np.arange(o) // factor) for a, o in zip(idx, size)):
-        # an integer upscale: the channels copied factor^2 times, then DEPTH_TO_SPACE (both run on
-        # XNNPACK, RESIZE_NEAREST_NEIGHBOR does not)
-        xl = ctx.to_channels_last(x)
-        copies = _channels_last_op(ctx, "CONCATENATION", [xl] * factor ** 2, (n, c * factor ** 2, *x.shape[2:]),
-                                   x.dtype, axis=3)
-        y = _channels_last_op(ctx, "DEPTH_TO_SPACE", [copies], (n, c, *size), x.dtype, blockSize=factor)
-        return ctx.from_channels_last(y)
+        return _depth_to_space_upscale(ctx, x, factor)
     if all(np.array_equal(a, b) for a, b in zip(idx, tflite)):
         y = _channels_last_op(ctx, "RESIZE_NEAREST_NEIGHBOR", [ctx.to_channels_last(x), np.asarray(size, np.int32)],
                               (n, c, *size), x.dtype)
@@ -523,6 +545,16 @@ def upsample_nearest2d(ctx, x, output_size, scale_factors=None, *rest):
         shape[axis] = len(ix)
         y = ctx.op("GATHER", [y, ix.astype(np.int32)], shape=tuple(shape), dtype=x.dtype, axis=axis)
     return y
+
+
+def _depth_to_space_upscale(ctx, x, factor):
+    # an integer upscale: the channels copied factor^2 times, then DEPTH_TO_SPACE (both run on
+    # XNNPACK, RESIZE_NEAREST_NEIGHBOR does not)
+    n, c, h, w = x.shape
+    xl = ctx.to_channels_last(x)
+    copies = _channels_last_op(ctx, "CONCATENATION", [xl] * factor ** 2, (n, c * factor ** 2, h, w), x.dtype, axis=3)
+    y = _channels_last_op(ctx, "DEPTH_TO_SPACE", [copies], (n, c, h * factor, w * factor), x.dtype, blockSize=factor)
+    return ctx.from_channels_last(y)
 
 
 def _linear_weights(n_in, n_out, align_corners, scale):
@@ -546,6 +578,10 @@ def _linear_weights(n_in, n_out, align_corners, scale):
 def upsample_bilinear2d(ctx, x, output_size, align_corners, scale_factors=None, *rest):
     if isinstance(scale_factors, (int, float)) and rest:
         scale_factors = (scale_factors, rest[0])
+    if not all_static(x.shape[2:]):
+        fh, fw = _integer_factors(ctx, output_size, scale_factors)
+        opts = {"alignCorners": True} if align_corners else {"halfPixelCenters": True}
+        return _resize_dynamic(ctx, x, "RESIZE_BILINEAR", (x.shape[2] * fh, x.shape[3] * fw), **opts)
     size, scales = _resize_size(x, output_size, scale_factors)
     n, c = x.shape[:2]
     consistent = scales is None or all(o == n_ * s for n_, o, s in zip(x.shape[2:], size, scales))
@@ -850,6 +886,12 @@ def scaled_dot_product_attention(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is
         else:
             scores = ctx.op("ADD", [scores, ctx.cast(attn_mask, q.dtype)], shape=shape, dtype=q.dtype)
     p = ctx.op("SOFTMAX", [scores], shape=scores.shape, dtype=q.dtype, beta=1.0)
+    if attn_mask is not None and attn_mask.dtype == BOOL:
+        # torch attends to nothing (zeros) from a query whose mask row is all False; SOFTMAX would
+        # spread it evenly over every key instead
+        some = ctx.op("REDUCE_ANY", [attn_mask, np.asarray([-1], np.int32)], shape=attn_mask.shape[:-1] + (1,),
+                      dtype=BOOL, keepDims=True)
+        p = ctx.op("SELECT_V2", [some, p, ctx.const(np.zeros((), q.dtype))], shape=p.shape, dtype=q.dtype)
     return ctx.op("BATCH_MATMUL", [p, v], dtype=q.dtype)
 
 

@@ -244,13 +244,30 @@ def roll(ctx, x, shifts, dims=()):
         return ctx.reshape(roll(ctx, flat, shifts, [0]), x.shape)
     for s, d in zip(shifts, dims):
         d = d % x.rank
-        n = ctx.static(x.shape[d], "the rolled positions are a table built at conversion time")
+        n = x.shape[d]
+        if not is_static(n):
+            x = _roll_dynamic(ctx, x, s, d)
+            continue
         s = s % n
         if s:
             idx = (np.arange(n) - s) % n
             shape = x.shape
             x = ctx.op("GATHER", [x, idx.astype(np.int32)], shape=shape, dtype=x.dtype, axis=d)
     return x
+
+
+def _roll_dynamic(ctx, x, shift, d):
+    # a roll along a dynamic dim: its last k items, then the rest (k = shift mod n)
+    n = x.shape[d]
+    lo, _ = ctx.bounds(n)
+    if lo is None or abs(shift) >= lo:
+        raise ctx.unsupported(f"a roll by {shift} along a dynamic dim ({n}) of sizes down to {lo}: the wrap-around "
+                              "point depends on the size")
+    k = shift if shift >= 0 else n + shift
+    if is_static(k) and k == 0:
+        return x
+    return ctx.op("CONCATENATION", [_strided_slice(ctx, x, {d: (n - k, n, 1)}), _strided_slice(ctx, x, {d: (0, n - k, 1)})],
+                  shape=x.shape, dtype=x.dtype, axis=d)
 
 
 @builds(aten.repeat.default)
@@ -334,7 +351,8 @@ def reflection_pad(ctx, x, padding):
 def _gather_pad(ctx, x, pad, index_fn):
     for d, (b, a) in enumerate(_torch_pads(pad, x.rank)):
         if b or a:
-            n, b, a = ctx.static((x.shape[d], b, a), "the padded positions are a table built at conversion time")
+            n, b, a = ctx.static((x.shape[d], b, a), "the padded positions are an index table built at conversion "
+                                                   "time")
             idx = index_fn(np.arange(-b, n + a), n)
             shape = x.shape[:d] + (len(idx),) + x.shape[d + 1:]
             x = ctx.op("GATHER", [x, idx.astype(np.int32)], shape=shape, dtype=x.dtype, axis=d)
@@ -342,11 +360,39 @@ def _gather_pad(ctx, x, pad, index_fn):
 
 
 def _replicate(ctx, x, pad):
+    if not all_static(x.shape):
+        # the edge items repeated: broadcasts of one-item slices on each side
+        def edges(x, d, b, a, n):
+            first = _strided_slice(ctx, x, {d: (0, 1, 1)})
+            last = _strided_slice(ctx, x, {d: (n - 1, n, 1)})
+            return [ctx.broadcast_to(first, x.shape[:d] + (b,) + x.shape[d + 1:])] if b else [], \
+                [ctx.broadcast_to(last, x.shape[:d] + (a,) + x.shape[d + 1:])] if a else []
+        return _pad_by_concatenation(ctx, x, pad, edges)
     return _gather_pad(ctx, x, pad, lambda i, n: np.clip(i, 0, n - 1))
 
 
 def _circular(ctx, x, pad):
+    if not all_static(x.shape):
+        # the other end's items: slices of the tensor itself
+        def ends(x, d, b, a, n):
+            if max(b, a) > (ctx.bounds(n)[0] or 0):
+                raise ctx.unsupported("circular padding wider than the smallest size of a dynamic dim")
+            return [_strided_slice(ctx, x, {d: (n - b, n, 1)})] if b else [], \
+                [_strided_slice(ctx, x, {d: (0, a, 1)})] if a else []
+        return _pad_by_concatenation(ctx, x, pad, ends)
     return _gather_pad(ctx, x, pad, lambda i, n: i % n)
+
+
+def _pad_by_concatenation(ctx, x, pad, sides):
+    for d, (b, a) in enumerate(_torch_pads(pad, x.rank)):
+        b, a = ctx.static((b, a), "the padding amounts of a dynamic tensor must be constants")
+        if b < 0 or a < 0:
+            raise ctx.unsupported("negative replicate or circular padding")
+        if b or a:
+            before, after = sides(x, d, b, a, x.shape[d])
+            shape = x.shape[:d] + (x.shape[d] + b + a,) + x.shape[d + 1:]
+            x = ctx.op("CONCATENATION", before + [x] + after, shape=shape, dtype=x.dtype, axis=d)
+    return x
 
 
 @builds(aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default)
@@ -357,6 +403,7 @@ def replication_pad(ctx, x, padding):
 @builds(aten.diagonal.default, aten.diagonal_copy.default)
 def diagonal(ctx, x, offset=0, dim1=0, dim2=1):
     d1, d2 = _dims([dim1, dim2], x.rank)
+    ctx.static((x.shape[d1], x.shape[d2]), "the diagonal's positions are an index table built at conversion time")
     rest = [d for d in range(x.rank) if d not in (d1, d2)]
     xt = ctx.transpose(x, rest + [d1, d2])
     n1, n2 = x.shape[d1], x.shape[d2]

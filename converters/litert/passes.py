@@ -15,7 +15,7 @@ import torch
 
 from .dims import all_static
 from .ir import Graph, Op, Tensor, shape_input
-from .layout import REDUCERS, assign_nhwc_layout
+from .layout import ELEMENTWISE, REDUCERS, assign_nhwc_layout
 from .lower import AtenProgram, live_nodes, lower
 
 aten = torch.ops.aten
@@ -462,6 +462,45 @@ def name_outputs(g: Graph) -> Graph:
     return g
 
 
+# Ops whose output shape LiteRT derives from their inputs' shapes alone (the rest read shapes from
+# tensors: from constants they do so when preparing the model; from run-time values only when
+# invoked, which leaves the output "dynamic").
+_SHAPE_FROM_SHAPES = ELEMENTWISE | {
+    "FULLY_CONNECTED", "BATCH_MATMUL", "CONV_2D", "DEPTHWISE_CONV_2D", "CONV_3D", "CONCATENATION", "SOFTMAX",
+    "LOG_SOFTMAX", "GATHER", "EMBEDDING_LOOKUP", "MAX_POOL_2D", "AVERAGE_POOL_2D", "CUMSUM", "SELECT", "PACK",
+    "UNPACK", "SPLIT", "DEPTH_TO_SPACE", "SPACE_TO_DEPTH", "L2_NORMALIZATION"}
+_SHAPE_FROM_CONSTANTS = REDUCERS | {
+    "RESHAPE", "TRANSPOSE", "SLICE", "STRIDED_SLICE", "PAD", "PADV2", "MIRROR_PAD", "BROADCAST_TO", "TILE",
+    "REVERSE_V2", "ARG_MAX", "ARG_MIN", "SPLIT_V", "RESIZE_BILINEAR", "RESIZE_NEAREST_NEIGHBOR", "TRANSPOSE_CONV"}
+
+
+def copy_dynamic_outputs(g: Graph) -> Graph:
+    """With dynamic inputs, an output whose shape LiteRT only learns while running gets a CAST to its own type.
+
+    LiteRT's CompiledModel cannot bind an output buffer to such a "dynamic" tensor (it fails, or
+    leaves the buffer unwritten: checked with ai-edge-litert 2.3.0); the copy's shape is planned
+    from its input like any other op's.
+    """
+    if not any(t.dynamic for t in g.inputs):
+        return g
+    producer = g.producers()
+    outs = []
+    for t, name in zip(g.outputs, g.output_names):
+        op = producer.get(id(t))
+        params = op.inputs[:1] if op is not None and op.code == "TRANSPOSE_CONV" else op.inputs[1:] if op else []
+        settled = op is None or op.code in _SHAPE_FROM_SHAPES or (
+            op.code in _SHAPE_FROM_CONSTANTS and all(x is None or x.is_const for x in params))
+        if not settled:
+            inner = Tensor(f"{name}/dynamic", t.shape, t.dtype)
+            for other in g.ops:
+                other.inputs = [inner if x is t else x for x in other.inputs]
+            op.outputs = [inner if o is t else o for o in op.outputs]
+            g.ops.append(Op("CAST", [inner], [t]))
+        outs.append(t)
+    g.outputs = outs
+    return g
+
+
 # The pipeline, in order. Entries before ``lower`` take and return an AtenProgram, the rest a Graph.
 PIPELINE = [
     fold_batch_norm,
@@ -479,6 +518,7 @@ PIPELINE = [
     pad_max_pool_with_zeros,
     eliminate_dead_code,
     name_outputs,
+    copy_dynamic_outputs,
 ]
 
 

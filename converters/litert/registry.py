@@ -23,7 +23,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dty
 
 from torchtpu_export.errors import UnsupportedOpError
 
-from .dims import canon, is_static, normalize, all_static
+from .dims import all_static, canon, is_static, normalize, source_of
 from .ir import Graph, Op, Tensor
 
 BUILDERS: dict[object, Callable] = {}
@@ -169,7 +169,7 @@ class BuildContext:
     def static(self, values, why: str):
         """``values`` (a dim or a sequence of dims) as ints; UnsupportedOpError saying ``why`` if one is dynamic."""
         seq = values if isinstance(values, (tuple, list)) else (values,)
-        dynamic = [d for d in seq if not is_static(d)]
+        dynamic = list(dict.fromkeys(d for d in seq if not is_static(d)))
         if dynamic:
             raise self.unsupported(f"it cannot have a dynamic size in LiteRT ({', '.join(map(str, dynamic))}): {why}")
         return tuple(int(d) for d in seq) if isinstance(values, (tuple, list)) else int(values)
@@ -307,16 +307,21 @@ class BuildContext:
         raise TypeError(f"the sign of {d} depends on the dynamic sizes")
 
     def _source(self, sym) -> Tensor:
-        # the dim of a graph input that is exactly ``sym``, as a (1,) int32 tensor
-        for t in self.graph.inputs:
-            for axis, d in enumerate(t.shape):
-                if d == sym:
-                    key = id(t)
-                    if key not in self._shapes:
-                        self._shapes[key] = self.op("SHAPE", [t], shape=(t.rank,), dtype=I32, outType=2)
-                    return self.op("SLICE", [self._shapes[key], np.asarray([axis], np.int32),
-                                             np.asarray([1], np.int32)], shape=(1,), dtype=I32)
-        raise self.unsupported(f"the dynamic dim {sym} is not a dim of any input, so LiteRT cannot know its size")
+        # ``sym`` from a graph input's dim that is ``sym`` itself, or else ``a*sym + b``, as a (1,) int32 tensor
+        found = source_of(sym, self.graph.inputs)
+        if found is None:
+            raise self.unsupported(f"the dynamic dim {sym} is not a dim of any input, so LiteRT cannot know its size")
+        t, axis, a, b = found
+        if id(t) not in self._shapes:
+            self._shapes[id(t)] = self.op("SHAPE", [t], shape=(t.rank,), dtype=I32, outType=2)
+        # GATHER, not SLICE: LiteRT computes a GATHER of a SHAPE when it prepares the model (so do
+        # CONCATENATION and RESHAPE after it), and the shapes it feeds stay static
+        n = self.op("GATHER", [self._shapes[id(t)], np.asarray([axis], np.int32)], shape=(1,), dtype=I32, axis=0)
+        if b:
+            n = self.op("SUB", [n, np.asarray([b], np.int32)], shape=(1,), dtype=I32)
+        if a != 1:
+            n = self.op("FLOOR_DIV", [n, np.asarray([a], np.int32)], shape=(1,), dtype=I32)
+        return n
 
     def _emit_dim(self, e) -> Tensor:
         # Integer arithmetic over the symbols, as int32 ops on (1,) tensors.
