@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import tempfile
 from typing import Mapping
 
@@ -21,6 +20,7 @@ from torchtpu_export.capture import CapturedProgram
 from torchtpu_export.errors import InputError
 
 from . import ops_elementwise, ops_index, ops_misc, ops_nn, ops_reduction, ops_shape  # noqa: F401 (registration)
+from .dims import symbol_ranges
 from .lower import AtenProgram, check_supported  # noqa: F401
 from .passes import PIPELINE, run_pipeline
 from .registry import BUILDERS, IO_DTYPES, NOT_SUPPORTED, builds  # noqa: F401
@@ -126,25 +126,9 @@ def _weight_bytes(graphs) -> int:
 
 
 def _dim_ranges(cap: CapturedProgram) -> dict[str, list]:
-    # every symbol of the inputs' dims, those inside expressions ("4*s0") included
-    ranges = {name: list(rng) for name, rng in cap.dim_ranges.items()}
-    for sym, rng in cap.exported.range_constraints.items():
-        name = str(sym)
-        if name not in ranges and any(isinstance(d, str) and name in _names(d) for s in cap.inputs for d in s.shape):
-            ranges[name] = [_bound(rng.lower) or 0, _bound(rng.upper)]
-    return ranges
-
-
-def _names(text: str) -> set:
-    return set(re.findall(r"[A-Za-z_]\w*", text))
-
-
-def _bound(v) -> int | None:
-    try:
-        v = int(v)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return v if abs(v) < 2**62 else None
+    # every symbol of the inputs' dims (those inside expressions such as "4*s0" included), and the
+    # expressions themselves, as capture reports them
+    return {**{k: list(v) for k, v in symbol_ranges(cap).items()}, **{k: list(v) for k, v in cap.dim_ranges.items()}}
 
 
 def _spec_text(spec: pytree.TreeSpec) -> str:

@@ -17,6 +17,7 @@ branches on a dim asks :func:`is_static` first; comparisons such as
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import sympy
@@ -99,6 +100,27 @@ def concrete(d, hints: dict) -> int:
     if not v.is_Integer:
         raise TypeError(f"dimension {d} has no value at the sample sizes")
     return int(v)
+
+
+def symbol_ranges(cap) -> dict[str, tuple]:
+    """symbol name -> (min, max or None) for every symbol in a captured program's input dims,
+    those that appear only inside expressions ("4*s0") included."""
+    names = set()
+    for spec in cap.inputs:
+        names |= {n for d in spec.shape if isinstance(d, str) for n in re.findall(r"[A-Za-z_]\w*", d)}
+    out = {}
+    for sym, rng in cap.exported.range_constraints.items():
+        if str(sym) in names:
+            out[str(sym)] = (_bound(rng.lower) or 0, _bound(rng.upper))
+    return out
+
+
+def _bound(v) -> int | None:
+    try:
+        v = int(v)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return v if abs(v) < 2**62 else None
 
 
 def source_of(sym, tensors):

@@ -14,7 +14,7 @@ from torchtpu_export.errors import ConversionError, TteError, UnsupportedOpError
 from torchtpu_export.safetensors_io import to_numpy
 
 from .ir import Graph, Tensor
-from .dims import canon, source_of, symbol
+from .dims import canon, source_of, symbol, symbol_ranges
 from .registry import BUILDERS, NOT_SUPPORTED, BuildContext, Missing, io_dtype, ir_shape, numpy_dtype
 
 # Nodes that compute nothing the model returns.
@@ -111,7 +111,7 @@ def lower(prog: AtenProgram) -> Graph:
         val = node.meta["val"]
         graph.inputs.append(Tensor(spec.name, _input_shape(val.shape, node), io_dtype(val.dtype, prog.io_dtypes)))
         graph.input_names.append(spec.name)
-    graph.ranges = {symbol(name): tuple(rng) for name, rng in cap.dim_ranges.items()}
+    graph.ranges = {symbol(name): rng for name, rng in symbol_ranges(cap).items()}
     # each symbol's sample size, read where the model will read it at run time
     symbols = set().union(*(d.free_symbols for t in graph.inputs for d in t.shape if not isinstance(d, int)))
     for sym in sorted(symbols, key=str):

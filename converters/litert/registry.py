@@ -189,7 +189,9 @@ class BuildContext:
 
         A dynamic dim (a sympy expression) as ``value`` gives its value at run time instead.
         """
-        if isinstance(value, sympy.Basic) and not value.is_number:
+        if isinstance(value, sympy.Basic):
+            value = normalize(value)
+        if isinstance(value, sympy.Basic):
             v = self.reshape(self.dim(value), ())
             return self.cast(v, dtype if dtype is not None else np.int32)
         a = np.asarray(value, dtype=dtype)
