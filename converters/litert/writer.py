@@ -141,20 +141,19 @@ def _write_inline(f, parts) -> dict[int, int]:
     size = len(probe.Bytes) - probe.Head() + sum(len(d) + 2 * _ALIGN + 8 for d in buffers.data) + 4096
     with mmap.mmap(-1, size) as space:
         builder = flatbuffers.Builder(0)
-        builder.Bytes, builder.head = space, size
+        builder.Bytes, builder.head = space, len(space)
         vectors = _build(builder, *parts, layout="inline")
-        if builder.Bytes is not space:
-            raise ConversionError("the flatbuffer outgrew its estimated size; please report this")
-        head = builder.Head()
-        # each vector's data starts after its 4-byte length, at this position in the mapping
-        spans = sorted((size - off + 4, i) for i, off in vectors.items())
-        with memoryview(space) as view:
+        # (had the estimate been short, the builder would have grown into a bytearray: still right)
+        out, head = builder.Bytes, builder.Head()
+        # each vector's data starts after its 4-byte length, at this position in the builder's buffer
+        spans = sorted((len(out) - off + 4, i) for i, off in vectors.items())
+        with memoryview(out) as view:
             pos = head
             for start, i in spans:
                 f.write(view[pos:start])
                 f.write(buffers.data[i])
                 pos = start + len(buffers.data[i])
-            f.write(view[pos:size])
+            f.write(view[pos:])
     return {i: start - head for start, i in spans}
 
 
