@@ -1,5 +1,6 @@
 """Runs ``.tflite`` flatbuffers on LiteRT: the Interpreter (signature runners) and the CompiledModel API.
 
+Both load a model from its bytes or, better for large models, from its path.
 Both take the flat list of input arrays in the signature's input order and
 return the outputs in the signature's output order. Arrays are converted to
 the dtypes the flatbuffer declares (64-bit values travel as 32-bit ones);
@@ -13,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from torchtpu_export.errors import ArtifactError, InputError
-from torchtpu_export.specs import TensorSpec, coerce_input
+from torchtpu_export.specs import TensorSpec, bind_dims, coerce_input, eval_dim
 
 RUNTIMES = ("interpreter", "compiled_model")
 
@@ -23,11 +24,13 @@ class InterpreterRunner:
 
     name = "litert"
 
-    def __init__(self, content: bytes, signature: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
+    def __init__(self, content, signature: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
                  *, num_threads: int | None = None, interpreter=None):
         from ai_edge_litert.interpreter import Interpreter
         try:
-            self.interpreter = interpreter or Interpreter(model_content=content, num_threads=num_threads)
+            # a path: LiteRT maps the file itself, so a large model is not held twice
+            source = {"model_path": content} if isinstance(content, str) else {"model_content": content}
+            self.interpreter = interpreter or Interpreter(**source, num_threads=num_threads)
             self._runner = self.interpreter.get_signature_runner(signature)
         except (ValueError, RuntimeError) as e:
             raise ArtifactError(f"LiteRT cannot load signature {signature!r}: {str(e).strip()[:300]}",
@@ -43,6 +46,8 @@ class InterpreterRunner:
                              f"got {len(inputs)}")
         feed = {s.name: coerce_input(s, x, dtype=dt) for s, x, dt in zip(self.inputs, inputs, self._input_dtypes)}
         try:
+            # the signature runner resizes its inputs to these arrays' shapes and allocates before invoking
+            # (ResizeInputTensor + AllocateTensors): dynamic dims take the size they are given
             out = self._runner(**feed)
         except (ValueError, RuntimeError) as e:
             raise ArtifactError(f"LiteRT failed to run the model: {str(e).strip()[:300]}") from e
@@ -68,13 +73,16 @@ class CompiledModelRunner:
 
     name = "litert-compiled"
 
-    def __init__(self, content: bytes, signature: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
+    def __init__(self, content, signature: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
                  *, num_threads: int | None = None):
         from ai_edge_litert.compiled_model import CompiledModel, CpuOptions, HardwareAccelerator, Options
         options = Options(hardware_accelerators=HardwareAccelerator.CPU,
                           cpu_options=CpuOptions(num_threads=num_threads or 1))
         try:
-            self.model = CompiledModel.from_buffer(content, environment=_environment(), options=options)
+            if isinstance(content, str):  # a path, as for the Interpreter
+                self.model = CompiledModel.from_file(content, environment=_environment(), options=options)
+            else:
+                self.model = CompiledModel.from_buffer(content, environment=_environment(), options=options)
         except (ValueError, RuntimeError) as e:
             raise ArtifactError(f"LiteRT CompiledModel cannot load the flatbuffer: {str(e).strip()[:300]}") from e
         self.signature_index = self.model.get_signature_index(signature)
@@ -87,20 +95,63 @@ class CompiledModelRunner:
         self._in = [(_np_dtype(in_details[s.name]["dtype"]), tuple(in_details[s.name]["shape"])) for s in self.inputs]
         self._out = [(_np_dtype(out_details[s.name]["dtype"]), tuple(out_details[s.name]["shape"]))
                      for s in self.outputs]
+        self._dynamic = any(isinstance(d, str) for s in self.inputs for d in s.shape)
+        if self._dynamic:
+            self._host: list[np.ndarray] = []
+            self._resize([np.zeros(shape, dt) for dt, shape in self._in])
+        else:
+            self._in_buffers = self.model.create_input_buffers(self.signature_index)
+            self._out_buffers = self.model.create_output_buffers(self.signature_index)
+
+    def _resize(self, arrays: list[np.ndarray]) -> None:
+        # New input sizes. LiteRT resizes the inputs (strictly: only dims that are -1 in their
+        # shape_signature), but sizes output buffers for the old shapes until it has run; so the
+        # outputs' sizes come from their symbolic shapes, and their buffers wrap arrays held here.
+        from ai_edge_litert.tensor_buffer import TensorBuffer
+        sizes = bind_dims(self.inputs, arrays)
+        out_shapes = [tuple(d if isinstance(d, int) else eval_dim(d, sizes, f"output {spec.name}") for d in spec.shape)
+                      for spec in self.outputs]
+        for i, (a, (dt, shape)) in enumerate(zip(arrays, self._in)):
+            if a.shape != shape:
+                try:
+                    self.model.resize_input_tensor(i, a.shape, self.signature_index, strict=True)
+                except (ValueError, RuntimeError) as e:
+                    raise InputError(f"input {self.inputs[i].name}: LiteRT cannot resize it to {list(a.shape)}: "
+                                     f"{str(e).strip()[:200]}") from e
+                self._in[i] = (dt, a.shape)
+        self._out = [(dt, shape) for (dt, _), shape in zip(self._out, out_shapes)]
         self._in_buffers = self.model.create_input_buffers(self.signature_index)
-        self._out_buffers = self.model.create_output_buffers(self.signature_index)
+        self._host = [_aligned(shape, dt) for dt, shape in self._out]
+        self._out_buffers = [TensorBuffer.create_from_host_memory(h) for h in self._host]
 
     def run(self, inputs: Sequence) -> list[np.ndarray]:
         if len(inputs) != len(self.inputs):
             raise InputError(f"expected {len(self.inputs)} inputs, got {len(inputs)}")
-        for buf, spec, x, (dt, _) in zip(self._in_buffers, self.inputs, inputs, self._in):
-            buf.write(coerce_input(spec, x, dtype=dt.name))
+        arrays = [coerce_input(spec, x, dtype=dt.name) for spec, x, (dt, _) in zip(self.inputs, inputs, self._in)]
+        if self._dynamic:
+            if any(a.shape != shape for a, (_, shape) in zip(arrays, self._in)):
+                self._resize(arrays)
+        for buf, a in zip(self._in_buffers, arrays):
+            buf.write(a)
         try:
             self.model.run_by_index(self.signature_index, self._in_buffers, self._out_buffers)
         except (ValueError, RuntimeError) as e:
             raise ArtifactError(f"LiteRT CompiledModel failed to run the model: {str(e).strip()[:300]}") from e
+        if self._dynamic:
+            return [h.copy() for h in self._host]
         return [buf.read(int(np.prod(shape, dtype=np.int64)), dt).reshape(shape)
                 for buf, (dt, shape) in zip(self._out_buffers, self._out)]
+
+
+_ALIGN = 64  # what LiteRT's host-memory buffers need
+
+
+def _aligned(shape, dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    raw = np.zeros(n * dtype.itemsize + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start:start + n * dtype.itemsize].view(dtype).reshape(shape)
 
 
 def _np_dtype(d) -> np.dtype:

@@ -76,11 +76,6 @@ def test_int64_inputs_and_outputs_keep_torch_dtypes():
     assert out[0].dtype == np.int64 and out[0].tolist() == [[13, 16, 19]]
 
 
-def test_dynamic_shapes_are_refused_clearly():
-    with pytest.raises(tte.UnsupportedOpError, match="static shapes"):
-        tte.convert(torch.nn.Linear(4, 3), (R(2, 4),), dynamic_shapes=({0: torch.export.Dim("b", max=8)},))
-
-
 def test_unsupported_op_names_the_op_and_the_source_line():
     with pytest.raises(tte.UnsupportedOpError) as info:
         tte.convert(Fn(lambda x: torch.nonzero(x > 0).float().sum() + x.sum()), (R(3, 4),))

@@ -8,17 +8,21 @@ model takes and returns the same structures as the original module; other
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import mmap
 import os
+import shutil
+import weakref
 from typing import Sequence
 
 import numpy as np
 import torch.utils._pytree as pytree
 
 from .errors import ArtifactError, InputError
-from .fileio import write_bytes_atomic
-from .specs import TensorSpec, as_numpy, numpy_dtype
+from .fileio import atomic_open, link_atomic, write_bytes_atomic
+from .specs import TensorSpec, as_numpy, bind_dims, check_dims, numpy_dtype
 
 METADATA_NAME = "torchtpu_export"
 _TYPE_NAMES = {0: "float32", 1: "float16", 2: "int32", 3: "uint8", 4: "int64", 5: "string", 6: "bool", 7: "int16",
@@ -50,19 +54,48 @@ def _damaged(e: Exception) -> ArtifactError:
                          hint="convert or download the model again")
 
 
-def _buffers_of(model, content: bytes, skip: set) -> list:
-    out = []
-    for i in range(1, model.BuffersLength()):
-        if i not in skip:
-            out.append(_buffer_bytes(model, content, i))
-    return out
+def _verify_digest(model, content, skip: set, expected: str) -> None:
+    # blake2b as weights_digest computes it, over views of the content (no copies). A mapped
+    # file is hashed a chunk at a time and each chunk unmapped again: the check reads the whole
+    # file without keeping it in memory.
+    h = hashlib.blake2b(digest_size=16)
+    view = memoryview(content)
+    try:
+        for i in range(1, model.BuffersLength()):
+            if i in skip:
+                continue
+            start, size = _buffer_span(model, content, i)
+            h.update(size.to_bytes(8, "little"))
+            for a in range(start, start + size, _CHUNK):
+                b = min(a + _CHUNK, start + size)
+                h.update(view[a:b])
+                if isinstance(content, mmap.mmap):
+                    page = a - a % mmap.PAGESIZE
+                    content.madvise(mmap.MADV_DONTNEED, page, b - page)
+    finally:
+        view.release()
+    if h.hexdigest() != expected:
+        raise ArtifactError("the model's weights do not match the digest written with them",
+                            hint="the file was damaged after conversion: convert it again")
 
 
-def _buffer_bytes(model, content: bytes, index: int) -> bytes:
+_CHUNK = 64 << 20
+
+
+def _buffer_span(model, content, index: int) -> tuple[int, int]:
+    # (start, size) of a buffer's data in the content
     buf = model.Buffers(index)
     if buf.Offset() > 1:  # stored after the flatbuffer (models past 2 GB)
-        return bytes(content[buf.Offset():buf.Offset() + buf.Size()])
-    return buf.DataAsNumpy().tobytes() if buf.DataLength() else b""
+        if buf.Offset() + buf.Size() > len(content):
+            raise ValueError(f"buffer {index} ends past the end of the file")
+        return buf.Offset(), buf.Size()
+    n = buf.DataLength()
+    return (buf._tab.Vector(buf._tab.Offset(4)), n) if n else (0, 0)
+
+
+def _buffer_bytes(model, content, index: int) -> bytes:
+    start, size = _buffer_span(model, content, index)
+    return bytes(content[start:start + size])
 
 
 def read_metadata(content: bytes, *, verify: bool = False) -> dict | None:
@@ -77,10 +110,7 @@ def read_metadata(content: bytes, *, verify: bool = False) -> dict | None:
             if m.Name() and m.Name().decode() == METADATA_NAME:
                 meta = json.loads(_buffer_bytes(model, content, m.Buffer()))
                 if verify and "weights_blake2b" in meta:
-                    data = _buffers_of(model, content, {m.Buffer()})
-                    if weights_digest(data) != meta["weights_blake2b"]:
-                        raise ArtifactError("the model's weights do not match the digest written with them",
-                                            hint="the file was damaged after conversion: convert it again")
+                    _verify_digest(model, content, {m.Buffer()}, meta["weights_blake2b"])
                 return meta
     except ArtifactError:
         raise
@@ -104,6 +134,10 @@ def _signature_io(model) -> dict:
                 tm = get(j)
                 t = sub.Tensors(tm.TensorIndex())
                 shape = tuple(int(d) for d in t.ShapeAsNumpy()) if t.ShapeLength() else ()
+                if t.ShapeSignatureLength():
+                    # -1 in shape_signature: a dynamic dim, named after its tensor and axis
+                    shape = tuple(f"{tm.Name().decode()}_{k}" if int(d) < 0 else n
+                                  for k, (d, n) in enumerate(zip(t.ShapeSignatureAsNumpy(), shape)))
                 res.append(TensorSpec(tm.Name().decode(), shape, _TYPE_NAMES.get(t.Type(), str(t.Type()))))
                 q = t.Quantization()
                 if q is not None and q.ScaleLength() == 1 and t.Type() in (3, 9):  # uint8, int8
@@ -134,7 +168,9 @@ class EdgeModel:
     """
 
     def __init__(self, content: bytes, signatures: dict | None = None, quantization: dict | None = None):
-        self._content = bytes(content)
+        self._content = bytes(content) if not isinstance(content, mmap.mmap) else content
+        self._path: str | None = None  # the file the content maps, which runtimes then load themselves
+        self._temporary = False
         model = _model(self._content)
         try:
             self._io = _signature_io(model)
@@ -152,13 +188,30 @@ class EdgeModel:
         self._interpreters: dict = {}
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "EdgeModel":
+    def from_file(cls, path: str | os.PathLike, *, signatures: dict | None = None,
+                  temporary: bool = False, quantization: dict | None = None) -> "EdgeModel":
+        """The model in a ``.tflite`` file, mapped rather than read: memory holds what runs, not a
+        copy of the file, and LiteRT loads the file itself. ``temporary``: the file is deleted with
+        the model (what conversion writes large models to)."""
+        path = os.fspath(path)
         try:
             with open(path, "rb") as f:
-                content = f.read()
+                content = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except OSError as e:
             raise InputError(f"cannot read {path}: {e.strerror}") from e
-        return cls(content)
+        except ValueError:  # an empty file cannot be mapped
+            raise ArtifactError(f"{path} is empty, not a TFLite flatbuffer") from None
+        try:
+            model = cls(content, signatures, quantization)
+        except BaseException:
+            content.close()
+            if temporary:
+                _remove(path)
+            raise
+        model._path, model._temporary = path, temporary
+        if temporary:
+            weakref.finalize(model, _remove, path)
+        return model
 
     # ---- what it holds ---------------------------------------------------------------------
 
@@ -188,15 +241,30 @@ class EdgeModel:
             return [TensorSpec.from_json(d) for d in self._meta[sig]["outputs"]]
         return list(self._io[sig]["outputs"])
 
+    def dim_ranges(self, signature_name: str | None = None) -> dict[str, tuple]:
+        """The dynamic dims of a signature's inputs -> (min, max or None), as exported."""
+        sig = self._signature(signature_name)
+        return {k: tuple(v) for k, v in self._meta.get(sig, {}).get("dims", {}).items()}
+
     def model_content(self) -> bytes:
-        """The flatbuffer's bytes."""
-        return self._content
+        """The flatbuffer's bytes (for a model held in a file, read from it: prefer ``export`` for large ones)."""
+        return self._content if isinstance(self._content, bytes) else self._content[:]
 
     tflite_model = model_content
 
     def export(self, path: str | os.PathLike) -> None:
         """Writes the ``.tflite`` file atomically (a failed write leaves nothing behind)."""
-        write_bytes_atomic(path, self._content)
+        if isinstance(self._content, bytes):
+            write_bytes_atomic(path, self._content)
+            return
+        if self._temporary:
+            # the file conversion wrote: linked into place, not copied (unless on another filesystem)
+            with contextlib.suppress(OSError):
+                link_atomic(self._path, path)
+                return
+        # copied file to file: reading it through the mapping would bring all of it into memory
+        with atomic_open(path) as f, open(self._path, "rb") as src:
+            shutil.copyfileobj(src, f, 8 << 20)
 
     save = export
 
@@ -211,21 +279,26 @@ class EdgeModel:
             raise InputError(f"unknown LiteRT runtime {runtime!r}; choose one of {', '.join(litert.RUNTIMES)}")
         key = (sig, runtime, num_threads)
         if key not in self._runners:
+            # torch's shapes (dynamic dims by name) with the dtypes the flatbuffer declares
             ins, outs = self.inputs(sig), self.outputs(sig)
             io_ins = {s.name: s for s in self._io[sig]["inputs"]}
             io_outs = {s.name: s for s in self._io[sig]["outputs"]}
-            ins = [io_ins.get(s.name, s) for s in ins]
-            outs = [io_outs.get(s.name, s) for s in outs]
+            ins = [TensorSpec(s.name, s.shape, io_ins[s.name].dtype) if s.name in io_ins else s for s in ins]
+            outs = [TensorSpec(s.name, s.shape, io_outs[s.name].dtype) if s.name in io_outs else s for s in outs]
             if runtime == "interpreter":
                 # one Interpreter serves every signature of the model
                 interp = self._interpreters.get(num_threads)
-                r = litert.InterpreterRunner(self._content, sig, ins, outs, num_threads=num_threads,
+                r = litert.InterpreterRunner(self._source(), sig, ins, outs, num_threads=num_threads,
                                              interpreter=interp)
                 self._interpreters[num_threads] = r.interpreter
             else:
-                r = litert.CompiledModelRunner(self._content, sig, ins, outs, num_threads=num_threads)
+                r = litert.CompiledModelRunner(self._source(), sig, ins, outs, num_threads=num_threads)
             self._runners[key] = r
         return self._runners[key]
+
+    def _source(self):
+        # what a runtime loads: the file when there is one (LiteRT maps it), else the bytes
+        return self._path if self._path is not None else self._content
 
     def run_flat(self, inputs: Sequence, signature_name: str | None = None, *,
                  runtime: str = "interpreter") -> list[np.ndarray]:
@@ -234,6 +307,16 @@ class EdgeModel:
         specs = self.inputs(sig)
         if len(inputs) != len(specs):
             raise InputError(f"expected {len(specs)} inputs ({', '.join(str(s) for s in specs)}), got {len(inputs)}")
+        inputs = [x if hasattr(x, "shape") else np.asarray(x) for x in inputs]
+        ranges = self.dim_ranges(sig)
+        check_dims(specs, inputs, ranges)
+        # symbols that inputs only have inside expressions ("4*s0"), against their ranges too
+        for name, n in bind_dims(specs, inputs).items():
+            lo, hi = ranges.get(name, (0, None))
+            if n < lo or (hi is not None and n > hi):
+                raise InputError(f"dynamic dim {name} = {n} (from the inputs' sizes {[list(np.shape(x)) for x in inputs]}) "
+                                 f"is outside the exported range [{lo}, {hi if hi is not None else 'inf'}]",
+                                 hint="export again with wider dynamic_shapes bounds")
         quant = self._io[sig]["quant"] if sig in self._meta else {}
         if quant:  # integer I/O (int8 recipe): float values in and out, as the module takes and gives them
             io_ins = {s.name: s for s in self._io[sig]["inputs"]}
@@ -268,6 +351,11 @@ class EdgeModel:
 
     def __repr__(self) -> str:
         return f"EdgeModel(signatures={self.signatures}, {len(self._content):,} bytes)"
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 _OP_NAMES: dict | None = None

@@ -49,3 +49,23 @@ def atomic_open(path: str | os.PathLike, mode: str = "w+b"):
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     with atomic_open(path) as f:
         f.write(data)
+
+
+def link_atomic(src: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Puts the file ``src`` at ``path`` as a hard link (no copy), atomically like ``atomic_open``.
+
+    OSError when the two are on different filesystems (or links are not supported): copy instead.
+    """
+    path = check_writable(path)
+    directory, base = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{base}.{os.urandom(6).hex()}.tmp")
+    os.link(src, tmp)
+    try:
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -90,3 +90,68 @@ def check_dims(specs, arrays, ranges: dict | None = None) -> None:
                 raise InputError(f"input {spec.name}: dynamic dim {d} = {n} is outside the exported range "
                                  f"[{lo}, {hi if hi is not None else 'inf'}]",
                                  hint="export again with wider dynamic_shapes bounds")
+
+
+def bind_dims(specs, arrays) -> dict[str, int]:
+    """The size of each symbolic dim, read from the arrays given for inputs of these specs.
+
+    A dim is a plain symbol (``"s0"``) or a linear expression of one (``"4*s0"``, ``"2*s1 + 1"``).
+    """
+    sizes: dict[str, int] = {}
+    derived = []
+    for spec, a in zip(specs, arrays):
+        for d, n in zip(spec.shape, a.shape):
+            if isinstance(d, str):
+                if d.isidentifier():
+                    sizes[d] = int(n)
+                else:
+                    derived.append((d, int(n)))
+    for text, n in derived:
+        names = _names(text) - set(sizes)
+        if len(names) == 1:
+            (name,) = names
+            b = eval_dim(text, {**sizes, name: 0}, text)
+            a = eval_dim(text, {**sizes, name: 1}, text) - b
+            if a and (n - b) % a == 0:
+                sizes[name] = (n - b) // a
+    return sizes
+
+
+def _names(text: str) -> set:
+    import ast
+    try:
+        return {x.id for x in ast.walk(ast.parse(text, mode="eval")) if isinstance(x, ast.Name)}
+    except SyntaxError:
+        return set()
+
+
+_BINARY = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mult": lambda a, b: a * b,
+           "FloorDiv": lambda a, b: a // b, "Mod": lambda a, b: a % b}
+_CALLS = {"Max": max, "Min": min, "Mod": lambda a, b: a % b, "FloorDiv": lambda a, b: a // b}
+
+
+def eval_dim(text: str, sizes: dict, what: str = "a dim") -> int:
+    """A symbolic dim as torch prints it (``"2*s1"``, ``"(s0 - 1)//2 + 1"``, ``"Max(1, s0)"``) at ``sizes``.
+
+    Integer arithmetic only, evaluated here (never by ``eval``): the text may come from a file.
+    """
+    import ast
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name) and node.id in sizes:
+            return sizes[node.id]
+        if isinstance(node, ast.BinOp) and type(node.op).__name__ in _BINARY:
+            return _BINARY[type(node.op).__name__](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -ev(node.operand)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CALLS:
+            return _CALLS[node.func.id](*(ev(a) for a in node.args))
+        raise ValueError(f"cannot evaluate {ast.unparse(node)}")
+    try:
+        return int(ev(ast.parse(text, mode="eval")))
+    except (SyntaxError, ValueError, ZeroDivisionError) as e:
+        raise InputError(f"{what}: cannot compute the dynamic dim {text!r} from the inputs' sizes ({e})") from None

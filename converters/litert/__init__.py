@@ -8,6 +8,8 @@ op family) emit TFLite ops into a small graph IR, the passes in
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from typing import Mapping
 
 import torch
@@ -15,14 +17,15 @@ import torch.utils._pytree as pytree
 
 import torchtpu_export
 from torchtpu_export.capture import CapturedProgram
-from torchtpu_export.errors import InputError, UnsupportedOpError
+from torchtpu_export.errors import InputError
 
 from . import ops_elementwise, ops_index, ops_misc, ops_nn, ops_quant, ops_reduction, ops_shape  # noqa: F401
+from .dims import symbol_ranges
 from .lower import AtenProgram, check_supported  # noqa: F401
 from .passes import PIPELINE, REQUIRED, run_pipeline
 from .quantize import constant_bytes, graph_quants
 from .registry import BUILDERS, IO_DTYPES, NOT_SUPPORTED, builds  # noqa: F401
-from .writer import METADATA_NAME, serialize
+from .writer import METADATA_NAME, serialize, write
 
 log = logging.getLogger("torchtpu_export")
 aten = torch.ops.aten
@@ -87,11 +90,6 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
     quants = graph_quants(quant_config, captures, io_dtypes)
     graphs, signatures = [], {}
     for name, cap in captures.items():
-        dynamic = [f"{s.name}{list(s.shape)}" for s in cap.inputs if any(isinstance(d, str) for d in s.shape)]
-        if dynamic:
-            raise UnsupportedOpError("dynamic shapes", target="litert",
-                                     reason=f"it converts static shapes only; dynamic dims in {', '.join(dynamic)}",
-                                     hint="convert without dynamic_shapes (one signature per shape you need)")
         g = run_pipeline(AtenProgram.from_capture(name, cap, io_dtypes, quants[name]), skip)
         graphs.append(g)
         signatures[name] = {
@@ -100,6 +98,8 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
             "in_spec": _spec_text(cap.in_spec),
             "out_spec": _spec_text(cap.out_spec),
             "constant_inputs": {str(i): _jsonable(v) for i, v in cap.constant_inputs.items()},
+            # dynamic dims -> [min, max or None]: the sizes the model was exported for
+            "dims": _dim_ranges(cap),
         }
     metadata = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
@@ -113,7 +113,32 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
                                     "float_weight_bytes": sum(float_constants.values()),
                                     "weight_bytes": sum(constant_bytes(graphs).values())}
     from torchtpu_export.edge import EdgeModel  # the artifact's reader; it imports a runtime only to run
-    return EdgeModel(serialize(graphs, metadata), signatures, quantization=metadata.get("quantization"))
+    if _weight_bytes(graphs) < IN_MEMORY_LIMIT:
+        return EdgeModel(serialize(graphs, metadata), signatures, quantization=metadata.get("quantization"))
+    # a large model goes straight to a file, weights streamed from the graph (no copy in memory)
+    fd, path = tempfile.mkstemp(prefix="torchtpu_export.", suffix=".tflite")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(graphs, f, metadata)
+    except BaseException:
+        os.unlink(path)
+        raise
+    return EdgeModel.from_file(path, signatures=signatures, temporary=True,
+                               quantization=metadata.get("quantization"))
+
+
+# Models with more weight bytes than this are written to a temporary file as they convert.
+IN_MEMORY_LIMIT = 64 << 20
+
+
+def _weight_bytes(graphs) -> int:
+    return sum(t.data.nbytes for g in graphs for t in g.tensors() if t.data is not None)
+
+
+def _dim_ranges(cap: CapturedProgram) -> dict[str, list]:
+    # every symbol of the inputs' dims (those inside expressions such as "4*s0" included), and the
+    # expressions themselves, as capture reports them
+    return {**{k: list(v) for k, v in symbol_ranges(cap).items()}, **{k: list(v) for k, v in cap.dim_ranges.items()}}
 
 
 def _spec_text(spec: pytree.TreeSpec) -> str:

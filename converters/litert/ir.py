@@ -8,9 +8,12 @@ the schema's ``<Name>OptionsT`` class (``strideW=2``).
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable, Iterator
 
 import numpy as np
+
+from .dims import is_static, normalize
 
 
 class Quant:
@@ -43,6 +46,7 @@ class Quant:
 class Tensor:
     """A value of a graph: shape, numpy dtype, and data when constant.
 
+    A dim is an ``int``, or a sympy expression when it is dynamic (see :mod:`.dims`).
     ``channels_last`` marks tensors that a builder laid out NHWC on purpose
     (the activations around CONV_2D and friends): the layout pass never
     changes their layout. ``quant`` is set on quantized (int8, int32 bias)
@@ -54,7 +58,7 @@ class Tensor:
     def __init__(self, name: str, shape, dtype, data: np.ndarray | None = None, channels_last: bool = False,
                  quant: Quant | None = None):
         self.name = name
-        self.shape = tuple(int(d) for d in shape)
+        self.shape = tuple(normalize(d) for d in shape)
         self.dtype = np.dtype(dtype)
         self.data = data
         self.channels_last = channels_last
@@ -69,8 +73,15 @@ class Tensor:
         return len(self.shape)
 
     @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+    def size(self):
+        """The element count: an int, or a sympy expression when a dim is dynamic."""
+        if all(is_static(d) for d in self.shape):
+            return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
+
+    @property
+    def dynamic(self) -> bool:
+        return not all(is_static(d) for d in self.shape)
 
     def __repr__(self) -> str:
         kind = "const " if self.is_const else ""
@@ -107,6 +118,9 @@ class Graph:
         self.output_names: list[str] = []
         self.ops: list[Op] = []
         self.quant = None  # what the quantization passes do to it (quantize.GraphQuant); None keeps it float
+        # dynamic dims: symbol -> its size in the sample inputs (the sizes the flatbuffer's shapes show)
+        self.hints: dict = {}
+        self.ranges: dict = {}  # symbol -> (min, max or None) it was exported for
 
     def producers(self) -> dict[int, Op]:
         """id(tensor) -> the op that computes it."""
@@ -143,3 +157,37 @@ class Graph:
         lines += [f"  {op!r}" for op in self.ops]
         lines.append(f"  return {', '.join(t.name for t in self.outputs)}")
         return "\n".join(lines)
+
+
+def shape_input(shape, src: Tensor | None = None):
+    """``(operand, ops)``: the int32 shape operand of a RESHAPE to ``shape`` and the ops that compute it.
+
+    A constant when ``shape`` is static or has one dynamic dim (RESHAPE's -1); otherwise the
+    dynamic dims are gathered from ``SHAPE(src)``, which must have each of them as a dim.
+    None when neither works.
+    """
+    shape = tuple(normalize(d) for d in shape)
+    dynamic = [d for d in shape if not is_static(d)]
+    if not dynamic or (len(dynamic) == 1 and 0 not in shape):
+        data = np.asarray([d if is_static(d) else -1 for d in shape], np.int32)
+        return Tensor("shape", data.shape, np.int32, data), []
+    if src is None or any(d not in src.shape for d in dynamic):
+        return None
+    statics = [d for d in shape if is_static(d)]
+    index = []
+    for d in shape:
+        index.append(src.shape.index(d) if not is_static(d) else src.rank + statics.index(d))
+    ops = []
+    table = Tensor(f"{src.name}/shape", (src.rank,), np.int32)
+    ops.append(Op("SHAPE", [src], [table], {"outType": 2}))
+    if statics:
+        extended = Tensor(f"{src.name}/shape_ext", (src.rank + len(statics),), np.int32)
+        ops.append(Op("CONCATENATION", [table, Tensor("dims", (len(statics),), np.int32,
+                                                       np.asarray(statics, np.int32))], [extended], {"axis": 0}))
+        table = extended
+    if index == list(range(src.rank)) and not statics:
+        return table, ops
+    out = Tensor(f"{src.name}/reshape_to", (len(shape),), np.int32)
+    ops.append(Op("GATHER", [table, Tensor("index", (len(index),), np.int32, np.asarray(index, np.int32))], [out],
+                  {"axis": 0}))
+    return out, ops

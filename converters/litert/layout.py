@@ -18,7 +18,8 @@ from collections import deque
 
 import numpy as np
 
-from .ir import Graph, Op, Tensor
+from .dims import all_static, concrete
+from .ir import Graph, Op, Tensor, shape_input
 from .registry import TO_CHANNELS_LAST, inverse
 
 ELEMENTWISE = {
@@ -38,8 +39,9 @@ REDUCERS = {"MEAN", "SUM", "REDUCE_MAX", "REDUCE_MIN", "REDUCE_PROD", "REDUCE_AN
 _UNIT = 1 << 40
 
 
-def _cost(t: Tensor) -> int:
-    return _UNIT + t.size
+def _cost(t: Tensor, hints: dict) -> int:
+    # a dynamic dim counts at its sample size
+    return _UNIT + (t.size if not t.dynamic else int(np.prod([concrete(d, hints) for d in t.shape])))
 
 
 def perm_of(label: int, rank: int) -> tuple:
@@ -70,6 +72,8 @@ def reshape_keeps_order(in_shape, in_perm, out_shape, out_perm) -> bool:
     """Whether RESHAPE of the physical input (``in_perm`` of ``in_shape``) gives the physical output."""
     if _is_trivial(in_perm, in_shape) and _is_trivial(out_perm, out_shape) or 0 in in_shape:
         return True
+    if not all_static(in_shape) or not all_static(out_shape):
+        return False  # the digit nesting below needs sizes; a TRANSPOSE is always right
     bounds = sorted({b for lo, hi in _atoms(in_shape) + _atoms(out_shape) for b in (lo, hi)})
     for a, b in zip(bounds, bounds[1:]):
         if b % a:
@@ -250,7 +254,7 @@ def _op_kind(op: Op) -> str:
         if op.inputs[0].rank != op.outputs[0].rank:
             return "fixed"
         if code == "STRIDED_SLICE" and any(op.options.get(k, 0) for k in ("ellipsisMask", "newAxisMask",
-                                                                        "shrinkAxisMask")):
+                                                                        "shrinkAxisMask", "beginMask", "endMask")):
             return "fixed"
         return "axis"
     return "fixed"
@@ -260,6 +264,7 @@ def assign_nhwc_layout(g: Graph) -> Graph:
     """Chooses per activation NCHW or NHWC by min cut, then rewrites the graph (see module doc)."""
     cut = _Cut()
     var: dict[int, int] = {}
+    hints = g.hints
 
     def v(t):
         if not _variable(t):
@@ -271,12 +276,12 @@ def assign_nhwc_layout(g: Graph) -> Graph:
     def need0(t, times=1):  # a TRANSPOSE unless t is in torch's layout
         n = v(t)
         if n is not None and not _is_trivial(TO_CHANNELS_LAST[t.rank], t.shape):
-            cut.unary(n, 0, _cost(t) * times)
+            cut.unary(n, 0, _cost(t, hints) * times)
 
     def need1(t):
         n = v(t)
         if n is not None and not _is_trivial(TO_CHANNELS_LAST[t.rank], t.shape):
-            cut.unary(n, _cost(t), 0)
+            cut.unary(n, _cost(t, hints), 0)
 
     for t in g.inputs:
         need0(t)
@@ -290,7 +295,7 @@ def assign_nhwc_layout(g: Graph) -> Graph:
                 if x is None or x.is_const:
                     continue
                 if x.rank == y.rank and v(x) is not None and v(y) is not None:
-                    cut.pairwise(v(x), v(y), 0, _cost(x), _cost(x), 0)
+                    cut.pairwise(v(x), v(y), 0, _cost(x, hints), _cost(x, hints), 0)
                 elif x.rank == y.rank:
                     need0(x)
                     need0(y)
@@ -303,7 +308,7 @@ def assign_nhwc_layout(g: Graph) -> Graph:
                     if x is not None and not x.is_const]
             for x in main:
                 if v(x) is not None and v(y) is not None:
-                    cut.pairwise(v(x), v(y), 0, _cost(x), _cost(x), 0)
+                    cut.pairwise(v(x), v(y), 0, _cost(x, hints), _cost(x, hints), 0)
                 else:
                     need0(x)
                     need0(y)
@@ -317,7 +322,7 @@ def assign_nhwc_layout(g: Graph) -> Graph:
                 need0(x)
                 need0(y)
             elif to == 1 and v(y) is not None:
-                cut.pairwise(v(x), v(y), 0, _cost(x), _cost(x), 0)
+                cut.pairwise(v(x), v(y), 0, _cost(x, hints), _cost(x, hints), 0)
             else:
                 need0(y)
         elif kind in ("reshape", "transpose"):
@@ -325,7 +330,7 @@ def assign_nhwc_layout(g: Graph) -> Graph:
             e = {}
             for lx in (0, 1) if v(x) is not None else (0,):
                 for ly in (0, 1) if v(y) is not None else (0,):
-                    e[lx, ly] = min(c for _, _, c in _realizations(op, kind, lx, ly, {lx}))
+                    e[lx, ly] = min(c for _, _, c in _realizations(op, kind, lx, ly, {lx}, hints))
             _add_table(cut, v(x), v(y), e)
         else:
             for x in op.inputs:
@@ -339,14 +344,14 @@ def assign_nhwc_layout(g: Graph) -> Graph:
     return _rewrite(g, labels)
 
 
-def _move_cost(t: Tensor) -> int:
+def _move_cost(t: Tensor, hints: dict) -> int:
     # What changing ``t``'s layout costs: a TRANSPOSE, or nothing when only size-1 dims move.
     if t.rank not in TO_CHANNELS_LAST or _is_trivial(TO_CHANNELS_LAST[t.rank], t.shape):
         return 0
-    return _cost(t)
+    return _cost(t, hints)
 
 
-def _realizations(op: Op, kind: str, lx: int, ly: int, have) -> list:
+def _realizations(op: Op, kind: str, lx: int, ly: int, have, hints: dict) -> list:
     # Ways to compute a RESHAPE or TRANSPOSE whose input is available in ``have`` and whose output is
     # wanted in ``ly``: (input label, output label, cost), counting every TRANSPOSE it takes.
     x, y = op.inputs[0], op.outputs[0]
@@ -355,7 +360,7 @@ def _realizations(op: Op, kind: str, lx: int, ly: int, have) -> list:
     out = []
     for a in xs:
         for b in ys:
-            cost = (0 if a in have else _move_cost(x)) + (0 if b == ly else _move_cost(y))
+            cost = (0 if a in have else _move_cost(x, hints)) + (0 if b == ly else _move_cost(y, hints))
             if kind == "reshape":
                 if not reshape_keeps_order(x.shape, perm_of(a, x.rank), y.shape, perm_of(b, y.rank)):
                     continue
@@ -363,7 +368,7 @@ def _realizations(op: Op, kind: str, lx: int, ly: int, have) -> list:
                 q = tuple(int(p) for p in op.inputs[1].data)
                 c = _compose(_compose(inverse(perm_of(a, x.rank)), q), perm_of(b, y.rank))
                 if not _is_trivial(c, _phys_shape(x, a)):
-                    cost += _cost(x)
+                    cost += _cost(x, hints)
             out.append((a, b, cost))
     return out
 
@@ -418,8 +423,10 @@ class _Rewriter:
         return out
 
     def _move(self, src: Tensor, out: Tensor, perm) -> None:
-        if _is_trivial(perm, src.shape):
-            self.ops.append(Op("RESHAPE", [src, _shape_const(out.shape)], [out]))
+        shape = shape_input(out.shape, src) if _is_trivial(perm, src.shape) else None
+        if shape is not None:
+            self.ops += shape[1]
+            self.ops.append(Op("RESHAPE", [src, shape[0]], [out]))
         else:
             self.ops.append(Op("TRANSPOSE", [src, Tensor(f"{out.name}/perm", (len(perm),), np.int32,
                                                         np.asarray(perm, np.int32))], [out]))
@@ -431,10 +438,6 @@ class _Rewriter:
             self.produced(t, out_label if _variable(t) else 0, p)
             outs.append(p)
         self.ops.append(Op(op.code, inputs, outs, {**op.options, **options}))
-
-
-def _shape_const(shape) -> Tensor:
-    return Tensor("shape", (len(shape),), np.int32, np.asarray(shape, np.int32))
 
 
 def _const_in(t: Tensor, label: int, rank: int | None = None) -> Tensor:
@@ -454,10 +457,11 @@ def _rewrite_move(rw: _Rewriter, op: Op, kind: str, ly: int) -> None:
     # A RESHAPE or TRANSPOSE computed the cheapest way from the layouts its input has.
     x, y = op.inputs[0], op.outputs[0]
     have = rw.avail.get(id(x)) or {0: x}
-    a, b, _ = min(_realizations(op, kind, 0, ly, set(have)), key=lambda r: (r[2], r[0] != 0, r[1] != ly))
+    a, b, _ = min(_realizations(op, kind, 0, ly, set(have), rw.g.hints),
+                  key=lambda r: (r[2], r[0] != 0, r[1] != ly))
     src = rw.get(x, a)
     if kind == "reshape":
-        rw.emit(op, [src, _shape_const(_phys_shape(y, b))], b)
+        rw.emit(op, [src, _reshape_target(rw, op, b)], b)
         return
     q = tuple(int(p) for p in op.inputs[1].data)
     c = _compose(_compose(inverse(perm_of(a, x.rank)), q), perm_of(b, y.rank))
@@ -491,7 +495,9 @@ def _rewrite(g: Graph, labels: dict[int, int]) -> Graph:
                 elif ly:
                     x0 = rw.get(x, 0)
                     expanded = Tensor(f"{x.name}/expanded", (1,) * (y.rank - x.rank) + x.shape, x.dtype)
-                    rw.ops.append(Op("RESHAPE", [x0, _shape_const(expanded.shape)], [expanded]))
+                    shape, shape_ops = shape_input(expanded.shape, x0)
+                    rw.ops += shape_ops
+                    rw.ops.append(Op("RESHAPE", [x0, shape], [expanded]))
                     rw.produced(expanded, 0, expanded)
                     ins.append(rw.get(expanded, 1) if _variable(expanded) else expanded)
                 else:
@@ -519,6 +525,23 @@ def _rewrite(g: Graph, labels: dict[int, int]) -> Graph:
     g.ops = rw.ops
     g.outputs = outputs
     return g
+
+
+def _reshape_target(rw: _Rewriter, op: Op, label: int) -> Tensor:
+    # The shape operand of a RESHAPE whose output is held in ``label``: a constant, the op's own
+    # (run-time) operand, or that operand permuted to the output's physical order.
+    y = op.outputs[0]
+    target = _phys_shape(y, label)
+    found = shape_input(target)
+    if found is not None:
+        return found[0]
+    if label == 0:
+        return op.inputs[1]
+    perm = perm_of(label, y.rank)
+    out = Tensor(f"{y.name}/shape", (y.rank,), np.int32)
+    rw.ops.append(Op("GATHER", [op.inputs[1], Tensor(f"{y.name}/perm", (y.rank,), np.int32,
+                                                      np.asarray(perm, np.int32))], [out], {"axis": 0}))
+    return out
 
 
 def _rewrite_axis_op(rw: _Rewriter, op: Op, ly: int) -> None:

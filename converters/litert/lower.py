@@ -14,7 +14,8 @@ from torchtpu_export.errors import ConversionError, TteError, UnsupportedOpError
 from torchtpu_export.safetensors_io import to_numpy
 
 from .ir import Graph, Tensor
-from .registry import BUILDERS, NOT_SUPPORTED, BuildContext, Missing, io_dtype, numpy_dtype, static_shape
+from .dims import canon, source_of, symbol, symbol_ranges
+from .registry import BUILDERS, NOT_SUPPORTED, BuildContext, Missing, io_dtype, ir_shape, numpy_dtype
 
 # Nodes that compute nothing the model returns.
 _IGNORED = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default,
@@ -56,7 +57,7 @@ def check_supported(prog: AtenProgram) -> None:
     for node in live_nodes(prog):
         if node.op != "call_function" or node in prog.constants or node.target is operator.getitem:
             continue
-        if node.target in _IGNORED:
+        if node.target in _IGNORED or _is_symbolic(node):
             continue
         if node.target not in BUILDERS:
             missing[node.target] += 1
@@ -110,16 +111,28 @@ def lower(prog: AtenProgram) -> Graph:
     # Every captured input is a signature input, used or not; 64-bit inputs are cast on entry.
     for spec, node in zip(cap.inputs, prog.inputs):
         val = node.meta["val"]
-        t = Tensor(spec.name, static_shape(val.shape, node), io_dtype(val.dtype, prog.io_dtypes))
-        graph.inputs.append(t)
+        graph.inputs.append(Tensor(spec.name, _input_shape(val.shape, node), io_dtype(val.dtype, prog.io_dtypes)))
         graph.input_names.append(spec.name)
+    graph.ranges = {symbol(name): rng for name, rng in symbol_ranges(cap).items()}
+    # each symbol's sample size, read where the model will read it at run time
+    symbols = set().union(*(d.free_symbols for t in graph.inputs for d in t.shape if not isinstance(d, int)))
+    for sym in sorted(symbols, key=str):
+        found = source_of(sym, graph.inputs)
+        if found is None:
+            raise UnsupportedOpError("dynamic input dims", target="litert", reason=f"the dynamic dim {sym} appears "
+                                     "in the inputs only inside expressions LiteRT cannot solve for it")
+        t, axis, a, b = found
+        graph.hints[sym] = (int(cap.sample_inputs[graph.inputs.index(t)].shape[axis]) - b) // a
+    for node, t in zip(prog.inputs, graph.inputs):
         ctx.node = node
-        env[node] = ctx.cast(t, numpy_dtype(val.dtype))
+        env[node] = ctx.cast(t, numpy_dtype(node.meta["val"].dtype))
     for node in live_nodes(prog):
         if node in env:
             continue
         ctx.node = node
-        if node in prog.constants:
+        if _is_symbolic(node):
+            env[node] = _sym_value(node)
+        elif node in prog.constants:
             value = prog.constants[node]
             env[node] = constant_tensor(node, value) if isinstance(value, torch.Tensor) else value
         elif node.op == "placeholder":
@@ -133,6 +146,43 @@ def lower(prog: AtenProgram) -> Graph:
             raise UnsupportedOpError(f"{node.op} {node.target}", target="litert",
                                      reason="graph node kind not supported", source=user_source_line(node))
     return graph
+
+
+def _is_symbolic(node: torch.fx.Node) -> bool:
+    # a node computing a size (sym_size, or arithmetic on sizes), not a tensor
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymBool, torch.SymFloat))
+
+
+def _sym_value(node: torch.fx.Node):
+    val = node.meta["val"]
+    if not isinstance(val, torch.SymInt):
+        raise UnsupportedOpError(op_name(node.target), target="litert", source=user_source_line(node),
+                                 reason=f"it computes a symbolic {type(val).__name__}, which LiteRT cannot hold")
+    try:
+        return canon(val)
+    except TypeError as e:
+        raise UnsupportedOpError(op_name(node.target), target="litert", reason=str(e),
+                                 source=user_source_line(node)) from None
+
+
+def _input_shape(shape, node) -> tuple:
+    try:
+        return ir_shape(shape)
+    except TypeError as e:
+        raise UnsupportedOpError("dynamic input dims", target="litert", reason=str(e),
+                                 source=user_source_line(node)) from None
+
+
+def _dynamic_dims(node: torch.fx.Node) -> list[str]:
+    # the dynamic dims of a node's tensor arguments and results
+    found: list[str] = []
+    vals = [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]
+    for v in vals:
+        for t in v if isinstance(v, (tuple, list)) else [v]:
+            if isinstance(t, torch.Tensor):
+                found += [str(d) for d in t.shape if isinstance(d, torch.SymInt) and str(d) not in found
+                          and not str(d).lstrip("-").isdigit()]
+    return found
 
 
 def _build(ctx: BuildContext, node: torch.fx.Node, env: dict):
@@ -152,12 +202,25 @@ def _build(ctx: BuildContext, node: torch.fx.Node, env: dict):
         result = rule(ctx, *args, **kwargs)
     except TteError:
         raise
+    except TypeError as e:
+        dynamic = _dynamic_dims(node)
+        if not dynamic:
+            raise _bug(node, e) from e
+        # a builder needed a number where the shape is symbolic (sympy refuses int() and undecidable comparisons)
+        raise UnsupportedOpError(op_name(node.target), target="litert", source=user_source_line(node),
+                                 reason=f"its TFLite lowering needs static sizes, and {', '.join(dynamic)} "
+                                        f"{'is' if len(dynamic) == 1 else 'are'} dynamic here ({e})",
+                                 hint="make these dims static (leave them out of dynamic_shapes)") from e
     except Exception as e:
-        src = user_source_line(node)
-        raise ConversionError(f"building {op_name(node.target)} failed: {type(e).__name__}: {e}"
-                              + (f"\n  at {src}" if src else ""),
-                              hint="this is a bug in torchtpu-export; rerun with --debug and report it") from e
+        raise _bug(node, e) from e
     return result
+
+
+def _bug(node, e: Exception) -> ConversionError:
+    src = user_source_line(node)
+    return ConversionError(f"building {op_name(node.target)} failed: {type(e).__name__}: {e}"
+                           + (f"\n  at {src}" if src else ""),
+                           hint="this is a bug in torchtpu-export; rerun with --debug and report it")
 
 
 def _missing_args(args, kwargs) -> list:
@@ -194,7 +257,7 @@ def _set_outputs(ctx: BuildContext, graph: Graph, values: list, cap: CapturedPro
         elif v.is_const or id(v) in seen or any(v is t for t in graph.inputs):
             # a signature output must be a tensor of its own that an op writes
             out = ctx.tensor(v.shape, v.dtype, name=spec.name)
-            ctx.op("RESHAPE", [v, np.asarray(v.shape, np.int32)], outputs=[out])
+            ctx.op("RESHAPE", [v, ctx.shape_operand(v.shape, infer=True)], outputs=[out])
             v = out
         else:
             v.name = spec.name

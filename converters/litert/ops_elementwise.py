@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import sympy
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Kind
 
@@ -17,6 +18,8 @@ def operand(ctx: BuildContext, x, dtype) -> Tensor:
     """A tensor argument cast to ``dtype``, or a number as a constant of ``dtype``."""
     if isinstance(x, Tensor):
         return ctx.cast(x, dtype)
+    if isinstance(x, sympy.Basic):
+        return ctx.const(x, dtype)  # a dynamic size, computed at run time
     return ctx.const(np.asarray(x).astype(dtype))
 
 
@@ -297,7 +300,7 @@ def _one_minus_sq_root(ctx, x):
 @builds(aten.atan.default)
 def atan(ctx, x):
     x = _float_unary(ctx, x)
-    return ctx.op("ATAN2", [x, ctx.const(np.ones(x.shape, x.dtype))])
+    return ctx.op("ATAN2", [x, _expand_to(ctx, ctx.const(np.ones((), x.dtype)), x.shape)])
 
 
 @builds(aten.asin.default)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .dims import broadcast_shapes, is_static
 from .ir import Tensor
 from .registry import BOOL, I32, builds
 
@@ -20,10 +21,12 @@ def _strides(shape) -> list[int]:
 
 def _index_i32(ctx, idx: Tensor, n: int) -> Tensor:
     # An index tensor as int32; constant negative indices wrap like torch's.
-    if idx.is_const:
-        return ctx.const((idx.data.astype(np.int64) % max(n, 1)).astype(np.int32))
+    if idx.is_const and (is_static(n) or not (idx.data < 0).any()):
+        wrapped = idx.data.astype(np.int64) % max(n, 1) if is_static(n) else idx.data
+        return ctx.const(wrapped.astype(np.int32))
     i = ctx.cast(idx, I32)
-    return ctx.op("FLOOR_MOD", [i, ctx.const(np.asarray(max(n, 1), np.int32))], shape=i.shape, dtype=I32)
+    return ctx.op("FLOOR_MOD", [i, ctx.const(max(n, 1) if not is_static(n) else np.asarray(max(n, 1), np.int32))],
+                  shape=i.shape, dtype=I32)
 
 
 def _combine(ctx, parts: list, shape) -> Tensor:
@@ -38,13 +41,13 @@ def _combine(ctx, parts: list, shape) -> Tensor:
         else:
             term = t if stride == 1 else ctx.op("MUL", [t, ctx.const(np.asarray(stride, np.int32))], shape=t.shape,
                                                 dtype=I32)
-            dyn = term if dyn is None else ctx.op("ADD", [dyn, term], shape=np.broadcast_shapes(dyn.shape, term.shape),
+            dyn = term if dyn is None else ctx.op("ADD", [dyn, term], shape=broadcast_shapes(dyn.shape, term.shape),
                                                   dtype=I32)
     if dyn is None:
         return ctx.const(np.broadcast_to(const_part, shape).astype(np.int32))
     if const_part.any() or const_part.shape != ():
         dyn = ctx.op("ADD", [dyn, ctx.const(const_part.astype(np.int32))],
-                     shape=np.broadcast_shapes(dyn.shape, const_part.shape), dtype=I32)
+                     shape=broadcast_shapes(dyn.shape, const_part.shape), dtype=I32)
     return ctx.broadcast_to(dyn, tuple(shape))
 
 
@@ -63,11 +66,12 @@ def index(ctx, x, indices):
         dims = list(range(len(dims)))
     d0, k = dims[0], len(dims)
     idx = [_index_i32(ctx, indices[d], x.shape[d]) for d in dims]
-    bshape = np.broadcast_shapes(*(i.shape for i in idx))
+    bshape = broadcast_shapes(*(i.shape for i in idx))
     merged = x.shape[d0:d0 + k]
     if k == 1:
         flat_idx, xm = idx[0], x
     else:
+        ctx.static(merged, "indexing several dims at once flattens them with constant strides")
         xm = ctx.reshape(x, x.shape[:d0] + (int(np.prod(merged)),) + x.shape[d0 + k:])
         flat_idx = _combine(ctx, list(zip(idx, _strides(merged))), bshape)
     out_shape = x.shape[:d0] + tuple(flat_idx.shape) + x.shape[d0 + k:]
@@ -87,6 +91,8 @@ def _flat_positions(ctx, shape, dim: int, idx: Tensor, n_dim: int) -> Tensor:
     # For an index tensor along ``dim`` (torch.gather/scatter), the flat position in a tensor of shape ``shape``.
     #
     # ``shape`` is the indexed tensor's shape; positions follow ``idx``'s shape.
+    ctx.static(tuple(shape) + tuple(idx.shape), "the flat positions it reads or writes are an index table built at "
+               "conversion time")
     strides = _strides(shape)
     offset = np.zeros(idx.shape, np.int64)
     for d, n in enumerate(idx.shape):
@@ -116,7 +122,7 @@ def _segment(ctx, code: str, values: Tensor, pos: Tensor, n: int) -> Tensor:
 
 def scatter_flat(ctx, x: Tensor, pos: Tensor, values: Tensor, reduce: str | None, include_self: bool = True):
     """``x`` with ``values`` written at flat positions ``pos`` (``reduce``: None=replace, sum, prod, mean, amax, amin)."""
-    n = x.size
+    n = ctx.static(x.size, "TFLite's segment ops that scatter it take the element count as a constant")
     flat = ctx.reshape(x, (n,))
     values = ctx.cast(values, x.dtype)
     hit = _segment(ctx, "UNSORTED_SEGMENT_SUM", ctx.const(np.ones(pos.shape, np.float32)), pos, n)
@@ -223,9 +229,10 @@ def index_put(ctx, x, indices, values, accumulate=False):
             v = ctx.reshape(v, (1,) * (len(want) - v.rank) + v.shape)
         return _single_index_update(ctx, x, d, indices[d], v)
     # general: the flat position of every updated element, from the index tensors and iotas
+    ctx.static(x.shape, "the flat positions it writes are an index table built at conversion time")
     adjacent = dims == list(range(dims[0], dims[-1] + 1))
     idx = [_index_i32(ctx, indices[d], x.shape[d]) for d in dims]
-    bshape = np.broadcast_shapes(*(i.shape for i in idx))
+    bshape = broadcast_shapes(*(i.shape for i in idx))
     rest = [d for d in range(x.rank) if d not in dims]
     if adjacent:
         upd_dims = [("rest", d) for d in rest if d < dims[0]] + [("b", j) for j in range(len(bshape))] + \
@@ -311,7 +318,7 @@ def masked_fill(ctx, x, mask, value):
 @builds(aten.masked_scatter.default)
 def masked_scatter(ctx, x, mask, src):
     # the k-th True position (row-major) takes src.flatten()[k]: k is a running count of the mask
-    shape = ctx.out_shape()
+    shape = ctx.static(ctx.out_shape(), "it counts positions with constant sizes")
     m = ctx.broadcast_to(mask, shape)
     n = int(np.prod(shape))
     mflat = ctx.cast(ctx.reshape(m, (n,)), I32)
@@ -332,6 +339,7 @@ def embedding_bag(ctx, weight, indices, offsets, scale_grad_by_freq=False, mode=
         offsets = ctx.const(np.arange(0, b * k, k, dtype=np.int32))
     n, dim = indices.shape[0], weight.shape[1]
     bags = offsets.shape[0] - (1 if include_last_offset else 0)
+    ctx.static((n, bags), "the bag of each index is found against a constant table of positions")
     starts = offsets if not include_last_offset else _crop(ctx, offsets, (bags,))
     # bag of each index: how many bag starts are at or before it, minus one
     if starts.is_const:

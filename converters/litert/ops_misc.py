@@ -6,8 +6,10 @@ these builders make the ones too large to store (FILL) or data-dependent.
 from __future__ import annotations
 
 import numpy as np
+import sympy
 import torch
 
+from .dims import all_static, is_static, normalize
 from .ir import Tensor
 from .registry import builds, not_supported
 
@@ -15,13 +17,14 @@ aten = torch.ops.aten
 
 
 def fill(ctx, shape, value, dtype) -> Tensor:
-    shape = tuple(int(d) for d in shape)
-    v = value if isinstance(value, Tensor) else ctx.const(np.asarray(value).astype(dtype))
+    shape = tuple(normalize(d) for d in shape)
+    v = value if isinstance(value, Tensor) else ctx.const(value, dtype) if isinstance(value, sympy.Basic) else \
+        ctx.const(np.asarray(value).astype(dtype))
     v = ctx.reshape(ctx.cast(v, dtype), ())
-    if int(np.prod(shape)) <= 16:
+    if all_static(shape) and int(np.prod(shape)) <= 16:
         if v.is_const:
             return ctx.const(np.full(shape, v.data, dtype))
-    return ctx.op("FILL", [np.asarray(shape, np.int32), v], shape=shape, dtype=dtype)
+    return ctx.op("FILL", [ctx.shape_operand(shape), v], shape=shape, dtype=dtype)
 
 
 @builds(aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format,
@@ -49,17 +52,26 @@ def fill_(ctx, x, value):
 
 @builds(aten.scalar_tensor.default)
 def scalar_tensor(ctx, value, **kwargs):
+    if isinstance(value, sympy.Basic):
+        return ctx.cast(ctx.const(value), ctx.out_dtype())  # a dynamic size as a tensor
     return ctx.const(np.asarray(value).astype(ctx.out_dtype()))
 
 
 @builds(aten.arange.start_step, aten.arange.default, aten.arange.start)
 def arange(ctx, *args, **kwargs):
-    nums = [a for a in args if isinstance(a, (int, float))]
+    nums = [a for a in args if isinstance(a, (int, float, sympy.Basic))]
     if len(nums) == 1:
         start, end, step = 0, nums[0], 1
     else:
         start, end, step = (nums + [1])[:3]
-    return ctx.const(np.arange(start, end, step).astype(ctx.out_dtype())[:ctx.out_shape()[0]])
+    (n,) = ctx.out_shape()
+    if is_static(n):
+        return ctx.const(np.arange(start, end, step).astype(ctx.out_dtype())[:n])
+    # a dynamic length: RANGE at run time, over scalars of the result's type
+    dt = ctx.out_dtype()
+    bounds = [ctx.cast(ctx.const(v), dt) if isinstance(v, sympy.Basic) else ctx.const(np.asarray(v, dt))
+              for v in (start, end, step)]
+    return ctx.op("RANGE", bounds, shape=(n,), dtype=dt)
 
 
 @builds(aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default)
@@ -68,16 +80,13 @@ def random(ctx, *args, **kwargs):
     code = "RANDOM_UNIFORM" if ctx.node.target in (aten.rand.default, aten.rand_like.default) else \
         "RANDOM_STANDARD_NORMAL"
     shape = ctx.out_shape()
-    out = ctx.op(code, [np.asarray(shape, np.int32)], shape=shape, dtype=np.float32, seed=0, seed2=0)
+    out = ctx.op(code, [ctx.shape_operand(shape)], shape=shape, dtype=np.float32, seed=0, seed2=0)
     return ctx.cast(out, ctx.out_dtype())
 
 
 not_supported("the output shape depends on the data (TFLite models here have static shapes)",
               aten.nonzero.default, aten._local_scalar_dense.default, aten.masked_select.default,
               aten.unique_consecutive.default, aten._unique2.default)
-not_supported("only appears with dynamic shapes, which the litert target does not support yet",
-              aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int, aten.sym_storage_offset.default,
-              aten.sym_is_contiguous.default)
 not_supported("a backward (training) op: export inference code", aten.convolution_backward.default,
               aten.native_layer_norm_backward.default, aten.native_group_norm_backward.default,
               aten.embedding_dense_backward.default, aten.max_pool2d_with_indices_backward.default,

@@ -9,10 +9,12 @@ PAD + VALID into SAME where the two agree.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import torch
 
+from .dims import all_static, broadcast_shapes, is_static
 from .ir import Tensor
 from .registry import BOOL, I32, BuildContext, Missing, builds
 from . import schema
@@ -109,7 +111,7 @@ def _conv2d(ctx, x, w, b, stride, padding, dilation, groups):
     xl = _pad_channels_last(ctx, ctx.to_channels_last(x), pads)
     ho = (xl.shape[1] - dilation[0] * (w.shape[2] - 1) - 1) // stride[0] + 1
     wo = (xl.shape[2] - dilation[1] * (w.shape[3] - 1) - 1) // stride[1] + 1
-    if out_shape is not None and out_shape != (n, o, ho, wo):
+    if out_shape is not None and all_static(out_shape) and out_shape != (n, o, ho, wo):
         raise ValueError(f"convolution output {out_shape} != computed {(n, o, ho, wo)}")
     filt = _filter(ctx, w, (0, 2, 3, 1))  # OIHW -> OHWI (grouped: I is C / groups)
     y = _channels_last_op(ctx, "CONV_2D", [xl, filt, _bias(ctx, b, o, x.dtype)], (n, o, ho, wo), x.dtype,
@@ -194,13 +196,13 @@ def _conv_transpose2d(ctx, x, w, b, stride, padding, output_padding):
     # TFLite's SAME transposed conv crops total//2 before: torch's padding when the two agree
     same = tuple(h_ * s for h_, s in zip((h, wd), stride))
     if want == same and all(p == (f - s_) // 2 for p, f, s_ in zip(padding, full, same)):
-        y = _channels_last_op(ctx, "TRANSPOSE_CONV", [np.asarray([n, *want, o], np.int32), filt, xl, bias],
+        y = _channels_last_op(ctx, "TRANSPOSE_CONV", [ctx.vector([n, *want, o]), filt, xl, bias],
                               (n, o, *want), x.dtype, padding=schema.SAME, strideH=stride[0], strideW=stride[1])
         return ctx.from_channels_last(y)
     extra = [max(p + w_ - f, 0) for p, w_, f in zip(padding, want, full)]
     # positions past the full output (output_padding > padding) hold just the bias: add it after padding
     conv_bias = ctx.const(np.zeros(o, x.dtype)) if any(extra) else bias
-    y = _channels_last_op(ctx, "TRANSPOSE_CONV", [np.asarray([n, *full, o], np.int32), filt, xl, conv_bias],
+    y = _channels_last_op(ctx, "TRANSPOSE_CONV", [ctx.vector([n, *full, o]), filt, xl, conv_bias],
                           (n, o, *full), x.dtype, padding=schema.VALID, strideH=stride[0], strideW=stride[1])
     if any(extra):
         y = _pad_channels_last(ctx, y, [(0, e) for e in extra])
@@ -210,7 +212,7 @@ def _conv_transpose2d(ctx, x, w, b, stride, padding, output_padding):
     if want != full or any(padding):
         out = ctx.channels_last_tensor((n, o, *want), x.dtype)
         begin = np.asarray([0, padding[0], padding[1], 0], np.int32)
-        size = np.asarray([n, want[0], want[1], o], np.int32)
+        size = ctx.vector([-1 if not is_static(n) else n, want[0], want[1], o])
         ctx.op("SLICE", [y, begin, size], outputs=[out])
         y = out
     return ctx.from_channels_last(y)
@@ -295,10 +297,12 @@ def _max_pool_taps(ctx, x, nd, kernel, stride, padding, dilation, ceil_mode):
     taps, offsets = [], []
     for tap in np.ndindex(*kernel):
         begin = [0] * len(lead) + [t * d for t, d in zip(tap, dilation)]
-        end = list(lead) + [b + (o - 1) * s + 1 for b, o, s in zip(begin[len(lead):], outs, stride)]
+        # the leading (batch, channel) dims are taken whole: end_mask, so they may be dynamic
+        end = [0] * len(lead) + [b + (o - 1) * s + 1 for b, o, s in zip(begin[len(lead):], outs, stride)]
         strides = [1] * len(lead) + list(stride)
         t = ctx.op("STRIDED_SLICE", [xp, np.asarray(begin, np.int32), np.asarray(end, np.int32),
-                                     np.asarray(strides, np.int32)], shape=lead + tuple(outs), dtype=x.dtype)
+                                     np.asarray(strides, np.int32)], shape=lead + tuple(outs), dtype=x.dtype,
+                   endMask=(1 << len(lead)) - 1)
         taps.append(ctx.reshape(t, t.shape + (1,)))
         offsets.append(sum(t_ * d * int(np.prod(spatial[i + 1:])) for i, (t_, d) in enumerate(zip(tap, dilation))))
     stacked = taps[0] if len(taps) == 1 else ctx.op("CONCATENATION", taps, shape=lead + tuple(outs) + (len(taps),),
@@ -401,6 +405,9 @@ def _avg_pool2d(ctx, x, kernel, stride, padding, ceil_mode, count_include_pad, d
     y = _channels_last_op(ctx, "AVERAGE_POOL_2D", [xl], (n, c, *outs), x.dtype, padding=schema.VALID,
                           strideH=stride[0], strideW=stride[1], filterHeight=kernel[0], filterWidth=kernel[1])
     # AVERAGE_POOL_2D divides by the kernel area; torch may divide by something else
+    if divisor_override is None and not any(padding) and not ceil_mode:
+        return ctx.from_channels_last(y)  # every window is whole
+    ctx.static((h, w), "its divisors (the window sizes at the borders) are a table built at conversion time")
     dh, dw = _avg_divisors((h, w), kernel, stride, padding, ceil_mode, count_include_pad, outs)
     div = np.outer(dh, dw) if divisor_override is None else np.full(outs, float(divisor_override))
     factor = (kernel[0] * kernel[1]) / div
@@ -448,6 +455,7 @@ def _adaptive_avg(ctx, x, out_sizes):
         return ctx.op("MEAN", [x, np.arange(2, 2 + nd, dtype=np.int32)], keepDims=True)
     if out_sizes == spatial:
         return x
+    spatial = ctx.static(spatial, "its pooling windows depend on the input size and are fixed at conversion")
     if nd == 2 and all(s % o == 0 for s, o in zip(spatial, out_sizes)):
         k = tuple(s // o for s, o in zip(spatial, out_sizes))
         return _avg_pool2d(ctx, x, k, k, (0, 0), False, True, None)
@@ -490,10 +498,34 @@ def _nearest_index(n_in, n_out, scale):
     return np.minimum(np.floor(np.arange(n_out, dtype=np.float64) * np.float32(s)).astype(np.int64), n_in - 1)
 
 
+def _integer_factors(ctx, output_size, scale_factors) -> tuple:
+    # A dynamic image is resized exactly like torch only by integer factors: other sizes sample at
+    # positions that torch computes from each size (tables built at conversion time).
+    if output_size is not None or scale_factors is None or any(float(f) != int(f) or f < 1 for f in scale_factors):
+        raise ctx.unsupported("resizing an image of dynamic size needs integer scale factors: the sampling "
+                              "positions of other resizes are tables built at conversion time")
+    return tuple(int(f) for f in scale_factors)
+
+
+def _resize_dynamic(ctx, x, code, size, **options):
+    y = _channels_last_op(ctx, code, [ctx.to_channels_last(x), ctx.vector(size)], (*x.shape[:2], *size), x.dtype,
+                          **options)
+    return ctx.from_channels_last(y)
+
+
 @builds(aten.upsample_nearest2d.vec, aten.upsample_nearest2d.default)
 def upsample_nearest2d(ctx, x, output_size, scale_factors=None, *rest):
     if isinstance(scale_factors, (int, float)) and rest:  # .default: (output_size, scales_h, scales_w)
         scale_factors = (scale_factors, rest[0])
+    if not all_static(x.shape[2:]):
+        fh, fw = _integer_factors(ctx, output_size, scale_factors)
+        if fh == fw and 1 < fh <= 4:
+            return _depth_to_space_upscale(ctx, x, fh)
+        # RESIZE_NEAREST_NEIGHBOR reads floor(dst * float32(in / out)): torch's dst // f when that float is not below 1/f
+        if any(Fraction(float(np.float32(1 / f))) < Fraction(1, f) for f in (fh, fw)):
+            raise ctx.unsupported(f"nearest resizing of a dynamic size by {fh}x{fw}: TFLite's float scale would "
+                                  "round some positions differently from torch's")
+        return _resize_dynamic(ctx, x, "RESIZE_NEAREST_NEIGHBOR", (x.shape[2] * fh, x.shape[3] * fw))
     size, scales = _resize_size(x, output_size, scale_factors)
     idx = [_nearest_index(n, o, None if scales is None else s)
            for n, o, s in zip(x.shape[2:], size, scales or (None, None))]
@@ -502,13 +534,7 @@ def upsample_nearest2d(ctx, x, output_size, scale_factors=None, *rest):
     factor = size[0] // x.shape[2] if x.shape[2] else 0
     if factor > 1 and size == (x.shape[2] * factor, x.shape[3] * factor) and factor <= 4 and \
             all(np.array_equal(a, np.arange(o) // factor) for a, o in zip(idx, size)):
-        # an integer upscale: the channels copied factor^2 times, then DEPTH_TO_SPACE (both run on
-        # XNNPACK, RESIZE_NEAREST_NEIGHBOR does not)
-        xl = ctx.to_channels_last(x)
-        copies = _channels_last_op(ctx, "CONCATENATION", [xl] * factor ** 2, (n, c * factor ** 2, *x.shape[2:]),
-                                   x.dtype, axis=3)
-        y = _channels_last_op(ctx, "DEPTH_TO_SPACE", [copies], (n, c, *size), x.dtype, blockSize=factor)
-        return ctx.from_channels_last(y)
+        return _depth_to_space_upscale(ctx, x, factor)
     if all(np.array_equal(a, b) for a, b in zip(idx, tflite)):
         y = _channels_last_op(ctx, "RESIZE_NEAREST_NEIGHBOR", [ctx.to_channels_last(x), np.asarray(size, np.int32)],
                               (n, c, *size), x.dtype)
@@ -519,6 +545,16 @@ def upsample_nearest2d(ctx, x, output_size, scale_factors=None, *rest):
         shape[axis] = len(ix)
         y = ctx.op("GATHER", [y, ix.astype(np.int32)], shape=tuple(shape), dtype=x.dtype, axis=axis)
     return y
+
+
+def _depth_to_space_upscale(ctx, x, factor):
+    # an integer upscale: the channels copied factor^2 times, then DEPTH_TO_SPACE (both run on
+    # XNNPACK, RESIZE_NEAREST_NEIGHBOR does not)
+    n, c, h, w = x.shape
+    xl = ctx.to_channels_last(x)
+    copies = _channels_last_op(ctx, "CONCATENATION", [xl] * factor ** 2, (n, c * factor ** 2, h, w), x.dtype, axis=3)
+    y = _channels_last_op(ctx, "DEPTH_TO_SPACE", [copies], (n, c, h * factor, w * factor), x.dtype, blockSize=factor)
+    return ctx.from_channels_last(y)
 
 
 def _linear_weights(n_in, n_out, align_corners, scale):
@@ -542,6 +578,10 @@ def _linear_weights(n_in, n_out, align_corners, scale):
 def upsample_bilinear2d(ctx, x, output_size, align_corners, scale_factors=None, *rest):
     if isinstance(scale_factors, (int, float)) and rest:
         scale_factors = (scale_factors, rest[0])
+    if not all_static(x.shape[2:]):
+        fh, fw = _integer_factors(ctx, output_size, scale_factors)
+        opts = {"alignCorners": True} if align_corners else {"halfPixelCenters": True}
+        return _resize_dynamic(ctx, x, "RESIZE_BILINEAR", (x.shape[2] * fh, x.shape[3] * fw), **opts)
     size, scales = _resize_size(x, output_size, scale_factors)
     n, c = x.shape[:2]
     consistent = scales is None or all(o == n_ * s for n_, o, s in zip(x.shape[2:], size, scales))
@@ -607,7 +647,7 @@ def matmul(ctx, a, b):
     if a.rank == 1 or b.rank == 1:
         a2 = ctx.reshape(a, (1,) + a.shape) if a.rank == 1 else a
         b2 = ctx.reshape(b, b.shape + (1,)) if b.rank == 1 else b
-        shape = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]) + (a2.shape[-2], b2.shape[-1])
+        shape = broadcast_shapes(a2.shape[:-2], b2.shape[:-2]) + (a2.shape[-2], b2.shape[-1])
         return ctx.reshape(batch_matmul(ctx, a2, b2, shape), ctx.out_shape())
     return batch_matmul(ctx, a, b, ctx.out_shape())
 
@@ -833,22 +873,45 @@ def scaled_dot_product_attention(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is
         rep = q.shape[-3] // k.shape[-3]
         k, v = _repeat_heads(ctx, k, rep), _repeat_heads(ctx, v, rep)
     qs = ctx.op("MUL", [q, ctx.const(np.asarray(scale, q.dtype))], shape=q.shape, dtype=q.dtype)
-    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2])
     scores = ctx.op("BATCH_MATMUL", [qs, k], shape=batch + (lq, sk), dtype=q.dtype, adjY=True)
     lowest = np.finfo(q.dtype).min
     if is_causal:
-        keep = np.tril(np.ones((lq, sk), bool))
-        scores = ctx.op("ADD", [scores, ctx.const(np.where(keep, 0.0, lowest).astype(q.dtype))],
-                        shape=scores.shape, dtype=q.dtype)
+        scores = ctx.op("ADD", [scores, _causal_bias(ctx, lq, sk, q.dtype)], shape=scores.shape, dtype=q.dtype)
     if attn_mask is not None:
-        shape = np.broadcast_shapes(scores.shape, attn_mask.shape)
+        shape = broadcast_shapes(scores.shape, attn_mask.shape)
         if attn_mask.dtype == BOOL:
             scores = ctx.op("SELECT_V2", [attn_mask, scores, ctx.const(np.asarray(lowest, q.dtype))],
                             shape=shape, dtype=q.dtype)
         else:
             scores = ctx.op("ADD", [scores, ctx.cast(attn_mask, q.dtype)], shape=shape, dtype=q.dtype)
     p = ctx.op("SOFTMAX", [scores], shape=scores.shape, dtype=q.dtype, beta=1.0)
+    if attn_mask is not None and attn_mask.dtype == BOOL:
+        # torch attends to nothing (zeros) from a query whose mask row is all False; SOFTMAX would
+        # spread it evenly over every key instead
+        some = ctx.op("REDUCE_ANY", [attn_mask, np.asarray([-1], np.int32)], shape=attn_mask.shape[:-1] + (1,),
+                      dtype=BOOL, keepDims=True)
+        p = ctx.op("SELECT_V2", [some, p, ctx.const(np.zeros((), q.dtype))], shape=p.shape, dtype=q.dtype)
     return ctx.op("BATCH_MATMUL", [p, v], dtype=q.dtype)
+
+
+def _causal_bias(ctx, lq, sk, dtype) -> Tensor:
+    # 0 where key j <= query i, the lowest float elsewhere (torch's top-left causal mask)
+    lowest = np.finfo(dtype).min
+    if is_static(lq) and is_static(sk):
+        keep = np.tril(np.ones((lq, sk), bool))
+        return ctx.const(np.where(keep, 0.0, lowest).astype(dtype))
+    # a dynamic length: the mask from two iotas, at run time (once per graph)
+    if ("causal", lq, sk, dtype) in ctx.cache:
+        return ctx.cache["causal", lq, sk, dtype]
+    zero, one = ctx.const(np.asarray(0, np.int32)), ctx.const(np.asarray(1, np.int32))
+    rows = ctx.op("RANGE", [zero, ctx.reshape(ctx.dim(lq), ()), one], shape=(lq,), dtype=I32)
+    cols = ctx.op("RANGE", [zero, ctx.reshape(ctx.dim(sk), ()), one], shape=(sk,), dtype=I32)
+    keep = ctx.op("LESS_EQUAL", [cols, ctx.reshape(rows, (lq, 1))], shape=(lq, sk), dtype=BOOL)
+    bias = ctx.op("SELECT_V2", [keep, ctx.const(np.zeros((), dtype)), ctx.const(np.asarray(lowest, dtype))],
+                  shape=(lq, sk), dtype=dtype)
+    ctx.cache["causal", lq, sk, dtype] = bias
+    return bias
 
 
 def _repeat_heads(ctx, t: Tensor, rep: int) -> Tensor:

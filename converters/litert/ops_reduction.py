@@ -1,9 +1,12 @@
 """Reductions: sum, mean, max/min, prod, any/all, arg-max/min, variance, cumulative sums, sort/top-k."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
+from .dims import broadcast_shapes, is_static
 from .ir import Tensor
 from .registry import BOOL, I32, builds
 
@@ -140,10 +143,14 @@ builds(aten.min.dim)(_value_index("REDUCE_MIN", "ARG_MIN"))
 
 def variance(ctx, x, dims, correction, keepdim) -> Tensor:
     axes = _axes(dims, x.rank)
-    n = int(np.prod([x.shape[a] for a in axes])) if axes else 1
+    n = math.prod(x.shape[a] for a in axes)
     m = reduce(ctx, "MEAN", x, axes, True)
     d = ctx.op("SUB", [x, m], shape=x.shape, dtype=x.dtype)
     ss = reduce(ctx, "SUM", ctx.op("MUL", [d, d], shape=x.shape, dtype=x.dtype), axes, keepdim)
+    if not is_static(n):
+        # a dynamic count: divide by it at run time (torch gives inf for a count of at most the correction)
+        denom = ctx.cast(ctx.const(n - correction), x.dtype)
+        return ctx.op("DIV", [ss, denom], shape=ss.shape, dtype=x.dtype)
     denom = max(n - correction, 0)
     scale = np.asarray(1.0 / denom if denom else np.inf, x.dtype)
     return ctx.op("MUL", [ss, ctx.const(scale)], shape=ss.shape, dtype=x.dtype)
@@ -211,7 +218,7 @@ def _top_k(ctx, x, k, dim, largest):
         src = ctx.cast(src, I32)
     shape = xt.shape[:-1] + (k,)
     values, indices = ctx.tensor(shape, src.dtype), ctx.tensor(shape, I32)
-    ctx.op("TOPK_V2", [src, np.asarray(k, np.int32)], outputs=[values, indices])
+    ctx.op("TOPK_V2", [src, ctx.const(k) if not is_static(k) else np.asarray(k, np.int32)], outputs=[values, indices])
     if not largest:
         values = ctx.op("NEG", [values], shape=shape, dtype=values.dtype)
     values = ctx.cast(values, x.dtype)
@@ -266,7 +273,7 @@ def vector_norm(ctx, x, ord=2, dim=None, keepdim=False, *, dtype=None):
 
 def _pair_distances(ctx, a, b, p):
     # (..., P, M) and (..., R, M) -> (..., P, R): the differences of every pair, reduced over M
-    lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    lead = broadcast_shapes(a.shape[:-2], b.shape[:-2])
     pa, ra, m = a.shape[-2], b.shape[-2], a.shape[-1]
     a4 = ctx.reshape(a, a.shape[:-2] + (pa, 1, m))
     b4 = ctx.reshape(b, b.shape[:-2] + (1, ra, m))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .dims import all_static, is_static, normalize
 from .ir import Tensor
 from .registry import builds
 
@@ -112,16 +113,28 @@ def stack(ctx, tensors, dim=0):
     return cat(ctx, parts, dim)
 
 
+def _wrap(ctx, i, n):
+    # a possibly negative index into a dim of size n, as torch reads it
+    return i + n if ctx.negative(i) else i
+
+
 @builds(aten.slice.Tensor, aten.slice_copy.Tensor)
 def slice_(ctx, x, dim=0, start=None, end=None, step=1):
     dim = dim % x.rank
     n = x.shape[dim]
-    start, end, _ = slice(start, end, step).indices(n) if step > 0 else (0, 0, 0)
-    end = max(end, start)
-    return _strided_slice(ctx, x, {dim: (start, end, step)})
+    if all(v is None or is_static(v) for v in (n, start, end)):
+        start, end, _ = slice(start, end, step).indices(n) if step > 0 else (0, 0, 0)
+        end = max(end, start)
+        return _strided_slice(ctx, x, {dim: (start, end, step)})
+    # a dynamic size or bound: torch's result size (clamping included) says how far the slice reaches
+    begin = 0 if start is None else _wrap(ctx, start, n)
+    size = ctx.out_shape()[dim]
+    return _strided_slice(ctx, x, {dim: (begin, begin + (size - 1) * step + 1, step)})
 
 
 def _strided_slice(ctx, x: Tensor, ranges: dict) -> Tensor:
+    if not all_static(x.shape) or not all(is_static(v) for r in ranges.values() for v in r):
+        return _dynamic_slice(ctx, x, ranges)
     begin = [0] * x.rank
     end = list(x.shape)
     strides = [1] * x.rank
@@ -139,10 +152,30 @@ def _strided_slice(ctx, x: Tensor, ranges: dict) -> Tensor:
                                     np.asarray(strides, np.int32)], shape=shape, dtype=x.dtype)
 
 
+def _dynamic_slice(ctx, x: Tensor, ranges: dict) -> Tensor:
+    # Only the sliced dims get bounds (computed at run time where dynamic); the others are taken
+    # whole: size -1 in SLICE, end_mask in STRIDED_SLICE. Bounds are in range (torch checked them).
+    begin, end, size, strides = [0] * x.rank, [0] * x.rank, [-1] * x.rank, [1] * x.rank
+    shape, end_mask = list(x.shape), 0
+    for d in range(x.rank):
+        if d not in ranges:
+            end_mask |= 1 << d
+            continue
+        b, e, s = ranges[d]
+        begin[d], end[d], strides[d] = b, e, s
+        shape[d] = size[d] = e - b if s == 1 else (e - b + s - 1) // s
+    if tuple(shape) == x.shape:
+        return x
+    if all(s == 1 for s in strides):
+        return ctx.op("SLICE", [x, ctx.vector(begin), ctx.vector(size)], shape=tuple(shape), dtype=x.dtype)
+    return ctx.op("STRIDED_SLICE", [x, ctx.vector(begin), ctx.vector(end), ctx.vector(strides)], shape=tuple(shape),
+                  dtype=x.dtype, endMask=end_mask)
+
+
 @builds(aten.select.int, aten.select_copy.int)
 def select(ctx, x, dim, index):
     dim = dim % x.rank
-    index = index % x.shape[dim]
+    index = index % x.shape[dim] if is_static(x.shape[dim]) else _wrap(ctx, index, x.shape[dim])
     y = _strided_slice(ctx, x, {dim: (index, index + 1, 1)})
     return ctx.reshape(y, x.shape[:dim] + x.shape[dim + 1:])
 
@@ -150,7 +183,7 @@ def select(ctx, x, dim, index):
 @builds(aten.narrow.default)
 def narrow(ctx, x, dim, start, length):
     dim = dim % x.rank
-    start = start % x.shape[dim] if start < 0 else start
+    start = _wrap(ctx, start, x.shape[dim])
     return _strided_slice(ctx, x, {dim: (start, start + length, 1)})
 
 
@@ -158,8 +191,10 @@ def narrow(ctx, x, dim, start, length):
 def split(ctx, x, sizes, dim=0):
     dim = dim % x.rank
     n = x.shape[dim]
-    if isinstance(sizes, int):
+    if isinstance(sizes, int) and is_static(n):
         sizes = [min(sizes, n - i) for i in range(0, n, sizes)] or [0]
+    elif isinstance(sizes, int):
+        sizes = [ctx.out_shape(i)[dim] for i in range(len(ctx.out))]  # torch's split of a dynamic dim
     outs, pos = [], 0
     for s in sizes:
         outs.append(_strided_slice(ctx, x, {dim: (pos, pos + s, 1)}))
@@ -177,6 +212,8 @@ def unbind(ctx, x, dim=0):
 def chunk(ctx, x, chunks, dim=0):
     dim = dim % x.rank
     n = x.shape[dim]
+    if not is_static(n):
+        return split(ctx, x, [ctx.out_shape(i)[dim] for i in range(len(ctx.out))], dim)
     size = -(-n // chunks)
     return split(ctx, x, size, dim)
 
@@ -208,12 +245,29 @@ def roll(ctx, x, shifts, dims=()):
     for s, d in zip(shifts, dims):
         d = d % x.rank
         n = x.shape[d]
+        if not is_static(n):
+            x = _roll_dynamic(ctx, x, s, d)
+            continue
         s = s % n
         if s:
             idx = (np.arange(n) - s) % n
             shape = x.shape
             x = ctx.op("GATHER", [x, idx.astype(np.int32)], shape=shape, dtype=x.dtype, axis=d)
     return x
+
+
+def _roll_dynamic(ctx, x, shift, d):
+    # a roll along a dynamic dim: its last k items, then the rest (k = shift mod n)
+    n = x.shape[d]
+    lo, _ = ctx.bounds(n)
+    if lo is None or abs(shift) >= lo:
+        raise ctx.unsupported(f"a roll by {shift} along a dynamic dim ({n}) of sizes down to {lo}: the wrap-around "
+                              "point depends on the size")
+    k = shift if shift >= 0 else n + shift
+    if is_static(k) and k == 0:
+        return x
+    return ctx.op("CONCATENATION", [_strided_slice(ctx, x, {d: (n - k, n, 1)}), _strided_slice(ctx, x, {d: (0, n - k, 1)})],
+                  shape=x.shape, dtype=x.dtype, axis=d)
 
 
 @builds(aten.repeat.default)
@@ -243,26 +297,29 @@ def _torch_pads(pad, rank):
     # torch's pad list (last dim first, before/after) as ((before, after), ...) for every dim.
     pads = [(0, 0)] * rank
     for i in range(len(pad) // 2):
-        pads[rank - 1 - i] = (int(pad[2 * i]), int(pad[2 * i + 1]))
+        pads[rank - 1 - i] = (normalize(pad[2 * i]), normalize(pad[2 * i + 1]))
     return pads
 
 
 def _crop_negative(ctx, x, pads):
     ranges = {}
-    for d, (b, a) in enumerate(pads):
-        if b < 0 or a < 0:
-            ranges[d] = (max(-b, 0), x.shape[d] - max(-a, 0), 1)
+    negative = [(ctx.negative(b), ctx.negative(a)) for b, a in pads]
+    for d, ((b, a), (nb, na)) in enumerate(zip(pads, negative)):
+        if nb or na:
+            ranges[d] = (-b if nb else 0, x.shape[d] + a if na else x.shape[d], 1)
     if ranges:
         x = _strided_slice(ctx, x, ranges)
-    return x, [(max(b, 0), max(a, 0)) for b, a in pads]
+    return x, [(0 if nb else b, 0 if na else a) for (b, a), (nb, na) in zip(pads, negative)]
 
 
 @builds(aten.constant_pad_nd.default)
 def constant_pad_nd(ctx, x, pad, value=0):
     x, pads = _crop_negative(ctx, x, _torch_pads(pad, x.rank))
-    if not any(b or a for b, a in pads):
+    if all(is_static(v) and v == 0 for p in pads for v in p):
         return x
-    spec = np.asarray(pads, np.int32)
+    # a dynamic padding (e.g. up to a fixed cache length) is computed at run time
+    spec = np.asarray(pads, np.int32) if all(is_static(v) for p in pads for v in p) else \
+        ctx.reshape(ctx.vector([v for p in pads for v in p]), (x.rank, 2))
     if value == 0:
         return ctx.op("PAD", [x, spec])
     return ctx.op("PADV2", [x, spec, ctx.const(np.asarray(value).astype(x.dtype))])
@@ -294,7 +351,8 @@ def reflection_pad(ctx, x, padding):
 def _gather_pad(ctx, x, pad, index_fn):
     for d, (b, a) in enumerate(_torch_pads(pad, x.rank)):
         if b or a:
-            n = x.shape[d]
+            n, b, a = ctx.static((x.shape[d], b, a), "the padded positions are an index table built at conversion "
+                                                   "time")
             idx = index_fn(np.arange(-b, n + a), n)
             shape = x.shape[:d] + (len(idx),) + x.shape[d + 1:]
             x = ctx.op("GATHER", [x, idx.astype(np.int32)], shape=shape, dtype=x.dtype, axis=d)
@@ -302,11 +360,39 @@ def _gather_pad(ctx, x, pad, index_fn):
 
 
 def _replicate(ctx, x, pad):
+    if not all_static(x.shape):
+        # the edge items repeated: broadcasts of one-item slices on each side
+        def edges(x, d, b, a, n):
+            first = _strided_slice(ctx, x, {d: (0, 1, 1)})
+            last = _strided_slice(ctx, x, {d: (n - 1, n, 1)})
+            return [ctx.broadcast_to(first, x.shape[:d] + (b,) + x.shape[d + 1:])] if b else [], \
+                [ctx.broadcast_to(last, x.shape[:d] + (a,) + x.shape[d + 1:])] if a else []
+        return _pad_by_concatenation(ctx, x, pad, edges)
     return _gather_pad(ctx, x, pad, lambda i, n: np.clip(i, 0, n - 1))
 
 
 def _circular(ctx, x, pad):
+    if not all_static(x.shape):
+        # the other end's items: slices of the tensor itself
+        def ends(x, d, b, a, n):
+            if max(b, a) > (ctx.bounds(n)[0] or 0):
+                raise ctx.unsupported("circular padding wider than the smallest size of a dynamic dim")
+            return [_strided_slice(ctx, x, {d: (n - b, n, 1)})] if b else [], \
+                [_strided_slice(ctx, x, {d: (0, a, 1)})] if a else []
+        return _pad_by_concatenation(ctx, x, pad, ends)
     return _gather_pad(ctx, x, pad, lambda i, n: i % n)
+
+
+def _pad_by_concatenation(ctx, x, pad, sides):
+    for d, (b, a) in enumerate(_torch_pads(pad, x.rank)):
+        b, a = ctx.static((b, a), "the padding amounts of a dynamic tensor must be constants")
+        if b < 0 or a < 0:
+            raise ctx.unsupported("negative replicate or circular padding")
+        if b or a:
+            before, after = sides(x, d, b, a, x.shape[d])
+            shape = x.shape[:d] + (x.shape[d] + b + a,) + x.shape[d + 1:]
+            x = ctx.op("CONCATENATION", before + [x] + after, shape=shape, dtype=x.dtype, axis=d)
+    return x
 
 
 @builds(aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default)
@@ -317,6 +403,7 @@ def replication_pad(ctx, x, padding):
 @builds(aten.diagonal.default, aten.diagonal_copy.default)
 def diagonal(ctx, x, offset=0, dim1=0, dim2=1):
     d1, d2 = _dims([dim1, dim2], x.rank)
+    ctx.static((x.shape[d1], x.shape[d2]), "the diagonal's positions are an index table built at conversion time")
     rest = [d for d in range(x.rank) if d not in (d1, d2)]
     xt = ctx.transpose(x, rest + [d1, d2])
     n1, n2 = x.shape[d1], x.shape[d2]
@@ -330,7 +417,8 @@ def diagonal(ctx, x, offset=0, dim1=0, dim2=1):
 @builds(aten.as_strided.default, aten.as_strided_copy.default)
 def as_strided(ctx, x, size, stride, storage_offset=None):
     # a static view: the flat positions it reads are known now
-    size, stride = [int(s) for s in size], [int(s) for s in stride]
+    size = ctx.static(list(size) + list(x.shape), "the positions it reads are a table built at conversion time")
+    size, stride = size[:len(stride)], [int(s) for s in stride]
     pos = np.full(size, int(storage_offset or 0), np.int64)
     for d, (n, s) in enumerate(zip(size, stride)):
         shape = [1] * len(size)

@@ -13,8 +13,9 @@ import operator
 import numpy as np
 import torch
 
-from .ir import Graph, Op, Tensor
-from .layout import REDUCERS, assign_nhwc_layout
+from .dims import all_static
+from .ir import Graph, Op, Tensor, shape_input
+from .layout import ELEMENTWISE, REDUCERS, assign_nhwc_layout
 from .lower import AtenProgram, live_nodes, lower
 from .quantize import calibrate_activations, fold_quantize_dequantize, quantize_activations, quantize_weights
 
@@ -178,21 +179,29 @@ def compose_transposes(g: Graph) -> Graph:
 def simplify_moves(g: Graph) -> Graph:
     """TRANSPOSEs that only move size-1 dims become RESHAPEs; chains of RESHAPEs become one."""
     producer: dict[int, Op] = {}
+    ops = []
     for op in g.ops:
         if op.code == "TRANSPOSE" and op.inputs[1].is_const:
             perm, x = _perm(op), op.inputs[0]
             kept = [p for p in perm if x.shape[p] != 1]
-            if kept == sorted(kept):
+            shape = shape_input(op.outputs[0].shape, x) if kept == sorted(kept) else None
+            if shape is not None:
+                ops += shape[1]
                 op.code = "RESHAPE"
-                op.inputs = [x, _shape_tensor(op.outputs[0].shape)]
+                op.inputs = [x, shape[0]]
         if op.code == "RESHAPE":
+            # a dynamic target keeps its run-time operand, which computes this very output shape
+            shape = shape_input(op.outputs[0].shape)
+            target = shape[0] if shape is not None else op.inputs[1]
             src = producer.get(id(op.inputs[0]))
             if src is not None and src.code == "RESHAPE":
-                op.inputs = [src.inputs[0], _shape_tensor(op.outputs[0].shape)]
+                op.inputs = [src.inputs[0], target]
             else:
-                op.inputs = [op.inputs[0], _shape_tensor(op.outputs[0].shape)]
+                op.inputs = [op.inputs[0], target]
         for t in op.outputs:
             producer[id(t)] = op
+        ops.append(op)
+    g.ops = ops
     return eliminate_dead_code(g)
 
 
@@ -219,10 +228,6 @@ def drop_kept_dims(g: Graph) -> Graph:
         kept.append(op)
     g.ops = kept
     return g
-
-
-def _shape_tensor(shape) -> Tensor:
-    return Tensor("shape", (len(shape),), np.int32, np.asarray(shape, np.int32))
 
 
 def _same_pads(n: int, k: int, s: int, d: int) -> tuple[int, int, int]:
@@ -255,7 +260,7 @@ def use_same_padding(g: Graph) -> Graph:
             continue
         spec = pad.inputs[1].data if pad.inputs[1].is_const else None
         x = pad.inputs[0]
-        if spec is None or x.rank != 4 or spec[0].any() or spec[3].any():
+        if spec is None or x.rank != 4 or spec[0].any() or spec[3].any() or not all_static(x.shape[1:3]):
             continue
         if op.code == "MAX_POOL_2D":
             kernel = (op.options["filterHeight"], op.options["filterWidth"])
@@ -447,10 +452,51 @@ def name_outputs(g: Graph) -> Graph:
     for t, name in zip(g.outputs, g.output_names):
         if t.is_const or id(t) in inputs or id(t) in seen:
             copy = Tensor(name, t.shape, t.dtype)
-            g.ops.append(Op("RESHAPE", [t, _shape_tensor(t.shape)], [copy]))
+            shape, shape_ops = shape_input(t.shape, t)
+            g.ops += shape_ops
+            g.ops.append(Op("RESHAPE", [t, shape], [copy]))
             t = copy
         t.name = name
         seen.add(id(t))
+        outs.append(t)
+    g.outputs = outs
+    return g
+
+
+# Ops whose output shape LiteRT derives from their inputs' shapes alone (the rest read shapes from
+# tensors: from constants they do so when preparing the model; from run-time values only when
+# invoked, which leaves the output "dynamic").
+_SHAPE_FROM_SHAPES = ELEMENTWISE | {
+    "FULLY_CONNECTED", "BATCH_MATMUL", "CONV_2D", "DEPTHWISE_CONV_2D", "CONV_3D", "CONCATENATION", "SOFTMAX",
+    "LOG_SOFTMAX", "GATHER", "EMBEDDING_LOOKUP", "MAX_POOL_2D", "AVERAGE_POOL_2D", "CUMSUM", "SELECT", "PACK",
+    "UNPACK", "SPLIT", "DEPTH_TO_SPACE", "SPACE_TO_DEPTH", "L2_NORMALIZATION"}
+_SHAPE_FROM_CONSTANTS = REDUCERS | {
+    "RESHAPE", "TRANSPOSE", "SLICE", "STRIDED_SLICE", "PAD", "PADV2", "MIRROR_PAD", "BROADCAST_TO", "TILE",
+    "REVERSE_V2", "ARG_MAX", "ARG_MIN", "SPLIT_V", "RESIZE_BILINEAR", "RESIZE_NEAREST_NEIGHBOR", "TRANSPOSE_CONV"}
+
+
+def copy_dynamic_outputs(g: Graph) -> Graph:
+    """With dynamic inputs, an output whose shape LiteRT only learns while running gets a CAST to its own type.
+
+    LiteRT's CompiledModel cannot bind an output buffer to such a "dynamic" tensor (it fails, or
+    leaves the buffer unwritten: checked with ai-edge-litert 2.3.0); the copy's shape is planned
+    from its input like any other op's.
+    """
+    if not any(t.dynamic for t in g.inputs):
+        return g
+    producer = g.producers()
+    outs = []
+    for t, name in zip(g.outputs, g.output_names):
+        op = producer.get(id(t))
+        params = op.inputs[:1] if op is not None and op.code == "TRANSPOSE_CONV" else op.inputs[1:] if op else []
+        settled = op is None or op.code in _SHAPE_FROM_SHAPES or (
+            op.code in _SHAPE_FROM_CONSTANTS and all(x is None or x.is_const for x in params))
+        if not settled:
+            inner = Tensor(f"{name}/dynamic", t.shape, t.dtype)
+            for other in g.ops:
+                other.inputs = [inner if x is t else x for x in other.inputs]
+            op.outputs = [inner if o is t else o for o in op.outputs]
+            g.ops.append(Op("CAST", [inner], [t]))
         outs.append(t)
     g.outputs = outs
     return g
@@ -479,6 +525,7 @@ PIPELINE = [
     quantize_weights,
     eliminate_dead_code,
     name_outputs,
+    copy_dynamic_outputs,
 ]
 # Passes that skip_passes may not leave out: the graph would not be the model, or not the one asked for.
 REQUIRED = {lower, fold_quantize_dequantize, calibrate_activations, quantize_activations, quantize_weights}

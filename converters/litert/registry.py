@@ -17,11 +17,13 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import numpy as np
+import sympy
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from torchtpu_export.errors import UnsupportedOpError
 
+from .dims import all_static, canon, is_static, normalize, source_of
 from .ir import Graph, Op, Tensor
 
 BUILDERS: dict[object, Callable] = {}
@@ -127,6 +129,11 @@ class BuildContext:
         self.graph = graph
         self.node: torch.fx.Node | None = None
         self._count = 0
+        self._dims: dict = {}  # dynamic dim -> its run-time value
+        self._shapes: dict = {}  # id(input) -> its SHAPE
+        # values computed at run time from the dynamic sizes alone (shape vectors, masks), made once
+        # per graph: ops run in the order they are emitted, so an earlier result serves later nodes
+        self.cache: dict = {}
 
     # ---- what torch says about the node ------------------------------------------------
 
@@ -141,7 +148,7 @@ class BuildContext:
 
     def out_shape(self, index: int | None = None) -> tuple:
         val = self.out if index is None else self.out[index]
-        return static_shape(val.shape, self.node)
+        return ir_shape(val.shape)
 
     def arg_dtype(self, i: int) -> np.dtype | None:
         v = _meta(self.node.args[i]) if i < len(self.node.args) else None
@@ -159,6 +166,14 @@ class BuildContext:
         return UnsupportedOpError(op_name(self.node.target), target="litert", reason=reason,
                                   source=user_source_line(self.node))
 
+    def static(self, values, why: str):
+        """``values`` (a dim or a sequence of dims) as ints; UnsupportedOpError saying ``why`` if one is dynamic."""
+        seq = values if isinstance(values, (tuple, list)) else (values,)
+        dynamic = list(dict.fromkeys(d for d in seq if not is_static(d)))
+        if dynamic:
+            raise self.unsupported(f"it cannot have a dynamic size in LiteRT ({', '.join(map(str, dynamic))}): {why}")
+        return tuple(int(d) for d in seq) if isinstance(values, (tuple, list)) else int(values)
+
     # ---- making tensors and ops ------------------------------------------------------
 
     def _name(self, suffix: str = "") -> str:
@@ -170,7 +185,15 @@ class BuildContext:
         return Tensor(name or self._name(), shape, dtype, channels_last=channels_last)
 
     def const(self, value, dtype=None, *, name: str | None = None) -> Tensor:
-        """A constant tensor holding ``value`` (a number, list or array)."""
+        """A constant tensor holding ``value`` (a number, list or array).
+
+        A dynamic dim (a sympy expression) as ``value`` gives its value at run time instead.
+        """
+        if isinstance(value, sympy.Basic):
+            value = normalize(value)
+        if isinstance(value, sympy.Basic):
+            v = self.reshape(self.dim(value), ())
+            return self.cast(v, dtype if dtype is not None else np.int32)
         a = np.asarray(value, dtype=dtype)
         a = a.astype(_NARROW.get(a.dtype, a.dtype), copy=False)
         return Tensor(name or self._name("const"), a.shape, a.dtype, np.require(a, requirements="C"))
@@ -210,12 +233,149 @@ class BuildContext:
         return self.op("CAST", [x], shape=x.shape, dtype=dtype)
 
     def reshape(self, x: Tensor, shape) -> Tensor:
-        shape = tuple(int(d) for d in shape)
+        shape = tuple(normalize(d) for d in shape)
         if x.shape == shape:
             return x
-        if x.is_const:
+        if x.is_const and all_static(shape):
             return self.const(x.data.reshape(shape))
-        return self.op("RESHAPE", [x, np.asarray(shape, np.int32)], shape=shape, dtype=x.dtype)
+        return self.op("RESHAPE", [x, self.shape_operand(shape, infer=True)], shape=shape, dtype=x.dtype)
+
+    # ---- dynamic dims --------------------------------------------------------------------
+
+    def dim(self, d) -> Tensor:
+        """The value of dim ``d`` at run time: an int32 tensor of shape (1,), computed from the inputs' SHAPE."""
+        d = normalize(d)
+        if is_static(d):
+            return self.const(np.asarray([d], np.int32))
+        if d not in self._dims:
+            self._dims[d] = self._emit_dim(d)
+        return self._dims[d]
+
+    def shape_operand(self, shape, *, infer: bool = False):
+        """``shape`` as the int32 vector an op reads (RESHAPE, BROADCAST_TO, FILL, SLICE sizes).
+
+        Constant when every dim is static, or when ``infer`` and one dim is dynamic (RESHAPE's -1);
+        otherwise computed at run time from the dynamic dims' values.
+        """
+        shape = [normalize(d) for d in shape]
+        dynamic = [i for i, d in enumerate(shape) if not is_static(d)]
+        if infer and dynamic and 0 not in shape:
+            shape[dynamic[0]] = -1  # RESHAPE infers it from the element count
+        return self.vector(shape)
+
+    def vector(self, values):
+        """An int32 vector of ``values`` (ints and dynamic dims): a numpy constant when all are ints,
+        else a tensor computed at run time."""
+        values = tuple(normalize(v) for v in values)
+        if all(is_static(v) for v in values):
+            return np.asarray(values, np.int32)
+        if values in self.cache:
+            return self.cache[values]
+        pieces, run = [], []
+        for v in values:
+            if is_static(v):
+                run.append(v)
+                continue
+            if run:
+                pieces.append(self.const(np.asarray(run, np.int32)))
+                run = []
+            pieces.append(self.dim(v))
+        if run:
+            pieces.append(self.const(np.asarray(run, np.int32)))
+        out = pieces[0] if len(pieces) == 1 else \
+            self.op("CONCATENATION", pieces, shape=(len(values),), dtype=I32, axis=0)
+        self.cache[values] = out
+        return out
+
+    def bounds(self, d) -> tuple:
+        """(min, max) of a dim over the exported ranges of its symbols; max is None when unbounded."""
+        if is_static(d):
+            return int(d), int(d)
+        from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
+        ranges = {s: ValueRanges(lo, hi if hi is not None else sympy.oo)
+                  for s, (lo, hi) in self.graph.ranges.items() if s in d.free_symbols}
+        r = bound_sympy(d, ranges)
+        lo = int(r.lower) if r.lower.is_finite else None
+        hi = int(r.upper) if r.upper.is_finite else None
+        return lo, hi
+
+    def negative(self, d) -> bool:
+        """Whether a dim or index is negative; TypeError when that depends on the sizes in the exported ranges."""
+        lo, hi = self.bounds(d)
+        if lo is not None and lo >= 0:
+            return False
+        if hi is not None and hi < 0:
+            return True
+        raise TypeError(f"the sign of {d} depends on the dynamic sizes")
+
+    def _source(self, sym) -> Tensor:
+        # ``sym`` from a graph input's dim that is ``sym`` itself, or else ``a*sym + b``, as a (1,) int32 tensor
+        found = source_of(sym, self.graph.inputs)
+        if found is None:
+            raise self.unsupported(f"the dynamic dim {sym} is not a dim of any input, so LiteRT cannot know its size")
+        t, axis, a, b = found
+        if id(t) not in self._shapes:
+            self._shapes[id(t)] = self.op("SHAPE", [t], shape=(t.rank,), dtype=I32, outType=2)
+        # GATHER, not SLICE: LiteRT computes a GATHER of a SHAPE when it prepares the model (so do
+        # CONCATENATION and RESHAPE after it), and the shapes it feeds stay static
+        n = self.op("GATHER", [self._shapes[id(t)], np.asarray([axis], np.int32)], shape=(1,), dtype=I32, axis=0)
+        if b:
+            n = self.op("SUB", [n, np.asarray([b], np.int32)], shape=(1,), dtype=I32)
+        if a != 1:
+            n = self.op("FLOOR_DIV", [n, np.asarray([a], np.int32)], shape=(1,), dtype=I32)
+        return n
+
+    def _emit_dim(self, e) -> Tensor:
+        # Integer arithmetic over the symbols, as int32 ops on (1,) tensors.
+        emit = self.dim
+
+        def bad():
+            return self.unsupported(f"the dynamic dim {e} is not an integer expression TFLite ops can compute")
+
+        def binary(code, a, b):
+            return self.op(code, [a, b], shape=(1,), dtype=I32)
+
+        if e.is_Symbol:
+            return self._source(e)
+        if isinstance(e, sympy.Add):
+            terms = [emit(a) for a in e.args]
+            out = terms[0]
+            for t in terms[1:]:
+                out = binary("ADD", out, t)
+            return out
+        if isinstance(e, sympy.Mul):
+            coeff, rest = e.as_coeff_Mul()
+            if not coeff.is_Integer:
+                raise bad()
+            out = emit(rest) if not isinstance(rest, sympy.Mul) else None
+            if out is None:
+                factors = [emit(a) for a in rest.args]
+                out = factors[0]
+                for f in factors[1:]:
+                    out = binary("MUL", out, f)
+            return out if coeff == 1 else binary("MUL", out, self.const(np.asarray([int(coeff)], np.int32)))
+        if isinstance(e, sympy.Pow) and e.exp.is_Integer and e.exp > 0:
+            base = emit(e.base)
+            out = base
+            for _ in range(int(e.exp) - 1):
+                out = binary("MUL", out, base)
+            return out
+        if isinstance(e, (sympy.floor, sympy.ceiling)):
+            num, den = sympy.fraction(sympy.together(e.args[0]))
+            if not den.is_Integer or den <= 0:
+                raise bad()
+            if isinstance(e, sympy.ceiling):
+                num = num + den - 1
+            return binary("FLOOR_DIV", emit(sympy.expand(num)), self.const(np.asarray([int(den)], np.int32)))
+        if isinstance(e, sympy.Mod):
+            return binary("FLOOR_MOD", emit(e.args[0]), emit(e.args[1]))
+        if isinstance(e, (sympy.Max, sympy.Min)):
+            args = [emit(a) for a in e.args]
+            out = args[0]
+            for a in args[1:]:
+                out = binary("MAXIMUM" if isinstance(e, sympy.Max) else "MINIMUM", out, a)
+            return out
+        raise bad()
 
     def transpose(self, x: Tensor, perm, *, channels_last: bool = False) -> Tensor:
         perm = tuple(int(p) for p in perm)
@@ -242,13 +402,15 @@ class BuildContext:
         return self.tensor(tuple(shape_ncx[p] for p in perm), dtype, channels_last=True)
 
     def broadcast_to(self, x: Tensor, shape) -> Tensor:
-        shape = tuple(shape)
+        shape = tuple(normalize(d) for d in shape)
         if x.shape == shape:
             return x
+        grown = [d for d, (a, b) in enumerate(zip(x.shape, shape)) if a != b] if x.rank == len(shape) else None
+        if not all_static(shape) and not (grown and all_static(shape[d] for d in grown) and not x.is_const):
+            return self.op("BROADCAST_TO", [x, self.shape_operand(shape)], shape=shape, dtype=x.dtype)
         if x.is_const:
             return self.const(np.broadcast_to(x.data, shape))
-        grown = [d for d, (a, b) in enumerate(zip(x.shape, shape)) if a != b]
-        if x.rank == len(shape) and len(grown) <= 2 and all(shape[d] <= 4 for d in grown):
+        if grown is not None and len(grown) <= 2 and all(shape[d] <= 4 for d in grown):
             # a few copies side by side: XNNPACK runs CONCATENATION, not BROADCAST_TO
             for d in grown:
                 out_shape = x.shape[:d] + (shape[d],) + x.shape[d + 1:]
@@ -257,17 +419,6 @@ class BuildContext:
         return self.op("BROADCAST_TO", [x, np.asarray(shape, np.int32)], shape=shape, dtype=x.dtype)
 
 
-def static_shape(shape, node=None) -> tuple:
-    out = []
-    for d in shape:
-        if isinstance(d, torch.SymInt):
-            text = str(d)
-            if not text.lstrip("-").isdigit():
-                from torchtpu_export.capture import op_name, user_source_line
-                raise UnsupportedOpError(op_name(node.target) if node is not None else "dynamic shape",
-                                         target="litert", reason=f"dynamic dimension {text} is not supported here",
-                                         source=user_source_line(node) if node is not None else None,
-                                         hint="export with static shapes (no dynamic_shapes)")
-            d = int(text)
-        out.append(int(d))
-    return tuple(out)
+def ir_shape(shape) -> tuple:
+    """A torch shape (ints and SymInts) as an IR shape: ints, and sympy expressions for dynamic dims."""
+    return tuple(canon(d) for d in shape)

@@ -8,7 +8,10 @@ The output depends only on the graphs: the same model gives the same bytes.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import io
 import json
+import mmap
 
 import flatbuffers
 import numpy as np
@@ -18,6 +21,7 @@ from torchtpu_export.edge import weights_digest
 from torchtpu_export.errors import ConversionError
 
 from . import schema
+from .dims import concrete, is_static
 from .ir import Graph
 
 METADATA_NAME = "torchtpu_export"
@@ -41,10 +45,10 @@ def _offset_vector(builder, offsets, start) -> int:
     return _vector(builder, start, offsets, builder.PrependUOffsetTRelative)
 
 
-def _bytes_vector(builder: flatbuffers.Builder, data: bytes | memoryview) -> int:
-    builder.StartVector(1, len(data), _ALIGN)
-    builder.head = builder.head - len(data)
-    builder.Bytes[builder.head:builder.head + len(data)] = data
+def _reserved_vector(builder: flatbuffers.Builder, n: int) -> int:
+    # a byte vector of length n whose bytes the builder skips (the writer fills them in the file)
+    builder.StartVector(1, n, _ALIGN)
+    builder.head = builder.head - n
     return builder.EndVector()
 
 
@@ -70,7 +74,19 @@ class _Buffers:
 
 def serialize(graphs: list[Graph], metadata: dict | None = None, *, description: str = "torchtpu-export",
               external_threshold: int = EXTERNAL_THRESHOLD) -> bytes:
-    """The flatbuffer of ``graphs`` (one subgraph + SignatureDef each) with ``metadata`` as JSON."""
+    """The flatbuffer of ``graphs`` (one subgraph + SignatureDef each) with ``metadata`` as JSON, as bytes."""
+    out = io.BytesIO()
+    write(graphs, out, metadata, description=description, external_threshold=external_threshold)
+    return out.getvalue()
+
+
+def write(graphs: list[Graph], f, metadata: dict | None = None, *, description: str = "torchtpu-export",
+          external_threshold: int = EXTERNAL_THRESHOLD) -> None:
+    """Writes the flatbuffer of ``graphs`` to the binary file ``f``.
+
+    The weights go from the graphs' arrays straight to ``f``: no copy of them is made, so a
+    model converts in about the memory its weights already take.
+    """
     buffers = _Buffers()
     tensor_buffer: list[dict[int, int]] = []
     for g in graphs:
@@ -82,55 +98,117 @@ def serialize(graphs: list[Graph], metadata: dict | None = None, *, description:
                                           f"match the tensor {t.dtype}{list(t.shape)}")
                 per[id(t)] = buffers.add(t.data) if t.data.size else 0
         tensor_buffer.append(per)
-    meta_idx = None
-    if metadata is not None:
-        # a digest of every constant, so a reader can tell a damaged file from a model
-        metadata = dict(metadata, weights_blake2b=weights_digest(buffers.data[1:]))
-        meta_idx = buffers.add(np.frombuffer(json.dumps(metadata, sort_keys=True).encode(), np.uint8))
-    total = sum(len(d) for d in buffers.data)
-    if total < external_threshold:
-        return _build(graphs, tensor_buffer, buffers, meta_idx, description, None)
-    # Two passes: the flatbuffer's size fixes where the external data starts; offsets are u64
-    # fields, so the second build has the same size as the first.
-    probe = _build(graphs, tensor_buffer, buffers, meta_idx, description, [1] * len(buffers.data))
-    offsets, pos = [0], _round_up(len(probe), _ALIGN)
+    if metadata is None:
+        parts = (graphs, tensor_buffer, buffers, None, description)
+        _write(f, parts, external_threshold)
+        return
+    # A digest of every constant, so a reader can tell a damaged file from a model. It is computed
+    # while the file is written (hashing and writing both release the GIL), then put in place of a
+    # placeholder of the same length.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        digest = pool.submit(weights_digest, buffers.data[1:])
+        placeholder = _metadata_bytes(metadata, "0" * 32)
+        meta_idx = buffers.add(np.frombuffer(placeholder, np.uint8))
+        start = f.tell()
+        positions = _write(f, (graphs, tensor_buffer, buffers, meta_idx, description), external_threshold)
+        final = _metadata_bytes(metadata, digest.result())
+    if len(final) != len(placeholder):
+        raise ConversionError("the metadata changed size; please report this")
+    end = f.tell()
+    f.seek(start + positions[meta_idx])
+    f.write(final)
+    f.seek(end)
+
+
+def _metadata_bytes(metadata: dict, digest: str) -> bytes:
+    return json.dumps(dict(metadata, weights_blake2b=digest), sort_keys=True).encode()
+
+
+def _write(f, parts, external_threshold: int) -> dict[int, int]:
+    # the file; returns buffer -> where its data starts, from the start of the flatbuffer
+    if sum(len(d) for d in parts[2].data) < external_threshold:
+        return _write_inline(f, parts)
+    return _write_external(f, parts)
+
+
+def _write_inline(f, parts) -> dict[int, int]:
+    # The data vectors are built first, so they end the file, after every table. The builder works
+    # in an anonymous mapping that only reserves their room: its untouched pages take no memory,
+    # and the data itself goes to ``f`` from the arrays, into the gaps the builder left.
+    buffers = parts[2]
+    probe = flatbuffers.Builder(65536)
+    _build(probe, *parts, layout="probe")
+    size = len(probe.Bytes) - probe.Head() + sum(len(d) + 2 * _ALIGN + 8 for d in buffers.data) + 4096
+    with mmap.mmap(-1, size) as space:
+        builder = flatbuffers.Builder(0)
+        builder.Bytes, builder.head = space, len(space)
+        vectors = _build(builder, *parts, layout="inline")
+        # (had the estimate been short, the builder would have grown into a bytearray: still right)
+        out, head = builder.Bytes, builder.Head()
+        # each vector's data starts after its 4-byte length, at this position in the builder's buffer
+        spans = sorted((len(out) - off + 4, i) for i, off in vectors.items())
+        with memoryview(out) as view:
+            pos = head
+            for start, i in spans:
+                f.write(view[pos:start])
+                f.write(buffers.data[i])
+                pos = start + len(buffers.data[i])
+            f.write(view[pos:])
+    return {i: start - head for start, i in spans}
+
+
+def _write_external(f, parts) -> dict[int, int]:
+    # Past 2 GB: the flatbuffer holds no data; each buffer follows it at an offset (schema: offset/size).
+    # Two passes: the flatbuffer's size fixes where the data starts; offsets are u64 fields, so the
+    # second build has the same size as the first.
+    buffers = parts[2]
+    probe = flatbuffers.Builder(65536)
+    _build(probe, *parts, layout=[1] * len(buffers.data))
+    offsets, pos = [0], _round_up(len(probe.Bytes) - probe.Head(), _ALIGN)
     for d in buffers.data[1:]:
         offsets.append(pos)
         pos = _round_up(pos + len(d), _ALIGN)
-    head = _build(graphs, tensor_buffer, buffers, meta_idx, description, offsets)
-    if len(head) != len(probe):
+    builder = flatbuffers.Builder(65536)
+    _build(builder, *parts, layout=offsets)
+    head = builder.Output()
+    if len(head) != len(probe.Bytes) - probe.Head():
         raise ConversionError("the flatbuffer changed size between passes; please report this")
-    out = bytearray(head)
+    f.write(head)
+    written = len(head)
     for off, d in zip(offsets[1:], buffers.data[1:]):
-        out.extend(b"\0" * (off - len(out)))
-        out.extend(d)
-    return bytes(out)
+        f.write(b"\0" * (off - written))
+        f.write(d)
+        written = off + len(d)
+    return dict(enumerate(offsets))
 
 
 def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def _build(graphs, tensor_buffer, buffers: _Buffers, meta_idx, description, external) -> bytes:
-    inline = external is None
-    size = sum(len(d) + _ALIGN for d in buffers.data) if inline else 0
-    builder = flatbuffers.Builder(size + 65536 + 512 * sum(len(g.ops) for g in graphs))
-    if external is not None:
+def _build(builder: flatbuffers.Builder, graphs, tensor_buffer, buffers: _Buffers, meta_idx, description,
+           layout) -> dict[int, int]:
+    # ``layout``: "inline" (data vectors reserved, not filled), "probe" (empty data vectors: the
+    # size of everything else) or a list of external offsets. Returns buffer -> its data vector's offset.
+    inline = not isinstance(layout, list)
+    if not inline:
         builder.ForceDefaults(True)
 
     # Buffers first: built back to front, their data lands at the end of the file.
-    data_offsets = [None] + [_bytes_vector(builder, d) if inline else None for d in buffers.data[1:]]
+    vectors = {}
+    if inline:
+        for i, d in enumerate(buffers.data[1:], 1):
+            vectors[i] = _reserved_vector(builder, 0 if layout == "probe" else len(d))
     buffer_tables = []
     for i, d in enumerate(buffers.data):
         fb.BufferStart(builder)
         if i and inline:
-            fb.BufferAddData(builder, data_offsets[i])
+            fb.BufferAddData(builder, vectors[i])
         elif i:
-            fb.BufferAddOffset(builder, external[i])
+            fb.BufferAddOffset(builder, layout[i])
             fb.BufferAddSize(builder, len(d))
         buffer_tables.append(fb.BufferEnd(builder))
     builder.ForceDefaults(False)
-
     opcodes: dict[str, int] = {}
     versions: dict[str, int] = {}
     for g in graphs:
@@ -180,7 +258,7 @@ def _build(graphs, tensor_buffer, buffers: _Buffers, meta_idx, description, exte
     fb.ModelAddSignatureDefs(builder, sigs_vec)
     model = fb.ModelEnd(builder)
     builder.Finish(model, file_identifier=b"TFL3")
-    return bytes(memoryview(builder.Bytes)[builder.Head():])
+    return vectors
 
 
 def _quantization(builder, q) -> int:
@@ -204,10 +282,15 @@ def _subgraph(builder, g: Graph, buffer_of: dict[int, int], opcodes: dict[str, i
         names.setdefault(t.name, builder.CreateSharedString(t.name))
     tables = []
     for t in tensors:
-        shape = _int_vector(builder, t.shape, fb.TensorStartShapeVector)
+        # a dynamic dim: -1 in shape_signature, its sample size in shape (what LiteRT allocates on load)
+        shape = _int_vector(builder, [concrete(d, g.hints) for d in t.shape], fb.TensorStartShapeVector)
+        signature = _int_vector(builder, [d if is_static(d) else -1 for d in t.shape],
+                                fb.TensorStartShapeSignatureVector) if t.dynamic else None
         quant = _quantization(builder, t.quant) if t.quant is not None else None
         fb.TensorStart(builder)
         fb.TensorAddShape(builder, shape)
+        if signature is not None:
+            fb.TensorAddShapeSignature(builder, signature)
         fb.TensorAddType(builder, schema.TENSOR_TYPE[t.dtype])
         fb.TensorAddBuffer(builder, buffer_of.get(id(t), 0))
         fb.TensorAddName(builder, names[t.name])
