@@ -292,3 +292,23 @@ def test_report_with_keyword_and_constant_inputs():
     m = M()
     edge = tte.convert(m, (torch.randn(2, 64),), {"bias": torch.randn(64), "scale": 2.0}, quant_config="dynamic_int8")
     assert edge.quant_report.cosine >= 0.999 and edge.quant_report.shrink > 3.5, edge.quant_report
+
+
+def test_int8_calibrates_0d_and_numpy_inputs():
+    # a 0-d input (a scale, a temperature) stays 0-d through calibration and at run time, also as numpy
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 32)
+
+        def forward(self, x, t):
+            return self.fc(x) * t
+
+    torch.manual_seed(0)
+    m = Scaled().eval()
+    x, t = torch.randn(4, 64), torch.tensor(1.5)
+    calib = [(torch.randn(4, 64), torch.tensor(v)) for v in (0.5, 1.0, 2.0)]
+    edge = tte.convert(m, (x, t), quant_config={"recipe": "int8", "calibration": calib})
+    got = edge(x.numpy(), np.asarray(1.5, np.float32))
+    assert got.shape == (4, 32)
+    assert measure("int8", [m(x, t).detach()], [got], 0, 0).cosine >= 0.99

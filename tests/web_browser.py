@@ -51,7 +51,7 @@ class BrowserError(RuntimeError):
 
 
 def _encode(a: np.ndarray) -> dict:
-    a = np.ascontiguousarray(a)
+    a = np.asarray(a, order="C")
     return {"dtype": a.dtype.name, "shape": list(a.shape), "b64": base64.b64encode(a.tobytes()).decode()}
 
 
@@ -142,7 +142,7 @@ def compiled_model_outputs(model: bytes, inputs: dict[str, np.ndarray], signatur
         ins = {}
         for name, value in inputs.items():
             ins[name] = cm.create_input_buffer_by_name(key, name)
-            ins[name].write(np.ascontiguousarray(value))
+            ins[name].write(np.asarray(value, order="C"))
         outs = {name: cm.create_output_buffer_by_name(key, name) for name in details}
         cm.run_by_name(key, ins, outs)
         result = {}

@@ -93,7 +93,7 @@ def user_source_line(node: torch.fx.Node) -> str | None:
 def to_torch(x):
     """numpy arrays (and numpy scalars) become tensors; everything else is passed through."""
     if isinstance(x, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(x))
+        return torch.from_numpy(np.asarray(x, order="C"))
     if isinstance(x, np.generic):
         return torch.tensor(x)
     return x

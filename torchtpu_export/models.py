@@ -164,7 +164,7 @@ def parse_inputs(specs: Sequence[str], seed: int = 0) -> list:
             a = rng.integers(0, 2, size=shape).astype(bool)
         else:
             raise InputError(f"--inputs cannot make random {dtype.name} values; pass a .npy file")
-        out.append(torch.from_numpy(np.ascontiguousarray(a)))
+        out.append(torch.from_numpy(np.asarray(a, order="C")))
     return out
 
 
@@ -176,9 +176,9 @@ def _load_array_file(path: str) -> list:
     except Exception as e:
         raise InputError(f"cannot read {path} as a numpy file ({type(e).__name__}: {e})") from e
     if isinstance(data, np.ndarray):
-        return [torch.from_numpy(np.ascontiguousarray(data))]
+        return [torch.from_numpy(np.asarray(data, order="C"))]
     with data:
-        return [torch.from_numpy(np.ascontiguousarray(data[k])) for k in data.files]
+        return [torch.from_numpy(np.asarray(data[k], order="C")) for k in data.files]
 
 
 def describe_inputs(args: Sequence[Any]) -> str:

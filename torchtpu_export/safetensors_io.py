@@ -59,7 +59,7 @@ def write(f: BinaryIO, tensors: Mapping[str, object], metadata: Mapping[str, str
     f.write(head)
     total = len(head)
     for _, a in arrays:
-        f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
+        f.write(memoryview(np.asarray(a, order="C")).cast("B"))
         total += a.nbytes
     return total
 

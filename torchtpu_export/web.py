@@ -141,7 +141,7 @@ def _load_inputs(paths: list[str], signature: dict) -> dict[str, bytes]:
                 raise InputError(f"--inputs: {spec['name']} is {a.dtype.name}, the model takes {want.name}")
             a = a.astype(want)
         buf = io.BytesIO()
-        np.save(buf, np.ascontiguousarray(a), allow_pickle=False)
+        np.save(buf, np.asarray(a, order="C"), allow_pickle=False)
         out[spec["name"]] = buf.getvalue()
     if arrays:
         raise InputError(f"--inputs: the model has no input named {', '.join(map(repr, arrays))}")

@@ -132,7 +132,7 @@ def constant_bytes(graphs) -> dict[str, int]:
     for g in graphs:
         for t in g.tensors():
             if t.is_const and t.data.size:
-                raw = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
+                raw = np.asarray(t.data, order="C").reshape(-1).view(np.uint8)
                 out[hashlib.blake2b(raw, digest_size=16).hexdigest()] = raw.nbytes
     return out
 
@@ -267,7 +267,7 @@ def calibrate_activations(g: Graph) -> Graph:
     masked = np.zeros(len(tensors), bool)
     for n, sample in enumerate(q.samples):
         for t, a in zip(g.inputs, sample):
-            interp.set_tensor(index[id(t)], np.ascontiguousarray(a, dtype=t.dtype))
+            interp.set_tensor(index[id(t)], np.asarray(a, dtype=t.dtype, order="C"))  # 0-d stays 0-d
         try:
             interp.invoke()
         except (ValueError, RuntimeError) as e:
