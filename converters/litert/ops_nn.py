@@ -654,12 +654,12 @@ def matmul(ctx, a, b):
 
 @builds(aten.addmm.default)
 def addmm(ctx, bias, a, b, *, beta=1, alpha=1):
-    if b.is_const and (bias.is_const if isinstance(bias, Tensor) else True) and a.dtype.kind == "f":
+    vector_bias = (bias.rank if isinstance(bias, Tensor) else 0) <= 1  # a 2-d bias is an ADD after the product
+    if b.is_const and (bias.is_const if isinstance(bias, Tensor) else True) and a.dtype.kind == "f" \
+            and vector_bias and beta != 0:
         w = b.data.T * alpha if alpha != 1 else b.data.T
-        bv = np.broadcast_to(bias.data if isinstance(bias, Tensor) else np.asarray(bias, a.dtype),
-                             (b.shape[1],)) if beta != 0 else None
-        if bv is not None and (bias.rank if isinstance(bias, Tensor) else 0) <= 1:
-            return fully_connected(ctx, a, w, bv * beta if beta != 1 else bv, ctx.out_shape())
+        bv = np.broadcast_to(bias.data if isinstance(bias, Tensor) else np.asarray(bias, a.dtype), (b.shape[1],))
+        return fully_connected(ctx, a, w, bv * beta if beta != 1 else bv, ctx.out_shape())
     y = matmul(ctx, a, b)
     if alpha != 1:
         y = ctx.op("MUL", [y, ctx.const(np.asarray(alpha, y.dtype))])
