@@ -29,7 +29,8 @@ from .errors import InputError, UnsupportedOpError
 
 log = logging.getLogger("torchtpu_export")
 
-RUNTIMES = ("xla", "litert", "onnx")
+FLOAT_RUNTIMES = ("xla", "litert", "onnx")
+RUNTIMES = FLOAT_RUNTIMES + ("litert_dynamic_int8", "litert_int8")  # and the quantized LiteRT columns
 STATUSES = ("pass", "mismatch", "unsupported", "error")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECTED_FILE = os.path.join(REPO, "tests", "coverage_expected.json")
@@ -77,14 +78,19 @@ class Column:
     target: str                    # the converter (api target) that makes its artifact
     lowp: frozenset                # half-precision dtypes it is tested with
     narrows_64bit: bool = False    # int64/float64 results may come back as 32-bit
+    quant: str | None = None       # a quantization recipe: the column runs only QUANTIZED[quant]'s ops
 
     def converter(self):
         from . import api
         return api._converter(self.target)
 
+    def runs(self, op_name: str) -> bool:
+        """Whether the column has a cell for the op (quantized columns: the ops the recipe quantizes)."""
+        return self.quant is None or op_name in QUANTIZED[self.quant]
+
     def missing(self) -> str | None:
         """Why this column cannot run in this build, or None."""
-        if self.name == "litert":
+        if self.target == "litert":
             conv = self.converter()
             if not hasattr(conv, "convert_programs"):
                 return "no LiteRT converter in this build (converters.litert has no convert_programs)"
@@ -101,7 +107,11 @@ class Column:
         if self.name == "onnx":
             return api._export_onnx(captures)
         # like tte.convert: one "serving_default" signature
-        return self.converter().convert_programs({"serving_default": captures["main"]}, quant_config=None)
+        cap = captures["main"]
+        quant = self.quant
+        if quant == "int8":  # full integer: activation scales from the sample itself
+            quant = {"recipe": "int8", "calibration": [tuple(cap.sample_inputs)]}
+        return self.converter().convert_programs({"serving_default": cap}, quant_config=quant)
 
 
 def _columns() -> dict[str, Column]:
@@ -112,7 +122,30 @@ def _columns() -> dict[str, Column]:
         # ops: their columns are measured on float32, integer and bool samples.
         "litert": Column("litert", "litert", frozenset(), narrows_64bit=True),
         "onnx": Column("onnx", "onnx", frozenset()),
+        # the quantized LiteRT recipes, on the ops they quantize (weights as constants, as in a model)
+        "litert_dynamic_int8": Column("litert_dynamic_int8", "litert", frozenset(), True, "dynamic_int8"),
+        "litert_int8": Column("litert_int8", "litert", frozenset(), True, "int8"),
     }
+
+
+# The ops each LiteRT recipe quantizes. In the quantized columns the weight ops' weights are
+# constants of the program (as a model's are), so the recipe can quantize them.
+_WEIGHT_OPS = ("aten.convolution.default", "aten.addmm.default", "aten.mm.default", "aten.bmm.default",
+               "aten.linear.default", "aten.embedding.default")
+QUANTIZED = {
+    # hybrid kernels: FULLY_CONNECTED, CONV_2D, BATCH_MATMUL, EMBEDDING_LOOKUP
+    "dynamic_int8": _WEIGHT_OPS,
+    # full integer: those, and the activation ops with int8 kernels
+    "int8": _WEIGHT_OPS + (
+        "aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.relu.default", "aten.hardtanh.default",
+        "aten.sigmoid.default", "aten.tanh.default", "aten._softmax.default", "aten.mean.dim",
+        "aten.avg_pool2d.default", "aten._adaptive_avg_pool2d.default", "aten.cat.default",
+        "aten.view.default", "aten.permute.default", "aten.upsample_nearest2d.vec", "aten.maximum.default",
+        "aten.minimum.default", "aten.leaky_relu.default"),
+}
+# Quantization costs accuracy by design: a cell passes when the error relative to the output's
+# scale and the cosine similarity to torch stay within the recipe's bound (8-bit steps are 1/127).
+QUANT_BOUNDS = {"dynamic_int8": (0.05, 0.999), "int8": (0.08, 0.99)}
 
 
 # ---- one cell ------------------------------------------------------------------------------
@@ -122,12 +155,13 @@ def _op_module(entry, samples):
     import torch
     import torch.utils._pytree as pytree
 
-    from .optable import View, _is_input, view_of
+    from .optable import Constant, View, _is_input, view_of
 
     plans = []
     for s in samples:
         leaves, spec = pytree.tree_flatten((s.args, s.kwargs), is_leaf=lambda x: isinstance(x, View))
-        plans.append((spec, [(_is_input(x), x.how if isinstance(x, View) else None, None if _is_input(x) else x)
+        plans.append((spec, [(_is_input(x), x.how if isinstance(x, View) else None,
+                              None if _is_input(x) else (x.tensor if isinstance(x, Constant) else x))
                              for x in leaves]))
 
     class OpModule(torch.nn.Module):
@@ -197,10 +231,71 @@ def compare_sample(entry, sample, outs: list, refs: list, column: Column):
                 return Verdict(False, math.inf, math.inf, f"output {i}: dtype {o.dtype.name}, torch {r.dtype.name}")
     if entry.compared is not None:
         outs, refs = [outs[i] for i in entry.compared], [refs[i] for i in entry.compared]
+    if column.quant is not None:
+        return _quant_verdict(outs, refs, *QUANT_BOUNDS[column.quant])
     if entry.compare is not None:
         return entry.compare(outs, refs, sample)
     agreement = compare(outs, refs, rtol=entry.tolerance(sample))
     return Verdict(agreement.ok, agreement.max_abs_err, agreement.max_rel_err, agreement.detail)
+
+
+def _quant_verdict(outs, refs, max_rel: float, min_cosine: float):
+    from .optable import Verdict
+    from .quant import measure
+    report = measure("", refs, outs, 0, 0)
+    ok = report.max_rel_err <= max_rel and report.cosine >= min_cosine
+    detail = None if ok else f"rel err {report.max_rel_err:.3g} (bound {max_rel}), cosine {report.cosine:.5f} " \
+                             f"(bound {min_cosine})"
+    return Verdict(ok, report.max_abs_err, report.max_rel_err, detail)
+
+
+def _weight_samples(op_name: str) -> list:
+    """Layer-sized calls of the weight ops (a recipe leaves weights under 1024 values float, as
+    TFLite's converter does, so the table's small samples would not quantize)."""
+    import torch
+
+    from .optable import Constant, Sample
+    g = torch.Generator().manual_seed(0)
+
+    def f(*shape):
+        return torch.randn(*shape, generator=g)
+
+    def w(*shape):
+        return Constant(f(*shape) / shape[-1] ** 0.5)
+
+    conv = "aten.convolution.default"
+    samples = {
+        conv: [Sample((f(1, 8, 10, 10), w(32, 8, 3, 3), Constant(f(32)), [1, 1], [1, 1], [1, 1], False, [0, 0], 1),
+                      {}, "3x3 conv, padding 1"),
+               Sample((f(1, 16, 9, 9), w(32, 16, 1, 1), None, [2, 2], [0, 0], [1, 1], False, [0, 0], 1), {},
+                      "1x1 conv, stride 2, no bias")],
+        "aten.addmm.default": [Sample((Constant(f(64)), f(4, 48), w(48, 64)), {}, "bias + x @ w")],
+        "aten.mm.default": [Sample((f(4, 48), w(48, 64)), {}, "x @ w")],
+        "aten.bmm.default": [Sample((f(2, 4, 48), w(2, 48, 64)), {}, "batched x @ w")],
+        "aten.linear.default": [Sample((f(2, 5, 48), w(64, 48), Constant(f(64))), {}, "3-d input, bias"),
+                                Sample((f(3, 48), w(64, 48)), {}, "2-d input, no bias")],
+        "aten.embedding.default": [Sample((w(300, 16), torch.randint(0, 300, (2, 7), generator=g)), {},
+                                          "300x16 table")],
+    }
+    return samples[op_name]
+
+
+def _quant_samples(op_name: str, recipe: str, samples) -> list:
+    """The samples of a quantized column: layer-sized ones with constant weights for the weight
+    ops, the table's ordinary float32 ones for the activation ops."""
+    import torch
+    if op_name in _WEIGHT_OPS:
+        return _weight_samples(op_name)
+    out = []
+    for s in samples:
+        if s.dynamic or any(t.dtype.is_floating_point and t.dtype != torch.float32 for t in s.tensors()):
+            continue
+        floats = [t for t in s.tensors() if t.dtype == torch.float32]
+        # edge values (inf, nan, 1e37) have no 8-bit range, and a tensor of one value (0-d) or none
+        # no meaningful one: quantization is measured on ordinary tensors
+        if floats and all(t.numel() >= 2 and bool(t.abs().le(1e4).all()) for t in floats):
+            out.append(s)
+    return out
 
 
 class _Batch:
@@ -245,6 +340,13 @@ class _Batch:
             note = f"decomposed for this target into {found}"
         try:
             program = column.build({"main": cap})
+            if column.quant is not None:
+                from .edge import int8_ops
+                quantized = int8_ops(program.model_content())
+                if not quantized:
+                    return Cell("unsupported", sample=label, reason=f"the {column.quant} recipe leaves it float")
+                if set(quantized) == {"DEQUANTIZE"}:
+                    note = "int8 weights dequantized at load; the op runs in float"
             outs = program.run_flat([_to_numpy(t) for t in self.inputs])
         except UnsupportedOpError as e:
             reason = e.reason if e.op == entry.name else f"{e.op}: {e.reason}"
@@ -302,11 +404,15 @@ def run_op(op_name: str, runtimes: Sequence[str], *, locate: bool = True) -> dic
     batches: dict[tuple, _Batch] = {}   # columns that run the same samples share one export
     for rt in runtimes:
         column = columns[rt]
+        if not column.runs(op_name):
+            continue  # a quantized column has cells only for the ops its recipe quantizes
         missing = column.missing()
         if missing:
             cells[rt] = Cell("unsupported", reason=missing)
             continue
         samples = _column_samples(entry, column, everything)
+        if column.quant is not None:
+            samples = _quant_samples(op_name, column.quant, samples)
         if not samples:
             cells[rt] = Cell("unsupported", reason="no sample of this op has a dtype this runtime is tested with")
             continue
@@ -516,7 +622,8 @@ def run_matrix(ops: Sequence[str], runtimes: Sequence[str], *, jobs: int = 2, ti
             done[0] += 1
             if progress:
                 op, rts = tasks[i][1]
-                status = ", ".join(f"{rt} {result.get(rt, result).get('status')}" for rt in rts)
+                status = ", ".join(f"{rt} {result.get(rt, result).get('status')}" for rt in rts
+                                   if rt in result or "status" in result)
                 print(f"[{done[0]}/{len(tasks)}] {op}: {status} ({seconds:.1f} s)", file=sys.stderr, flush=True)
         return on_result
 
@@ -525,7 +632,7 @@ def run_matrix(ops: Sequence[str], runtimes: Sequence[str], *, jobs: int = 2, ti
     retry = []
     for (_, (op, rts)), result in zip(tasks, results):
         if "status" in result:  # the worker died or timed out: no per-runtime cells
-            retry += [(fn, (op, [rt])) for rt in rts] if len(rts) > 1 else []
+            retry += [(fn, (op, [rt])) for rt in rts if _columns()[rt].runs(op)] if len(rts) > 1 else []
             if len(rts) == 1:
                 cells[op][rts[0]] = result
         else:
@@ -538,7 +645,8 @@ def run_matrix(ops: Sequence[str], runtimes: Sequence[str], *, jobs: int = 2, ti
         "torch": torch.__version__.split("+")[0],
         "runtimes": list(runtimes),
         "ops": [{"op": op, "core": optable.get(op).core, "note": optable.get(op).note or None,
-                 "cells": {rt: Cell.from_json(cells[op][rt]).to_json() for rt in runtimes}} for op in ops],
+                 "cells": {rt: Cell.from_json(cells[op][rt]).to_json() for rt in runtimes if rt in cells[op]}}
+                for op in ops],
     }
 
 
@@ -579,6 +687,15 @@ def to_markdown(report: dict) -> str:
         "for most ops); litert may return int64/float64 results as 32-bit. PyTorch's own OpInfo samples go",
         "through the same machinery in [coverage_opinfo.md](coverage_opinfo.md).",
         "",
+        "The quantized columns (`litert_dynamic_int8`, `litert_int8`) run the LiteRT recipes on the ops they",
+        "quantize (`-` elsewhere): weight ops with layer-sized constant weights (a recipe leaves weights",
+        "under 1024 values float), activation ops on the table's ordinary float32 samples (no edge values,",
+        "no 0-d tensors), `int8` calibrated on the sample itself. A cell passes when the artifact runs int8",
+        "kernels (a recipe that leaves the op float is *unsupported*) and the error stays within the",
+        "recipe's bound: max abs error <= " + ", ".join(f"{b[0]} ({r})" for r, b in QUANT_BOUNDS.items()),
+        "of the output's largest magnitude and cosine similarity >= "
+        + ", ".join(f"{b[1]} ({r})" for r, b in QUANT_BOUNDS.items()) + ".",
+        "",
         f"torch {report['torch']}; {len(core)} core ATen overloads and {len(report['ops']) - len(core)} non-core ops",
         "(composites a target may keep whole, and torch.export's form of training-mode batch norm).",
         "",
@@ -591,7 +708,7 @@ def to_markdown(report: dict) -> str:
     lines += ["", "| op | core | " + " | ".join(rts) + " |", "|---|---|" + "---|" * len(rts)]
     for row in report["ops"]:
         lines.append(f"| `{row['op']}` | {'yes' if row['core'] else 'no'} | "
-                     + " | ".join(_cell_text(row["cells"][rt]) for rt in rts) + " |")
+                     + " | ".join(_cell_text(row["cells"][rt]) if rt in row["cells"] else "-" for rt in rts) + " |")
     notes = [f"- `{row['op']}`: {row['note']}" for row in report["ops"] if row.get("note")]
     notes += [f"- `{row['op']}` ({rt}): {c['note']}" for row in report["ops"] for rt, c in row["cells"].items()
               if c.get("note")]
@@ -602,8 +719,7 @@ def to_markdown(report: dict) -> str:
 
 def totals_line(report: dict) -> str:
     tot = totals(report)
-    n = len(report["ops"])
-    return "; ".join(f"{rt}: {tot[rt]['pass']}/{n} pass" for rt in report["runtimes"])
+    return "; ".join(f"{rt}: {tot[rt]['pass']}/{sum(tot[rt].values())} pass" for rt in report["runtimes"])
 
 
 def expected_statuses(report: dict) -> dict:
@@ -682,6 +798,10 @@ def _coverage(args) -> int:
     t0 = time.perf_counter()
     if args.source == "opinfo":
         from . import opinfo
+        quantized = [rt for rt in runtimes if rt not in FLOAT_RUNTIMES]
+        if quantized and args.targets:
+            raise InputError(f"--source opinfo runs the float columns only, not {', '.join(quantized)}")
+        runtimes = [rt for rt in runtimes if rt in FLOAT_RUNTIMES]
         report = opinfo.run(runtimes, pattern=args.ops, jobs=args.jobs, timeout=args.timeout,
                             progress=args.verbose > 0)
         text = opinfo.dump(report) if args.format == "json" else opinfo.to_markdown(report)
@@ -714,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
         regenerate(jobs=args.jobs)
     if args.regenerate_opinfo:
         from . import opinfo
-        report = opinfo.run(list(RUNTIMES), jobs=args.jobs, progress=True)
+        report = opinfo.run(list(FLOAT_RUNTIMES), jobs=args.jobs, progress=True)
         _write(os.path.join(REPO, "docs", "coverage_opinfo.json"), opinfo.dump(report))
         _write(os.path.join(REPO, "docs", "coverage_opinfo.md"), opinfo.to_markdown(report))
         print(opinfo.summary(report), file=sys.stderr)

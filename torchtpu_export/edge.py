@@ -369,6 +369,32 @@ def _op_names() -> dict:
     return _OP_NAMES
 
 
+def int8_ops(content: bytes) -> dict[str, int]:
+    """The operators of a flatbuffer that read an 8-bit integer tensor, by name: the kernels that run
+    quantized. DEQUANTIZE counts only for constant inputs (weights stored int8, dequantized at load);
+    QUANTIZE, which makes int8 values, never."""
+    model = _model(content)
+    names = _op_names()
+    codes = [names.get(max(oc.BuiltinCode(), oc.DeprecatedBuiltinCode()), "?")
+             for oc in (model.OperatorCodes(i) for i in range(model.OperatorCodesLength()))]
+    hist: dict[str, int] = {}
+    for k in range(model.SubgraphsLength()):
+        sub = model.Subgraphs(k)
+        for j in range(sub.OperatorsLength()):
+            op = sub.Operators(j)
+            name = codes[op.OpcodeIndex()]
+            if name == "QUANTIZE":
+                continue
+            ins = [sub.Tensors(i) for i in op.InputsAsNumpy() if i >= 0] if op.InputsLength() else []
+            eight_bit = [t for t in ins if t.Type() in (3, 9)]  # uint8, int8
+            if name == "DEQUANTIZE":
+                eight_bit = [t for t in eight_bit if model.Buffers(t.Buffer()).DataLength()
+                             or model.Buffers(t.Buffer()).Size()]
+            if eight_bit:
+                hist[name] = hist.get(name, 0) + 1
+    return hist
+
+
 def describe_tflite(path: str) -> dict:
     """What ``torchtpu-export inspect`` prints for a ``.tflite``: signatures, I/O, op histograms, sizes."""
     try:

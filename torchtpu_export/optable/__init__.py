@@ -87,6 +87,13 @@ class Sample:
         return Sample(args, kwargs, f"{self.desc} [{_short_dtype(dtype)}]", self.dynamic, False)
 
 
+@dataclasses.dataclass
+class Constant:
+    """A tensor argument baked into the program as a constant (a weight) instead of an input."""
+
+    tensor: torch.Tensor
+
+
 def _is_input(leaf) -> bool:
     return isinstance(leaf, (torch.Tensor, View))
 
