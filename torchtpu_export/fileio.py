@@ -33,11 +33,17 @@ def atomic_open(path: str | os.PathLike, mode: str = "w+b"):
         fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
     except OSError as e:
         raise OutputError(f"cannot write to {directory}: {e.strerror}") from e
+    with _replacing(tmp, path), os.fdopen(fd, mode) as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def _replacing(tmp: str, path: str):
+    # when the block succeeds, the temporary file ``tmp`` replaces ``path``; otherwise it vanishes
     try:
-        with os.fdopen(fd, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        yield
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
@@ -60,12 +66,5 @@ def link_atomic(src: str | os.PathLike, path: str | os.PathLike) -> None:
     directory, base = os.path.split(os.path.abspath(path))
     tmp = os.path.join(directory, f".{base}.{os.urandom(6).hex()}.tmp")
     os.link(src, tmp)
-    try:
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with _replacing(tmp, path), open(tmp, "rb") as f:
+        os.fsync(f.fileno())
