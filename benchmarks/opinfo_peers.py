@@ -332,11 +332,8 @@ def measure(pattern: str | None, jobs: int, timeout: float, peers: list, work: s
         for n, r in zip(list(cases), raw):
             cases[n][peer] = judge(peer, dirs[n], r)
         seconds[peer] = round(time.monotonic() - t1)
-    import ai_edge_litert
-    import jax
     from importlib.metadata import version
-    versions["ours"].update({"jax": jax.__version__, "ai-edge-litert": version("ai-edge-litert")})
-    del ai_edge_litert
+    versions["ours"].update({"jax": version("jax"), "ai-edge-litert": version("ai-edge-litert")})
     return {"opinfos": len(names), "cases": cases, "excluded": excluded, "versions": versions,
             "seconds": seconds, "peers": peers}
 
