@@ -23,6 +23,7 @@ BENCHMARKS = {
     "scale": ("scale.py", ["-o", "RESULTS-scale.md"]),
     "pallas": ("pallas_kernels.py", []),
     "web": ("web.py", []),
+    "opinfo-peers": ("opinfo_peers.py", ["-o", "RESULTS-opinfo-peers.md"]),
 }
 
 

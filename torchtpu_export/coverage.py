@@ -354,16 +354,21 @@ class _Batch:
         except Exception as e:  # the converter's or runtime's own failure is the cell's verdict
             log.debug("cell %s/%s failed", entry.name, column.name, exc_info=True)
             return Cell("error", sample=label, reason=_first_line(e), note=note)
-        worst_abs = worst_rel = 0.0
-        k = 0
-        for s, ref in zip(self.samples, self.refs):
-            got = list(outs[k:k + len(ref)])
-            k += len(ref)
-            v = compare_sample(entry, s, got, list(ref), column)
-            if not v.ok:
-                return Cell("mismatch", v.max_abs_err, v.max_rel_err, s.desc, v.detail or None, note=note)
-            worst_abs, worst_rel = max(worst_abs, v.max_abs_err), max(worst_rel, v.max_rel_err)
-        return Cell("pass", worst_abs, worst_rel, None, None, len(self.samples), note)
+        return compare_outputs(entry, self.samples, self.refs, outs, column, note)
+
+
+def compare_outputs(entry, samples, refs, outs, column: Column, note: str | None = None) -> Cell:
+    """The cell of a program's flat outputs against torch's (``refs``: one tuple per sample)."""
+    worst_abs = worst_rel = 0.0
+    k = 0
+    for s, ref in zip(samples, refs):
+        got = list(outs[k:k + len(ref)])
+        k += len(ref)
+        v = compare_sample(entry, s, got, list(ref), column)
+        if not v.ok:
+            return Cell("mismatch", v.max_abs_err, v.max_rel_err, s.desc, v.detail or None, note=note)
+        worst_abs, worst_rel = max(worst_abs, v.max_abs_err), max(worst_rel, v.max_rel_err)
+    return Cell("pass", worst_abs, worst_rel, None, None, len(samples), note)
 
 
 def _is_overload(op) -> bool:

@@ -77,44 +77,53 @@ def samples(opinfo, limit: int = SAMPLES_PER_OP) -> list:
     return out
 
 
-def run_opinfo(name: str, runtimes: Sequence[str]) -> dict:
-    """One OpInfo on each runtime (in this process), as JSON-able cells."""
+def prepare(name: str):
+    """The case of one OpInfo, ``(entry, samples, batch)``, or the Cell that says why it has none
+    to compare (no sample, eager fails, random values)."""
     import torch
     opinfo = _op_db()[name]
     entry = OpInfoEntry(name, opinfo.op)
     try:
         cases = samples(opinfo)
     except Exception as e:
-        return {rt: Cell("error", reason=f"sample_inputs: {_first_line(e)}").to_json() for rt in runtimes}
+        return Cell("error", reason=f"sample_inputs: {_first_line(e)}")
     if not cases:
-        return {rt: Cell("unsupported", reason="the OpInfo has no float32, integer or bool sample").to_json()
-                for rt in runtimes}
+        return Cell("unsupported", reason="the OpInfo has no float32, integer or bool sample")
     try:
         batch = _Batch(entry, cases)
         with torch.no_grad():  # random ops cannot be compared by value
             again = batch.module(*[t.clone() for t in batch.inputs])
         if not _same(batch.refs, again):
-            return {rt: Cell("unsupported", reason="random: eager gives different values on each call").to_json()
-                    for rt in runtimes}
+            return Cell("unsupported", reason="random: eager gives different values on each call")
     except Exception as e:
-        return {rt: Cell("error", reason=f"eager: {_first_line(e)}").to_json() for rt in runtimes}
+        return Cell("error", reason=f"eager: {_first_line(e)}")
     seeded = _random_ops(batch)
     if seeded:
         # OpInfo seeds torch's generator around random ops; a compiled program has its own generator
         reason = f"random ({', '.join(seeded)}): torch's random stream cannot be reproduced, values are not comparable"
-        return {rt: Cell("unsupported", reason=reason).to_json() for rt in runtimes}
+        return Cell("unsupported", reason=reason)
+    return entry, cases, batch
+
+
+def run_column(case, column) -> Cell:
+    """One prepared case on one column."""
+    entry, cases, batch = case
+    missing = column.missing()
+    if missing:
+        return Cell("unsupported", reason=missing)
+    cell = batch.run(column)
+    if cell.status == "error" and len(cases) > 1:
+        cell = _first_failure(entry, column, cases, cell)
+    return cell
+
+
+def run_opinfo(name: str, runtimes: Sequence[str]) -> dict:
+    """One OpInfo on each runtime (in this process), as JSON-able cells."""
+    case = prepare(name)
+    if isinstance(case, Cell):
+        return {rt: case.to_json() for rt in runtimes}
     columns = _columns()
-    out = {}
-    for rt in runtimes:
-        missing = columns[rt].missing()
-        if missing:
-            out[rt] = Cell("unsupported", reason=missing).to_json()
-            continue
-        cell = batch.run(columns[rt])
-        if cell.status == "error" and len(cases) > 1:
-            cell = _first_failure(entry, columns[rt], cases, cell)
-        out[rt] = cell.to_json()
-    return out
+    return {rt: run_column(case, columns[rt]).to_json() for rt in runtimes}
 
 
 def _random_ops(batch) -> list[str]:

@@ -197,6 +197,9 @@ def _build(ctx: BuildContext, node: torch.fx.Node, env: dict):
         raise UnsupportedOpError(op_name(node.target), target="litert",
                                  reason=f"it reads {missing[0].what}, which the litert target cannot compute",
                                  source=user_source_line(node))
+    empty = _empty_result(ctx, node)
+    if empty is not None:
+        return empty
     rule = BUILDERS[node.target]
     try:
         result = rule(ctx, *args, **kwargs)
@@ -214,6 +217,15 @@ def _build(ctx: BuildContext, node: torch.fx.Node, env: dict):
     except Exception as e:
         raise _bug(node, e) from e
     return result
+
+
+def _empty_result(ctx: BuildContext, node: torch.fx.Node):
+    # a result without elements has no values to compute: a constant of its (static) shape, so that no
+    # kernel meets a zero-size dim (XNNPACK fails to reshape to one, MIRROR_PAD rejects it)
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape) or val.numel():
+        return None
+    return ctx.const(np.zeros(tuple(val.shape), ctx.out_dtype()))
 
 
 def _bug(node, e: Exception) -> ConversionError:

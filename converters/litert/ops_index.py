@@ -264,6 +264,8 @@ def index_put(ctx, x, indices, values, accumulate=False):
 
 @builds(aten.index_copy.default)
 def index_copy(ctx, x, dim, idx, src):
+    if x.rank == 0:  # a 0-d tensor is its one element: the only valid index (0) replaces it
+        return ctx.cast(ctx.reshape(src, ()), x.dtype)
     dim = dim % x.rank
     if idx.size == 1 and not idx.is_const:
         return _single_index_update(ctx, x, dim, idx, src)

@@ -248,6 +248,8 @@ def roll(ctx, x, shifts, dims=()):
         if not is_static(n):
             x = _roll_dynamic(ctx, x, s, d)
             continue
+        if n == 0:  # an empty dim has nothing to move (and no modulus)
+            continue
         s = s % n
         if s:
             idx = (np.arange(n) - s) % n

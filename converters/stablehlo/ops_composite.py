@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import torch
@@ -231,6 +232,8 @@ def matmul(ctx, a, b):
 
 @lowers(aten.index_copy.default)
 def index_copy(ctx, x, dim, index, source):
+    if x.ndim == 0:  # a 0-d tensor is its one element: the only valid index (0) replaces it
+        return source.astype(x.dtype).reshape(())
     dim = dim % x.ndim
     idx = [slice(None)] * x.ndim
     idx[dim] = index
@@ -243,6 +246,12 @@ def pad(ctx, x, pad, mode="constant", value=None):
         return ops_shape.constant_pad_nd(ctx, x, pad, 0 if value is None else value)
     n = len(pad) // 2
     widths = [(0, 0)] * (x.ndim - n) + [(pad[2 * (n - 1 - i)], pad[2 * (n - 1 - i) + 1]) for i in range(n)]
+    if mode == "replicate" and any(lo < 0 or hi < 0 for lo, hi in widths):
+        # a negative width crops, and jnp.pad takes none: output i reads input clip(i - lo) along each dim
+        for d, (lo, hi) in enumerate(widths):
+            if lo or hi:
+                x = jnp.take(x, np.clip(np.arange(x.shape[d] + lo + hi) - lo, 0, x.shape[d] - 1), axis=d)
+        return x
     return jnp.pad(x, widths, mode={"reflect": "reflect", "replicate": "edge", "circular": "wrap"}[mode])
 
 
