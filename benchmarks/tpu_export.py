@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -26,6 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 TORCHAX_VENV = os.path.join(REPO, ".venv-bench-torchax")
 MODELS = ["resnet18", "gpt", "llama", "dlrm", "unet"]
+XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 def _rss_mb() -> float:
@@ -53,6 +55,13 @@ def worker(tool: str, model_name: str, platforms: str) -> dict:
     result = {"tool": tool, "model": model_name, "platforms": platforms}
     if tool == "ours":
         import torchtpu_export as tte
+        if "cpu" in platforms:
+            # one thread each (XLA's through XLA_FLAGS, set by run_worker): on a shared 2-core machine
+            # torch's spinning OpenMP threads make multi-threaded eager times 10-20x worse under load
+            torch.set_num_threads(1)
+            with torch.no_grad():
+                result["eager_ms"] = _median_ms(lambda: model(*args))
+            base_rss = _rss_mb()
         t = time.perf_counter()
         prog = tte.export(model, args, target="tpu", platforms=tuple(platforms.split(",")))
         result["export_s"] = time.perf_counter() - t
@@ -62,8 +71,6 @@ def worker(tool: str, model_name: str, platforms: str) -> dict:
             runner = prog.runner()
             flat = [a.numpy() for a in args]
             result["xla_cpu_ms"] = _median_ms(lambda: runner.run(flat))
-            with torch.no_grad():
-                result["eager_ms"] = _median_ms(lambda: model(*args))
     else:
         sys.path.insert(0, HERE)
         import torchax_shim  # noqa: F401
@@ -93,9 +100,11 @@ def _ensure_torchax_venv() -> str:
 
 def run_worker(python: str, tool: str, model: str, platforms: str) -> dict:
     proc = subprocess.run([python, __file__, "--worker", tool, model, platforms], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore"), timeout=1800)
+                          env=dict(os.environ, PYTHONWARNINGS="ignore", XLA_FLAGS=XLA_ONE_THREAD), timeout=1800)
     if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        # the exception's own line, not JAX's note about filtered frames
+        tail = [ln for ln in lines if re.match(r"[\w.]*(Error|Exception)\b", ln)][-1:] or lines[-1:] or ["?"]
         return {"tool": tool, "model": model, "platforms": platforms, "error": tail[0][:160]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -148,9 +157,13 @@ def _f(run: dict | None, key: str, fmt: str) -> str:
 def format_table(rows, repeats) -> str:
     import torch
     head = (f"TPU export, {datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, "
-            f"torch {torch.__version__.split('+')[0]}, median of {repeats} fresh processes\n\n"
+            f"torch {torch.__version__.split('+')[0]}, median of {repeats} fresh processes; 1-minute load average "
+            f"{os.getloadavg()[0]:.1f} at the end (`python benchmarks/tpu_export.py`). Export: capture, lowering "
+            "and jax.export serialisation, the first in a fresh process (it includes torch.export's and JAX's "
+            "one-time setup). Latency: median of 15 runs after 2 warm-ups, one thread each "
+            "(torch.set_num_threads(1); XLA without its Eigen pool), on the sample inputs.\n\n"
             "| model | export tpu+cpu (s) | export tpu only (s) | torchax export (s) | peak RSS ours (MB) "
-            "| peak RSS torchax (MB) | cpu program (ms) | torch eager (ms) |\n"
+            "| peak RSS torchax (MB) | .tpu cpu program (ms) | torch eager (ms) |\n"
             "|---|---|---|---|---|---|---|---|")
     lines = [head]
     for model, r in rows:
