@@ -125,9 +125,21 @@ def scatter_flat(ctx, x: Tensor, pos: Tensor, values: Tensor, reduce: str | None
     n = ctx.static(x.size, "TFLite's segment ops that scatter it take the element count as a constant")
     flat = ctx.reshape(x, (n,))
     values = ctx.cast(values, x.dtype)
+    if reduce is None:
+        # replace: where positions repeat, the last update wins, as in torch's sequential CPU kernels
+        # (a segment sum would add them): each slot's last writer is the max update ordinal there
+        m = ctx.static(pos.size, "the update ordinals are a constant")
+        if m == 0:
+            return x
+        last = _segment(ctx, "UNSORTED_SEGMENT_MAX", ctx.const(np.arange(m, dtype=np.int32).reshape(pos.shape)),
+                        pos, n)  # slots nobody writes get int32's lowest value
+        hit = ctx.op("GREATER_EQUAL", [last, ctx.const(np.zeros((), np.int32))], shape=(n,), dtype=BOOL)
+        last = ctx.op("MAXIMUM", [last, ctx.const(np.zeros((), np.int32))], shape=(n,), dtype=I32)
+        seg = ctx.op("GATHER", [ctx.reshape(values, (m,)), last], shape=(n,), dtype=x.dtype, axis=0)
+        return ctx.reshape(ctx.op("SELECT_V2", [hit, seg, flat], shape=(n,), dtype=x.dtype), x.shape)
     hit = _segment(ctx, "UNSORTED_SEGMENT_SUM", ctx.const(np.ones(pos.shape, np.float32)), pos, n)
     hit = ctx.op("GREATER", [hit, ctx.const(np.zeros((), np.float32))], shape=(n,), dtype=BOOL)
-    if reduce in (None, "sum", "add", "mean"):
+    if reduce in ("sum", "add", "mean"):
         seg = _segment(ctx, "UNSORTED_SEGMENT_SUM", values, pos, n)
     elif reduce in ("prod", "multiply"):
         seg = _segment(ctx, "UNSORTED_SEGMENT_PROD", values, pos, n)
@@ -137,9 +149,7 @@ def scatter_flat(ctx, x: Tensor, pos: Tensor, values: Tensor, reduce: str | None
         seg = _segment(ctx, "UNSORTED_SEGMENT_MIN", values, pos, n)
     else:
         raise ctx.unsupported(f"scatter reduce={reduce!r}")
-    if reduce is None:
-        out = ctx.op("SELECT_V2", [hit, seg, flat], shape=(n,), dtype=x.dtype)
-    elif reduce == "mean":
+    if reduce == "mean":
         cnt = _segment(ctx, "UNSORTED_SEGMENT_SUM", ctx.const(np.ones(pos.shape, x.dtype)), pos, n)
         if include_self:
             cnt = ctx.op("ADD", [cnt, ctx.const(np.ones((), x.dtype))], shape=(n,), dtype=x.dtype)
