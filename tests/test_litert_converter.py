@@ -54,6 +54,8 @@ CASES = {
     "index_put_repeated": (Fn(lambda x, i, v: x.index_put((i,), v)), (R(5, 3), torch.tensor([0, 3, 0, 0]), R(4, 3))),
     "max_unpool_repeated": (Fn(lambda x, i: F.max_unpool2d(x, i, 2, output_size=(4, 4))),
                             (R(1, 2, 2, 2), torch.tensor([[[[0, 0], [5, 5]], [[15, 3], [15, 3]]]]))),
+    "avg_pool3d_ceil_divisor": (Fn(lambda x: F.avg_pool3d(x, (2, 3, 4), (1, 2, 2), (0, 1, 2), ceil_mode=True,
+                                                        divisor_override=2)), (R(1, 2, 5, 5, 5),)),
     "sort_topk": (Fn(lambda x: (torch.sort(x, 1, descending=True).values, torch.topk(x, 2, 0).indices)), (R(3, 5),)),
     "trunc_division_ints": (Fn(lambda a, b: torch.div(a, b, rounding_mode="trunc")),
                             (torch.tensor([[-7, 7, -3, 5]]), torch.tensor([[2, -2, 2, 3]]))),

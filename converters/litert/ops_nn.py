@@ -432,10 +432,16 @@ def avg_pool3d(ctx, x, kernel_size, stride=(), padding=0, ceil_mode=False, count
                divisor_override=None):
     if divisor_override is None:
         return _pool3d(ctx, x, kernel_size, stride, padding, 1, ceil_mode, "avg", count_include_pad)
-    # the window sum (an average that counts padding) over the given divisor
+    # the window sum over the given divisor: the average that counts padding times its window's size
+    # (smaller than the kernel where ceil_mode windows run past the padded input)
     y = _pool3d(ctx, x, kernel_size, stride, padding, 1, ceil_mode, "avg", True)
-    k = int(np.prod(_tuple(kernel_size, 3)))
-    return ctx.op("MUL", [y, ctx.const(np.asarray(k / divisor_override, x.dtype))], shape=y.shape, dtype=x.dtype)
+    kernel = _tuple(kernel_size, 3)
+    spatial = ctx.static(x.shape[2:], "its window sizes at the borders are a table built at conversion time")
+    sizes = _avg_divisors(spatial, kernel, _tuple(stride, 3) if stride else kernel, _tuple(padding, 3), ceil_mode,
+                          True, y.shape[2:])
+    factor = np.einsum("i,j,k->ijk", *sizes) / divisor_override
+    return ctx.op("MUL", [y, ctx.const(factor.reshape((1,) * (y.rank - 3) + factor.shape).astype(x.dtype))],
+                  shape=y.shape, dtype=x.dtype)
 
 
 def _adaptive_matrix(n: int, out: int) -> np.ndarray:
