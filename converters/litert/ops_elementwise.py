@@ -230,6 +230,18 @@ def round_(ctx, x):
     return x if x.dtype.kind != "f" else ctx.op("ROUND", [x])
 
 
+@builds(aten.round.decimals)
+def round_decimals(ctx, x, *, decimals=0):
+    # torch: round(x * 10**d) / 10**d, or round(x / 10**-d) * 10**-d for negative d, half to even
+    if x.dtype.kind != "f":
+        return x
+    if decimals == 0:
+        return ctx.op("ROUND", [x])
+    p = _c(ctx, 10.0 ** abs(decimals), x)
+    scale, unscale = ("MUL", "DIV") if decimals > 0 else ("DIV", "MUL")
+    return ctx.op(unscale, [ctx.op("ROUND", [ctx.op(scale, [x, p])]), p])
+
+
 def _float_unary(ctx, x) -> Tensor:
     return operand(ctx, x, ctx.promoted_dtype(Kind.INT_TO_FLOAT))
 

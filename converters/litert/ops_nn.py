@@ -666,7 +666,11 @@ def addmm(ctx, bias, a, b, *, beta=1, alpha=1):
         w = b.data.T * alpha if alpha != 1 else b.data.T
         bv = np.broadcast_to(bias.data if isinstance(bias, Tensor) else np.asarray(bias, a.dtype), (b.shape[1],))
         return fully_connected(ctx, a, w, bv * beta if beta != 1 else bv, ctx.out_shape())
-    y = matmul(ctx, a, b)
+    return _beta_alpha(ctx, bias, matmul(ctx, a, b), beta, alpha)
+
+
+def _beta_alpha(ctx, bias, y: Tensor, beta, alpha) -> Tensor:
+    # ``beta * bias + alpha * y`` as torch's addmm family computes it (beta=0 ignores the bias, NaNs too)
     if alpha != 1:
         y = ctx.op("MUL", [y, ctx.const(np.asarray(alpha, y.dtype))])
     if beta == 0:
@@ -674,6 +678,21 @@ def addmm(ctx, bias, a, b, *, beta=1, alpha=1):
     if beta != 1:
         bias = ctx.op("MUL", [bias, ctx.const(np.asarray(beta, y.dtype))], shape=bias.shape)
     return ctx.op("ADD", [y, bias])
+
+
+@builds(aten.addmv.default)
+def addmv(ctx, bias, mat, vec, *, beta=1, alpha=1):
+    return _beta_alpha(ctx, bias, matmul(ctx, mat, vec), beta, alpha)
+
+
+@builds(aten.addbmm.default)
+def addbmm(ctx, bias, b1, b2, *, beta=1, alpha=1):
+    # the sum over the batch of b1[i] @ b2[i]
+    if b1.shape[-1] == 0 or b1.shape[0] == 0:
+        return _beta_alpha(ctx, bias, ctx.const(np.zeros(ctx.out_shape(), ctx.out_dtype())), beta, alpha)
+    products = batch_matmul(ctx, b1, b2, (b1.shape[0], b1.shape[1], b2.shape[2]))
+    y = ctx.op("SUM", [products, np.asarray([0], np.int32)], shape=products.shape[1:], dtype=products.dtype)
+    return _beta_alpha(ctx, bias, y, beta, alpha)
 
 
 @builds(aten.baddbmm.default)
