@@ -169,3 +169,13 @@ def test_damaged_files_are_refused(tmp_path):
         path.write_bytes(data)
         with pytest.raises(tte.ArtifactError):
             tte.load(path)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
+@pytest.mark.parametrize("padding_mode", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_grid_sample_modes(mode, padding_mode, align_corners):
+    g = torch.Generator().manual_seed(0)
+    x, grid = torch.randn(2, 3, 5, 7, generator=g), torch.rand(2, 4, 6, 2, generator=g) * 2.6 - 1.3  # some outside
+    _check(Fn(lambda x, grid: F.grid_sample(x, grid, mode=mode, padding_mode=padding_mode,
+                                            align_corners=align_corners)), (x, grid))

@@ -958,3 +958,98 @@ def embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sp
         return ctx.reshape(rows, ctx.out_shape())
     return ctx.op("GATHER", [weight, ctx.cast(indices, I32)], axis=0)
 
+
+
+# ---- grid sampling -------------------------------------------------------------------------
+
+_BILINEAR, _NEAREST, _BICUBIC = 0, 1, 2
+_BORDER, _REFLECTION = 1, 2
+
+
+@builds(aten.grid_sampler_2d.default)
+def grid_sampler_2d(ctx, x, grid, interpolation_mode, padding_mode, align_corners):
+    """F.grid_sample: every output point gathers its 1, 4 or 16 input taps from the NHWC input as
+    a flat (N*H*W, C) table (GATHER), weighted, with zero weight outside the input."""
+    n, c, h, w = ctx.static(x.shape, "its tap positions index a flat table of the input")
+    oh, ow = ctx.static(grid.shape[1:3], "its output size is the grid's")
+    dt = x.dtype
+    pts = (n, oh, ow)
+
+    def f(code, *ins):  # an elementwise op on (n, oh, ow) values
+        return ctx.op(code, [i if isinstance(i, Tensor) else ctx.const(np.asarray(i, dt)) for i in ins],
+                      shape=pts, dtype=BOOL if code in ("GREATER_EQUAL", "LESS", "LOGICAL_AND", "EQUAL") else dt)
+
+    def coord(axis, size):
+        g = ctx.reshape(ctx.op("GATHER", [ctx.cast(grid, dt), ctx.const(np.asarray([axis], np.int32))],
+                               shape=pts + (1,), dtype=dt, axis=3), pts)
+        scale = (size - 1) / 2 if align_corners else size / 2  # [-1, 1] -> pixel coordinates
+        return f("ADD", f("MUL", g, scale), (size - 1) / 2)
+
+    def pad(v, size):
+        if padding_mode == _BORDER:
+            return f("MINIMUM", f("MAXIMUM", v, 0.0), size - 1.0)
+        if padding_mode == _REFLECTION:
+            low, high = (0.0, size - 1.0) if align_corners else (-0.5, size - 0.5)
+            if high == low:
+                return ctx.const(np.zeros(pts, dt))
+            span = high - low
+            d = f("ABS", f("SUB", v, low))
+            extra = f("FLOOR_MOD", d, span)
+            even = f("EQUAL", f("FLOOR_MOD", f("FLOOR", f("DIV", d, span)), 2.0), 0.0)
+            v = ctx.op("SELECT_V2", [even, f("ADD", extra, low), f("SUB", span + low, extra)], shape=pts, dtype=dt)
+            return f("MINIMUM", f("MAXIMUM", v, 0.0), size - 1.0)
+        return v
+
+    table = ctx.reshape(ctx.transpose(x, (0, 2, 3, 1)), (n * h * w, c))
+    base = ctx.const(np.broadcast_to((np.arange(n) * h * w).reshape(n, 1, 1), pts).astype(dt))
+
+    def tap(ix, iy, weight):
+        # weight * x[b, :, iy, ix] as (n, oh, ow, c), zero where (ix, iy) is outside the input
+        inside = f("LOGICAL_AND", f("LOGICAL_AND", f("GREATER_EQUAL", ix, 0.0), f("LESS", ix, float(w))),
+                   f("LOGICAL_AND", f("GREATER_EQUAL", iy, 0.0), f("LESS", iy, float(h))))
+        xi = f("MINIMUM", f("MAXIMUM", ix, 0.0), w - 1.0)
+        yi = f("MINIMUM", f("MAXIMUM", iy, 0.0), h - 1.0)
+        flat = ctx.cast(f("ADD", base, f("ADD", f("MUL", yi, float(w)), xi)), I32)
+        vals = ctx.op("GATHER", [table, flat], shape=pts + (c,), dtype=dt, axis=0)
+        wgt = ctx.op("SELECT_V2", [inside, weight, ctx.const(np.zeros((), dt))], shape=pts, dtype=dt)
+        return ctx.op("MUL", [vals, ctx.reshape(wgt, pts + (1,))], shape=pts + (c,), dtype=dt)
+
+    def add(a, b):
+        return b if a is None else ctx.op("ADD", [a, b], shape=pts + (c,), dtype=dt)
+
+    ix, iy = coord(0, w), coord(1, h)
+    out = None
+    if interpolation_mode == _BICUBIC:
+        x0, y0 = f("FLOOR", ix), f("FLOOR", iy)
+        wx, wy = _cubic_weights(f, f("SUB", ix, x0)), _cubic_weights(f, f("SUB", iy, y0))
+        for j in range(4):
+            yy = pad(f("ADD", y0, j - 1.0), h)
+            for i in range(4):
+                out = add(out, tap(pad(f("ADD", x0, i - 1.0), w), yy, f("MUL", wx[i], wy[j])))
+    else:
+        ix, iy = pad(ix, w), pad(iy, h)
+        if interpolation_mode == _NEAREST:  # round half to even, like torch's nearbyint
+            out = tap(f("ROUND", ix), f("ROUND", iy), ctx.const(np.ones(pts, dt)))
+        else:
+            x0, y0 = f("FLOOR", ix), f("FLOOR", iy)
+            x1, y1 = f("ADD", x0, 1.0), f("ADD", y0, 1.0)
+            for xx, yy, wx_, wy_ in ((x0, y0, f("SUB", x1, ix), f("SUB", y1, iy)),
+                                     (x1, y0, f("SUB", ix, x0), f("SUB", y1, iy)),
+                                     (x0, y1, f("SUB", x1, ix), f("SUB", iy, y0)),
+                                     (x1, y1, f("SUB", ix, x0), f("SUB", iy, y0))):
+                out = add(out, tap(xx, yy, f("MUL", wx_, wy_)))
+    return ctx.transpose(out, (0, 3, 1, 2))
+
+
+def _cubic_weights(f, t):
+    # torch's bicubic convolution weights (A = -0.75) of the 4 taps around a point at fraction t
+    a = -0.75
+
+    def near(s):  # |s| <= 1: ((a + 2) s - (a + 3)) s^2 + 1
+        return f("ADD", f("MUL", f("MUL", f("SUB", f("MUL", s, a + 2), a + 3), s), s), 1.0)
+
+    def far(s):  # 1 < |s| < 2: ((a s - 5a) s + 8a) s - 4a
+        return f("SUB", f("MUL", f("ADD", f("MUL", f("SUB", f("MUL", s, a), 5 * a), s), 8 * a), s), 4 * a)
+
+    one_minus = f("SUB", 1.0, t)
+    return far(f("ADD", t, 1.0)), near(t), near(one_minus), far(f("SUB", 2.0, t))
