@@ -209,3 +209,28 @@ def searchsorted(ctx, sorted_sequence, values, *, out_int32=False, right=False, 
 @lowers(aten.bucketize.Tensor)
 def bucketize(ctx, values, boundaries, *, out_int32=False, right=False):
     return _searchsorted(boundaries, values, right, ctx.out_dtype())
+
+
+@lowers(aten.scatter.reduce, aten.scatter.value_reduce)
+def scatter_reduce_legacy(ctx, x, dim, index, src, *, reduce):
+    # the older scatter(reduce=) form: "add" or "multiply" into self
+    if x.ndim == 0:
+        x1 = scatter_reduce_legacy(ctx, x.reshape(1), 0, index.reshape(-1), jnp.asarray(src).reshape(-1)
+                                   if jnp.ndim(src) else src, reduce=reduce)
+        return x1.reshape(())
+    grid = _grid(_wrap(index, x.shape[dim]), dim)
+    src = _src_like(src, index, x.dtype)
+    if reduce == "add":
+        return x.at[grid].add(src)
+    if reduce == "multiply":
+        return x.at[grid].multiply(src)
+    raise ValueError(f"unknown reduce {reduce!r}")
+
+
+@lowers(aten.put.default)
+def put(ctx, x, index, source, accumulate=False):
+    flat = jnp.reshape(x, (-1,))
+    index = _wrap(index.reshape(-1), flat.shape[0])
+    source = ctx.cast(source, x.dtype).reshape(-1)
+    flat = flat.at[index].add(source) if accumulate else flat.at[index].set(source)
+    return flat.reshape(x.shape)

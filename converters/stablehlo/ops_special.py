@@ -1,0 +1,120 @@
+"""Special functions: Bessel, incomplete gamma, zeta, erfcx, ndtri and the orthogonal polynomials.
+
+The polynomial rules follow torch's kernels (aten/src/ATen/native/Math.h) step for step: the same
+special cases and the same three-term recurrences, run for ``n`` steps per element.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Kind
+
+import torch
+
+from .ops_elementwise import _binary, _unary, opmath
+from .registry import lowers
+
+aten = torch.ops.aten
+special = jax.scipy.special
+
+for _op, _fn in [
+    (aten.i0.default, special.i0), (aten.special_i0e.default, special.i0e),
+    (aten.special_i1.default, special.i1), (aten.special_i1e.default, special.i1e),
+    (aten.special_modified_bessel_i0.default, special.i0), (aten.special_modified_bessel_i1.default, special.i1),
+    (aten.special_erfcx.default, special.erfcx), (aten.special_ndtri.default, special.ndtri),
+]:
+    _unary(_op, _fn, Kind.INT_TO_FLOAT)
+
+_binary([aten.igamma.default], special.gammainc, Kind.INT_TO_FLOAT)
+_binary([aten.igammac.default], special.gammaincc, Kind.INT_TO_FLOAT)
+_binary([aten.special_zeta.default, aten.special_zeta.other_scalar, aten.special_zeta.self_scalar],
+        special.zeta, Kind.INT_TO_FLOAT)
+
+
+def _recurrence(n_steps, p, q, step):
+    """Runs ``r = step(k, p, q); p, q = q, r`` for k = 1..n_steps (per element) and returns q."""
+    n_steps = jnp.broadcast_to(n_steps, q.shape)
+    bound = jnp.max(n_steps, initial=0)
+
+    def body(state):
+        k, p, q = state
+        r = step(k.astype(q.dtype), p, q)
+        live = k <= n_steps
+        return k + 1, jnp.where(live, q, p), jnp.where(live, r, q)
+
+    _, _, q = lax.while_loop(lambda s: s[0] <= bound, body, (jnp.ones((), n_steps.dtype), p, q))
+    return q
+
+
+def _polynomial(ops, fn):
+    @lowers(*ops)
+    def rule(ctx, x, n):
+        dt = opmath(ctx.promoted_dtype())
+        x, n = jnp.asarray(x, dt), jnp.asarray(n)
+        # torch's kernels take n as an integer (truncating a floating n)
+        n = (jnp.trunc(n) if jnp.issubdtype(n.dtype, jnp.inexact) else n).astype(jnp.int32)
+        x, n = jnp.broadcast_arrays(x, n)
+        return fn(x, n)
+    return rule
+
+
+def _chebyshev_t(x, n):
+    one = jnp.ones_like(x)
+    rec = _recurrence(n - 1, one, x, lambda k, p, q: (x + x) * q - p)
+    out = jnp.where(n == 0, one, jnp.where(n == 1, x, rec))
+    out = jnp.where((n > 6) & (jnp.abs(x) < 1), jnp.cos(n * jnp.arccos(x)), out)
+    out = jnp.where(jnp.abs(x) == 1, jnp.where((x > 0) | (n % 2 == 0), one, -one), out)
+    return jnp.where(n < 0, jnp.zeros_like(x), out)
+
+
+def _chebyshev_u(x, n):
+    one = jnp.ones_like(x)
+    rec = _recurrence(n - 1, one, x + x, lambda k, p, q: (x + x) * q - p)
+    out = jnp.where(n == 0, one, jnp.where(n == 1, x + x, rec))
+    theta = jnp.arccos(x)
+    n1 = (n + 1).astype(x.dtype)
+    big = jnp.where(jnp.sin(theta) != 0, jnp.sin(n1 * theta) / jnp.sin(theta), n1 * jnp.cos(n1 * theta) / x)
+    out = jnp.where((n > 8) & (jnp.abs(x) < 1), big, out)
+    out = jnp.where(jnp.abs(x) == 1, jnp.where((x > 0) | (n % 2 == 0), n1, -n1), out)
+    return jnp.where(n < 0, jnp.zeros_like(x), out)
+
+
+def _hermite_h(x, n):
+    one = jnp.ones_like(x)
+    # torch steps k = 2, 4, ..., 2n - 2: H_{j+1} = 2x H_j - 2j H_{j-1}
+    rec = _recurrence(n - 1, one, x + x, lambda k, p, q: (x + x) * q - (k + k) * p)
+    out = jnp.where(n == 0, one, jnp.where(n == 1, x + x, rec))
+    return jnp.where(n < 0, jnp.zeros_like(x), out)
+
+
+def _hermite_he(x, n):
+    one = jnp.ones_like(x)
+    rec = _recurrence(n - 1, one, x, lambda k, p, q: x * q - k * p)
+    out = jnp.where(n == 0, one, jnp.where(n == 1, x, rec))
+    return jnp.where(n < 0, jnp.zeros_like(x), out)
+
+
+def _laguerre_l(x, n):
+    one = jnp.ones_like(x)
+    rec = _recurrence(n - 1, one, one - x, lambda k, p, q: (((k + k) + (one - x)) * q - k * p) / (k + 1))
+    out = jnp.where(n == 0, one, jnp.where(n == 1, one - x, rec))
+    out = jnp.where(x == 0, one, out)
+    return jnp.where(n < 0, jnp.zeros_like(x), out)
+
+
+for _name, _fn in [("chebyshev_polynomial_t", _chebyshev_t), ("chebyshev_polynomial_u", _chebyshev_u),
+                   ("hermite_polynomial_h", _hermite_h), ("hermite_polynomial_he", _hermite_he),
+                   ("laguerre_polynomial_l", _laguerre_l)]:
+    _packet = getattr(aten, "special_" + _name)
+    _polynomial([_packet.default, _packet.x_scalar, _packet.n_scalar], _fn)
+
+
+def _bessel_j(order):
+    def fn(x):
+        return special.bessel_jn(x, v=order)[order]
+    return fn
+
+
+_unary(aten.special_bessel_j0.default, _bessel_j(0), Kind.INT_TO_FLOAT)
+_unary(aten.special_bessel_j1.default, _bessel_j(1), Kind.INT_TO_FLOAT)
