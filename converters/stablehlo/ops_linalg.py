@@ -207,14 +207,14 @@ def linalg_pinv(ctx, a, *, atol=None, rtol=None, hermitian=False):
         rtol = default if atol is None else jnp.where(jnp.asarray(atol) > 0, jnp.zeros((), real), default)
     atol = jnp.zeros((), real) if atol is None else jnp.asarray(atol, real)
     rtol = jnp.asarray(rtol, real)
+    if 0 in a.shape:
+        return jnp.zeros(ctx.out_shape(), a.dtype)
     if hermitian:
         w, v = jnp.linalg.eigh(a, symmetrize_input=False)
         s = jnp.abs(w)
         tol = jnp.maximum(atol[..., None], rtol[..., None] * jnp.max(s, axis=-1, keepdims=True))
         w_inv = jnp.where(s > tol, 1 / w, 0).astype(a.dtype)
         return (v * w_inv[..., None, :]) @ _mH(v)
-    if 0 in a.shape:
-        return jnp.zeros(ctx.out_shape(), a.dtype)
     u, s, vh = jnp.linalg.svd(a, full_matrices=False)
     smax = jnp.max(s, axis=-1, keepdims=True)
     tol = jnp.maximum(atol[..., None], rtol[..., None] * smax)
@@ -228,3 +228,77 @@ def linalg_matrix_exp(ctx, a):
         return a
     flat = a.reshape((-1,) + a.shape[-2:])
     return jax.vmap(jax.scipy.linalg.expm)(flat).reshape(a.shape)
+
+
+@lowers(aten._linalg_det.default)
+def linalg_det(ctx, a):
+    lu, piv, _ = _lu(a)
+    n = a.shape[-1]
+    swaps = jnp.sum(piv != jnp.arange(n, dtype=piv.dtype), axis=-1)
+    parity = jnp.where(swaps % 2 == 1, -1, 1).astype(a.dtype)
+    det = parity * jnp.prod(jnp.diagonal(lu, axis1=-2, axis2=-1), axis=-1)
+    return det, lu, (piv + 1).astype(jnp.int32)
+
+
+def _unpack(lu, perm, m, n):
+    """P, L, U of A = P L U from getrf's packed LU and the row permutation (A[perm] = L U)."""
+    k = min(m, n)
+    L = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=lu.dtype)
+    U = jnp.triu(lu[..., :k, :])
+    # P[perm[i], i] = 1
+    P = jnp.swapaxes(jax.nn.one_hot(perm, m, dtype=lu.dtype), -1, -2)
+    return P, L, U
+
+
+@lowers(aten.linalg_lu.default)
+def linalg_lu(ctx, a, *, pivot=True):
+    if not pivot:
+        raise NotImplementedError("linalg_lu with pivot=False (torch supports it on CUDA only)")
+    m, n = a.shape[-2:]
+    lu, _, perm = _lu(a)
+    return _unpack(lu, perm, m, n)
+
+
+@lowers(aten.lu_unpack.default)
+def lu_unpack(ctx, lu, pivots, unpack_data=True, unpack_pivots=True):
+    m, n = lu.shape[-2:]
+    perm = lax.linalg.lu_pivots_to_permutation(pivots.astype(jnp.int32) - 1, m)
+    P, L, U = _unpack(lu, perm, m, n)
+    if not unpack_data:
+        L, U = jnp.zeros(ctx.out_shape(1), lu.dtype), jnp.zeros(ctx.out_shape(2), lu.dtype)
+    if not unpack_pivots:
+        P = jnp.zeros(ctx.out_shape(0), lu.dtype)
+    return P, L, U
+
+
+@lowers(aten._linalg_solve_ex.default)
+def linalg_solve_ex(ctx, a, b, *, left=True, check_errors=False):
+    lu, piv, _ = _lu(a)
+    vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and b.shape == a.shape[:-1])
+    bm = b[..., None] if vector else b
+    if left:
+        x = _lu_solve(lu, piv + 1, bm, False)
+    else:
+        x = _mH(_lu_solve(lu, piv + 1, _mH(bm), True))
+    x = x[..., 0] if vector else x
+    return x, lu, (piv + 1).astype(jnp.int32), _lu_info(lu)
+
+
+@lowers(aten.geqrf.default)
+def geqrf(ctx, a):
+    # jax has the geqrf primitive (LAPACK's, like torch's) but does not re-export it in jax.lax.linalg
+    from jax._src.lax.linalg import geqrf as _geqrf
+    return _geqrf(a)
+
+
+@lowers(aten.ormqr.default)
+def ormqr(ctx, a, tau, c, left=True, transpose=False):
+    # the full m x m Q of geqrf's reflectors: zero-padded columns and taus are identity reflectors
+    m, k = a.shape[-2], tau.shape[-1]
+    a = a[..., :, :k]
+    a = jnp.concatenate([a, jnp.zeros(a.shape[:-1] + (m - k,), a.dtype)], axis=-1)
+    tau = jnp.concatenate([tau, jnp.zeros(tau.shape[:-1] + (m - k,), tau.dtype)], axis=-1)
+    q = lax.linalg.householder_product(a, tau)
+    if transpose:
+        q = _mH(q)
+    return q @ c if left else c @ q

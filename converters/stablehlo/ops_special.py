@@ -103,7 +103,79 @@ def _laguerre_l(x, n):
     return jnp.where(n < 0, jnp.zeros_like(x), out)
 
 
-for _name, _fn in [("chebyshev_polynomial_t", _chebyshev_t), ("chebyshev_polynomial_u", _chebyshev_u),
+def _odd_even(n, odd, even):
+    return jnp.where(n % 2 == 0, even, odd)
+
+
+def _chebyshev_v(x, n):
+    one = jnp.ones_like(x)
+    n21 = (n + n + 1).astype(x.dtype)
+    rec = _recurrence(n - 1, one, x + x - 1, lambda k, p, q: (x + x) * q - p)
+    out = jnp.where(n == 0, one, jnp.where(n == 1, x + x - 1, rec))
+    t = jnp.arccos(x)
+    big = jnp.where(jnp.sin(t / 2) != 1, jnp.cos((n + 0.5) * t) / jnp.cos(t / 2), _odd_even(n, -n21, n21))
+    out = jnp.where((n > 8) & (jnp.abs(x) < 1), big, out)
+    out = jnp.where(jnp.abs(x) == 1, jnp.where(x > 0, one, _odd_even(n, -n21, n21)), out)
+    return jnp.where(n < 0, jnp.zeros_like(x), out)
+
+
+def _chebyshev_w(x, n):
+    one = jnp.ones_like(x)
+    n21 = (n + n + 1).astype(x.dtype)
+    rec = _recurrence(n - 1, one, x + x + 1, lambda k, p, q: (x + x) * q - p)
+    out = jnp.where(n == 0, one, jnp.where(n == 1, x + x + 1, rec))
+    t = jnp.arccos(x)
+    at_one = jnp.where(x > 0, n21, _odd_even(n, -one, one))
+    big = jnp.where(jnp.cos(t / 2) != 1, jnp.sin((n + 0.5) * t) / jnp.sin(t / 2), at_one)
+    out = jnp.where((n > 8) & (jnp.abs(x) < 1), big, out)
+    out = jnp.where(jnp.abs(x) == 1, at_one, out)
+    return jnp.where(n < 0, jnp.zeros_like(x), out)
+
+
+def _legendre_p(x, n):
+    one = jnp.ones_like(x)
+    rec = _recurrence(n - 1, one, x, lambda k, p, q: ((k + k + 1) * x * q - k * p) / (k + 1))
+    out = jnp.where(n == 0, one, jnp.where(n == 1, x, rec))
+    out = jnp.where(jnp.abs(x) == 1, jnp.where((x > 0) | (n % 2 == 0), one, -one), out)
+    return jnp.where(n < 0, jnp.zeros_like(x), out)
+
+
+def _shifted(kind):
+    """torch's shifted Chebyshev polynomials: T*, U*, V*, W* of y = 2x - 1, with their own special cases."""
+    def fn(x, n):
+        one = jnp.ones_like(x)
+        y = x + x - 1
+        n1, n21 = (n + 1).astype(x.dtype), (n + n + 1).astype(x.dtype)
+        first = {"t": y, "u": y + y, "v": y + y - 1, "w": y + y + 1}[kind]
+        rec = _recurrence(n - 1, one, first, lambda k, p, q: (y + y) * q - p)
+        out = jnp.where(n == 0, one, jnp.where(n == 1, first, rec))
+        t = jnp.arccos(y)
+        if kind == "t":
+            big, threshold = jnp.cos(n * t), 6
+            at_one, at_zero = one, _odd_even(n, -one, one)
+        elif kind == "u":
+            big = jnp.where(jnp.sin(t) != 0, jnp.sin(n1 * t) / jnp.sin(t), n1 * jnp.cos(n1 * t) / y)
+            threshold, at_one, at_zero = 6, n1, _odd_even(n, -n1, n1)
+        elif kind == "v":
+            at_one, at_zero = one, _odd_even(n, -n21, n21)
+            big = jnp.where(jnp.sin(t / 2) != 1, jnp.cos((n + 0.5) * t) / jnp.cos(t / 2), at_zero)
+            threshold = 6
+        else:
+            at_one, at_zero = n21, _odd_even(n, -one, one)
+            big = jnp.where(jnp.cos(t / 2) != 1, jnp.sin((n + 0.5) * t) / jnp.sin(t / 2), at_zero)
+            threshold = 4
+        out = jnp.where((n > threshold) & (jnp.abs(y) < 1), big, out)
+        out = jnp.where(x == 0, at_zero, out)
+        out = jnp.where(x == 1, at_one, out)
+        return jnp.where(n < 0, jnp.zeros_like(x), out)
+    return fn
+
+
+for _name, _fn in [("chebyshev_polynomial_v", _chebyshev_v), ("chebyshev_polynomial_w", _chebyshev_w),
+                   ("legendre_polynomial_p", _legendre_p),
+                   ("shifted_chebyshev_polynomial_t", _shifted("t")), ("shifted_chebyshev_polynomial_u", _shifted("u")),
+                   ("shifted_chebyshev_polynomial_v", _shifted("v")), ("shifted_chebyshev_polynomial_w", _shifted("w")),
+                   ("chebyshev_polynomial_t", _chebyshev_t), ("chebyshev_polynomial_u", _chebyshev_u),
                    ("hermite_polynomial_h", _hermite_h), ("hermite_polynomial_he", _hermite_he),
                    ("laguerre_polynomial_l", _laguerre_l)]:
     _packet = getattr(aten, "special_" + _name)
@@ -118,3 +190,27 @@ def _bessel_j(order):
 
 _unary(aten.special_bessel_j0.default, _bessel_j(0), Kind.INT_TO_FLOAT)
 _unary(aten.special_bessel_j1.default, _bessel_j(1), Kind.INT_TO_FLOAT)
+
+
+def _spherical_bessel_j0(x):
+    x2 = x * x
+    series = 1 + x2 * (-1 / 6 + x2 * (1 / 120 + x2 * (-1 / 5040 + x2 * (1 / 362880 + x2 * (
+        -1 / 39916800 + x2 * (1 / 6227020800))))))
+    out = jnp.where(jnp.abs(x) < 0.5, series, jnp.sin(x) / x)
+    return jnp.where(jnp.isinf(x), jnp.zeros_like(x), out)
+
+
+_unary(aten.special_spherical_bessel_j0.default, _spherical_bessel_j0, Kind.INT_TO_FLOAT)
+
+
+@lowers(aten.polygamma.default)
+def polygamma(ctx, n, x):
+    x = ctx.cast(x, opmath(ctx.out_dtype()))
+    return special.digamma(x) if n == 0 else special.polygamma(n, x)
+
+
+@lowers(aten.ldexp.Tensor)
+def ldexp(ctx, x, other):
+    # torch: x * 2 ** other, in x's floating type
+    dt = opmath(ctx.out_dtype())
+    return ctx.cast(x, dt) * jnp.exp2(ctx.cast(other, dt))
