@@ -206,7 +206,64 @@ _unary(aten.special_spherical_bessel_j0.default, _spherical_bessel_j0, Kind.INT_
 @lowers(aten.polygamma.default)
 def polygamma(ctx, n, x):
     x = ctx.cast(x, opmath(ctx.out_dtype()))
-    return special.digamma(x) if n == 0 else special.polygamma(n, x)
+    if n == 0:
+        return special.digamma(x)
+    if n == 1:
+        return _trigamma(x)
+    # torch: (-1)^(n+1) n! zeta(n+1, x)
+    sign = 1.0 if n % 2 else -1.0
+    return sign * jnp.exp(special.gammaln(jnp.asarray(n + 1.0, x.dtype))) * _cephes_zeta(jnp.asarray(n + 1.0, x.dtype), x)
+
+
+# Euler-Maclaurin coefficients of Cephes' zeta (torch's Math.h)
+_ZETA_A = (12.0, -720.0, 30240.0, -1209600.0, 47900160.0, -1.8924375803183791606e9, 7.47242496e10,
+           -2.950130727918164224e12, 1.1646782814350067249e14, -4.5979787224074726105e15,
+           1.8152105401943546773e17, -7.1661652561756670113e18)
+
+
+def _cephes_zeta(x, q):
+    """torch's Hurwitz zeta (Cephes): unlike jax's, it is defined for negative non-integer q and integer x."""
+    x, q = jnp.broadcast_arrays(x, q)
+    s = jnp.power(q, -x)
+
+    def body(state):
+        i, a, s, b = state
+        live = (i < 9) | (a <= 9)
+        a1 = a + 1
+        b1 = jnp.power(a1, -x)
+        return i + 1, jnp.where(live, a1, a), jnp.where(live, s + b1, s), jnp.where(live, b1, b)
+
+    _, a, s, b = lax.while_loop(lambda st: jnp.any((st[0] < 9) | (st[1] <= 9)), body,
+                                (jnp.zeros((), jnp.int32), q, s, jnp.zeros_like(s)))
+    w = a
+    s = s + b * w / (x - 1) - 0.5 * b
+    a, k = jnp.ones_like(s), jnp.zeros_like(s)
+    for coef in _ZETA_A:
+        a = a * (x + k)
+        b = b / w
+        s = s + a * b / coef
+        k = k + 1
+        a = a * (x + k)
+        b = b / w
+        k = k + 1
+    s = jnp.where((q <= 0) & (x != jnp.floor(x)), jnp.nan, s)
+    s = jnp.where((q <= 0) & (q == jnp.floor(q)), jnp.inf, s)
+    s = jnp.where(x < 1, jnp.nan, s)
+    return jnp.where(x == 1, jnp.inf, s)
+
+
+def _trigamma(x):
+    """torch's trigamma: reflection below 1/2, six recurrence steps, then the asymptotic series."""
+    neg = x < 0.5
+    reflect = -(jnp.pi * jnp.pi) / jnp.square(jnp.sin(jnp.pi * x))
+    x = jnp.where(neg, 1 - x, x)
+    result = jnp.zeros_like(x)
+    for _ in range(6):
+        result = result + 1 / (x * x)
+        x = x + 1
+    ixx = 1 / (x * x)
+    result = result + (1 + 1 / (2 * x) + ixx * (1 / 6 - ixx * (1 / 30 - ixx * (1 / 42)))) / x
+    return jnp.where(neg, -(reflect + result), result)
 
 
 @lowers(aten.ldexp.Tensor)
