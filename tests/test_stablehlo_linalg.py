@@ -68,7 +68,8 @@ class Special(torch.nn.Module):
         return (torch.special.i1e(x), torch.special.erfcx(x), torch.special.ndtri(torch.sigmoid(x)),
                 torch.special.chebyshev_polynomial_t(x.tanh(), n), torch.special.hermite_polynomial_h(x, n),
                 torch.special.legendre_polynomial_p(x.tanh(), n), torch.polygamma(2, x), torch.special.zeta(x.abs() + 1, 2.0),
-                torch.igamma(x.abs() + 0.1, x.abs()))
+                torch.igamma(x.abs() + 0.1, x.abs()), torch.special.bessel_j0(3 * x), torch.special.bessel_y1(x.abs() * 4),
+                torch.special.modified_bessel_k0(x.abs()))
 
 
 def test_special_functions_match_torch():
