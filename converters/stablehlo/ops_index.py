@@ -234,3 +234,15 @@ def put(ctx, x, index, source, accumulate=False):
     source = ctx.cast(source, x.dtype).reshape(-1)
     flat = flat.at[index].add(source) if accumulate else flat.at[index].set(source)
     return flat.reshape(x.shape)
+
+
+@lowers(aten.index_reduce.default)
+def index_reduce(ctx, x, dim, index, source, reduce, *, include_self=True):
+    # index_reduce is scatter_reduce with the 1-D index spread over the source's other dims
+    if x.ndim == 0:
+        return scatter_reduce(ctx, x, 0, index.reshape(-1), source.reshape(-1), reduce, include_self=include_self)
+    dim = dim % x.ndim
+    shape = [1] * source.ndim
+    shape[dim] = index.shape[0]
+    full_index = jnp.broadcast_to(index.reshape(shape), source.shape)
+    return scatter_reduce(ctx, x, dim, full_index, source, reduce, include_self=include_self)
