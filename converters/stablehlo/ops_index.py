@@ -246,3 +246,12 @@ def index_reduce(ctx, x, dim, index, source, reduce, *, include_self=True):
     shape[dim] = index.shape[0]
     full_index = jnp.broadcast_to(index.reshape(shape), source.shape)
     return scatter_reduce(ctx, x, dim, full_index, source, reduce, include_self=include_self)
+
+
+@lowers(aten.masked_select.default)
+def masked_select(ctx, x, mask):
+    # the selected elements padded to the broadcast size, valid only as a program output (like x[mask])
+    x, mask = jnp.broadcast_arrays(x, mask)
+    flat, m = x.reshape(-1), mask.reshape(-1)
+    rows = jnp.nonzero(m, size=m.size, fill_value=0)
+    return Ragged(flat[rows], jnp.sum(m, dtype=jnp.int64))

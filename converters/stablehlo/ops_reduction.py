@@ -344,3 +344,35 @@ def histc(ctx, x, bins=100, min=0, max=0):
 def dist(ctx, a, b, p=2):
     dt = ctx.out_dtype()
     return linalg_vector_norm(ctx, ctx.cast(a, dt) - ctx.cast(b, dt), p)
+
+
+def _histogram(x, edges, weight, density):
+    """torch.histogram's counts over ascending ``edges``: bins are [e_i, e_i+1), the last one closed."""
+    x = x.reshape(-1)
+    bins = edges.shape[0] - 1
+    pos = jnp.searchsorted(edges, x, side="right") - 1
+    pos = jnp.where(x == edges[-1], bins - 1, pos)
+    inside = (x >= edges[0]) & (x <= edges[-1])
+    w = jnp.ones_like(x) if weight is None else weight.reshape(-1).astype(x.dtype)
+    hist = jnp.zeros((bins,), x.dtype).at[jnp.clip(pos, 0, bins - 1)].add(jnp.where(inside, w, 0))
+    if density:
+        hist = hist / (jnp.sum(hist) * jnp.diff(edges))
+    return hist, edges
+
+
+@lowers(aten.histogram.bin_ct)
+def histogram(ctx, x, bins=100, *, range=None, weight=None, density=False):
+    if range is not None:
+        lo, hi = jnp.asarray(range[0], x.dtype), jnp.asarray(range[1], x.dtype)
+    elif x.size:
+        lo, hi = jnp.min(x), jnp.max(x)
+    else:
+        lo, hi = jnp.zeros((), x.dtype), jnp.zeros((), x.dtype)
+    same = lo == hi
+    lo, hi = jnp.where(same, lo - 0.5, lo), jnp.where(same, hi + 0.5, hi)
+    return _histogram(x, jnp.linspace(lo, hi, bins + 1, dtype=x.dtype), weight, density)
+
+
+@lowers(aten.histogram.bins_tensor)
+def histogram_edges(ctx, x, bins, *, weight=None, density=False):
+    return _histogram(x, bins.astype(x.dtype), weight, density)
