@@ -376,3 +376,40 @@ def histogram(ctx, x, bins=100, *, range=None, weight=None, density=False):
 @lowers(aten.histogram.bins_tensor)
 def histogram_edges(ctx, x, bins, *, weight=None, density=False):
     return _histogram(x, bins.astype(x.dtype), weight, density)
+
+
+@lowers(aten.segment_reduce.default)
+def segment_reduce(ctx, data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False,
+                   initial=None):
+    """Reduces consecutive segments of ``data`` along ``axis`` (given by lengths or offsets), like torch."""
+    if lengths is None:
+        if offsets is None:
+            raise NotImplementedError("segment_reduce needs lengths or offsets")
+        lengths = offsets[..., 1:] - offsets[..., :-1]
+    if lengths.ndim != 1:
+        raise NotImplementedError("segment_reduce with per-row (batched) lengths")
+    axis = axis % data.ndim
+    x = jnp.moveaxis(data, axis, 0)
+    n_seg = lengths.shape[0]
+    ends = jnp.cumsum(lengths)
+    seg = jnp.searchsorted(ends, jnp.arange(x.shape[0]), side="right")  # segment of every row
+    count = lengths.astype(x.dtype).reshape((n_seg,) + (1,) * (x.ndim - 1))
+    empty = count == 0
+    init = None if initial is None else jnp.asarray(initial, x.dtype)
+    if reduce in ("sum", "mean"):
+        out = jax.ops.segment_sum(x, seg, n_seg)
+        if init is not None:
+            out = out + init
+        if reduce == "mean":
+            out = jnp.where(empty, jnp.nan if init is None else init, out / jnp.where(empty, 1, count))
+    elif reduce == "prod":
+        out = jax.ops.segment_prod(x, seg, n_seg)
+        out = out if init is None else out * init
+    elif reduce in ("max", "min"):
+        fn = jax.ops.segment_max if reduce == "max" else jax.ops.segment_min
+        out = fn(x, seg, n_seg)  # empty segments: -inf / inf
+        if init is not None:
+            out = (jnp.maximum if reduce == "max" else jnp.minimum)(out, init)
+    else:
+        raise ValueError(f"unknown reduce {reduce!r}")
+    return jnp.moveaxis(out, 0, axis)
