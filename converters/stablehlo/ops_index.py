@@ -255,3 +255,38 @@ def masked_select(ctx, x, mask):
     flat, m = x.reshape(-1), mask.reshape(-1)
     rows = jnp.nonzero(m, size=m.size, fill_value=0)
     return Ragged(flat[rows], jnp.sum(m, dtype=jnp.int64))
+
+
+def _unique_runs(flat, sorted_order):
+    """Unique values of runs of equal neighbours in ``flat`` (already in the order to scan), padded to
+    flat.size, with each element's run id and each run's length."""
+    n = flat.shape[0]
+    new = jnp.concatenate([jnp.ones((min(n, 1),), jnp.bool_), flat[1:] != flat[:-1]])
+    run = jnp.cumsum(new.astype(jnp.int32)) - 1
+    values = jnp.zeros((n,), flat.dtype).at[run].set(flat)
+    counts = jnp.zeros((n,), jnp.int32).at[run].add(1)
+    inverse = run if sorted_order is None else jnp.zeros((n,), jnp.int32).at[sorted_order].set(run)
+    return values, inverse, counts, jnp.sum(new, dtype=jnp.int64)
+
+
+def _unique_outputs(ctx, x, values, inverse, counts, k, return_inverse, return_counts):
+    inverse = inverse.reshape(x.shape) if return_inverse else jnp.zeros(ctx.out_shape(1), jnp.int32)
+    counts = Ragged(counts, k) if return_counts else jnp.zeros(ctx.out_shape(2), jnp.int32)
+    return Ragged(values, k), inverse, counts
+
+
+@lowers(aten._unique2.default)
+def unique2(ctx, x, sorted=True, return_inverse=False, return_counts=False):
+    # sorted ascending whatever ``sorted`` says (torch's CPU kernel sorts too)
+    flat = x.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    values, inverse, counts, k = _unique_runs(flat[order], order)
+    return _unique_outputs(ctx, x, values, inverse, counts, k, return_inverse, return_counts)
+
+
+@lowers(aten.unique_consecutive.default)
+def unique_consecutive(ctx, x, return_inverse=False, return_counts=False, dim=None):
+    if dim is not None:
+        raise NotImplementedError("unique_consecutive along a dim")
+    values, inverse, counts, k = _unique_runs(x.reshape(-1), None)
+    return _unique_outputs(ctx, x, values, inverse, counts, k, return_inverse, return_counts)
