@@ -368,3 +368,49 @@ def ldexp(ctx, x, other):
     # torch: x * 2 ** other, in x's floating type
     dt = opmath(ctx.out_dtype())
     return ctx.cast(x, dt) * jnp.exp2(ctx.cast(other, dt))
+
+
+def _airy_ai(x):
+    """torch's Cephes Ai(x): asymptotic forms beyond |x| = 2.09, the Maclaurin series between."""
+    c = cephes.AIRY_AI
+    neg = jnp.where(x < -2.09, x, -3.0)
+    z = 1 / (-2 * neg * jnp.sqrt(-neg) / 3)
+    zz = z * z
+    t = -2 * neg * jnp.sqrt(-neg) / 3 + 0.25 * jnp.pi
+    left = 5.64189583547756286948e-01 / jnp.sqrt(jnp.sqrt(-neg)) * (
+        jnp.sin(t) * (1 + zz * _poly(c["AFN"], zz) / _poly(c["AFD"], zz))
+        - jnp.cos(t) * (z * _poly(c["AGN"], zz) / _poly(c["AGD"], zz)))
+    pos = jnp.where(x >= 2.09, x, 3.0)
+    zeta = 2 * pos * jnp.sqrt(pos) / 3
+    right = 5.64189583547756286948e-01 * (_poly(c["AN"], 1 / zeta) / _poly(c["AD"], 1 / zeta)) \
+        / (2 * jnp.sqrt(jnp.sqrt(pos)) * jnp.exp(zeta))
+    # the series f, g of torch's loop, run until every element's last term is below epsilon
+    mid = jnp.where((x >= -2.09) & (x < 2.09), x, 0.0)
+    eps = jnp.finfo(x.dtype).eps
+    z3 = mid * mid * mid
+
+    def body(s):
+        f, g, k, m, n, _ = s
+        m = m * z3
+        k = k + 1
+        m = m / k
+        n = n * z3
+        k = k + 1
+        n = n / k
+        m = m / k
+        f = f + m
+        k = k + 1
+        n = n / k
+        g = g + n
+        return f, g, k, m, n, jnp.abs(m / f)
+
+    one = jnp.ones_like(mid)
+    # elements that converged earlier than the slowest keep adding terms, each below epsilon of their sum
+    f, g, *_ = lax.while_loop(lambda s: jnp.any(s[5] > eps), body, (one, mid, one, one, mid, one))
+    centre = 0.355028053887817239260 * f - 0.258819403792806798405 * g
+    out = jnp.where(x < -2.09, left, jnp.where(x >= 2.09, right, centre))
+    out = jnp.where(x > 103.892, jnp.zeros_like(x), out)
+    return jnp.where(jnp.isinf(x), jnp.nan, out)
+
+
+_unary(aten.special_airy_ai.default, _airy_ai, Kind.INT_TO_FLOAT)
