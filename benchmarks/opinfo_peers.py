@@ -1,6 +1,7 @@
 """OpInfo pass rates side by side: ours (xla, litert) against torchax and litert-torch, on the same cases.
 
     python benchmarks/opinfo_peers.py [--ops PATTERN] [--jobs 2] [-o RESULTS-opinfo-peers.md] [--json FILE]
+                                      [--peer-cells EARLIER.json]
 
 The cases are those of ``torchtpu-export coverage --source opinfo`` (torchtpu_export/opinfo.py: the
 same op_db entries, the first float32 samples of each, batched into one module per OpInfo), with
@@ -292,7 +293,7 @@ def judge(peer: str, case_dir: str, raw: dict) -> dict:
 
 # ---- the run ---------------------------------------------------------------------------------
 
-def measure(pattern: str | None, jobs: int, timeout: float, peers: list, work: str) -> dict:
+def measure(pattern: str | None, jobs: int, timeout: float, peers: list, work: str, reuse: dict | None = None) -> dict:
     import torch
 
     from torchtpu_export import opinfo
@@ -319,7 +320,20 @@ def measure(pattern: str | None, jobs: int, timeout: float, peers: list, work: s
             excluded[n] = r.get("reason") or "?"
     seconds = {"ours": round(time.monotonic() - t0)}
     versions = {"ours": {"torch": torch.__version__}}
+    reused = {}
     for peer in peers:
+        if reuse and peer in reuse.get("peers", ()):
+            # the peer's cells of an earlier run (--peer-cells): same cases, same saved programs
+            missing = [n for n in cases if peer not in reuse["cases"].get(n, {})]
+            if missing:
+                raise SystemExit(f"--peer-cells: {peer} has no cell for {len(missing)} case(s) of this run "
+                                 f"(e.g. {missing[0]}); rerun without --peer-cells")
+            for n in cases:
+                cases[n][peer] = reuse["cases"][n][peer]
+            versions[peer] = reuse["versions"][peer]
+            seconds[peer] = reuse["seconds"][peer]
+            reused[peer] = reuse.get("measured", "an earlier date")
+            continue
         venv, _ = PEERS[peer]
         python = os.path.join(venv, "bin", "python")
         t1 = time.monotonic()
@@ -335,11 +349,20 @@ def measure(pattern: str | None, jobs: int, timeout: float, peers: list, work: s
     from importlib.metadata import version
     versions["ours"].update({"jax": version("jax"), "ai-edge-litert": version("ai-edge-litert")})
     return {"opinfos": len(names), "cases": cases, "excluded": excluded, "versions": versions,
-            "seconds": seconds, "peers": peers}
+            "seconds": seconds, "peers": peers, "reused": reused, "measured": datetime.date.today().isoformat()}
 
 
 def _cell(c: dict) -> str:
     return c["status"] + (f": {c['reason']}" if c.get("reason") and c["status"] != "pass" else "")
+
+
+def _reused_note(reused: dict) -> str:
+    if not reused:
+        return ""
+    names = " and ".join(k.replace("_", "-") for k in reused)
+    when = ", ".join(sorted(set(reused.values())))
+    return (f" The {names} cells, versions and wall times are reused from their run of {when} (`--peer-cells`): "
+            "the peers and the saved cases did not change, only our columns were measured again.")
 
 
 def to_markdown(report: dict, command: str, jobs: int) -> str:
@@ -353,7 +376,9 @@ def to_markdown(report: dict, command: str, jobs: int) -> str:
         f"Measured {today} on {platform.machine()} Linux, {os.cpu_count()} cores, {jobs} worker processes "
         f"(shared machine); Python {platform.python_version()}. Versions: {ver}. "
         f"Command: `{command}` (`make bench` runs it as `opinfo-peers`). Wall time (s): "
-        + ", ".join(f"{k} {s}" for k, s in report["seconds"].items()) + ".", "",
+        + ", ".join(f"{k} {s}" for k, s in report["seconds"].items()) + "."
+        + _reused_note(report.get("reused", {})),
+        "",
         "Cases: the OpInfo cases of `torchtpu-export coverage --source opinfo` (torchtpu_export/opinfo.py: "
         "each op_db entry's first float32 samples, integer or bool for ops without float32, batched into one "
         "module), torch's generator seeded. Of the "
@@ -423,6 +448,8 @@ def main() -> int:
     p.add_argument("-o", "--output", help="write the markdown table here")
     p.add_argument("--json", help="write every cell as JSON here")
     p.add_argument("--keep", help="keep the saved cases in this folder")
+    p.add_argument("--peer-cells", help="take the peers' cells from this earlier --json report instead of rerunning "
+                   "them (only our columns are measured again)")
     args = p.parse_args()
     peers = [x for x in args.peers.split(",") if x]
     unknown = [x for x in peers if x not in PEERS]
@@ -431,7 +458,11 @@ def main() -> int:
     sys.path.insert(0, REPO)
     work = args.keep or tempfile.mkdtemp(prefix="opinfo-peers-")
     try:
-        report = measure(args.ops, args.jobs, args.timeout, peers, work)
+        reuse = None
+        if args.peer_cells:
+            with open(args.peer_cells) as f:
+                reuse = json.load(f)
+        report = measure(args.ops, args.jobs, args.timeout, peers, work, reuse)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

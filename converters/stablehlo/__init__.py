@@ -22,7 +22,8 @@ from torchtpu_export.quant import parse as parse_quant
 from . import quantize
 from . import sharding as sharding_plans
 from . import (ops_backward, ops_composite, ops_distance, ops_elementwise, ops_embedding,  # noqa: F401
-               ops_fft, ops_hot, ops_index, ops_misc, ops_nn, ops_reduction, ops_sampling, ops_shape)
+               ops_fft, ops_hot, ops_index, ops_linalg, ops_misc, ops_nn, ops_reduction, ops_sampling,
+               ops_shape, ops_special)
 from .fusion import fuse_hot_ops
 from .interpreter import check_supported, to_jax_function
 from .registry import LOWERINGS, NOT_SUPPORTED, LoweringContext, jax_dtype, lookup, lowers  # noqa: F401

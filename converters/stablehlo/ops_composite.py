@@ -283,3 +283,15 @@ def zeros_ones_like(ctx, x, **kwargs):
 @lowers(aten.sum.default)
 def sum_all(ctx, x, *, dtype=None):
     return jnp.sum(ctx.cast(x, ctx.out_dtype()))
+
+
+@lowers(aten._trilinear.default)
+def trilinear(ctx, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """sum over ``sumdim`` of i1 * i2 * i3, each first unsqueezed at its ``expand`` dims (bilinear's kernel)."""
+    def unsqueeze(x, dims):
+        for d in sorted(dims):
+            x = jnp.expand_dims(x, d)
+        return x
+    dt = ctx.out_dtype()
+    prod = unsqueeze(ctx.cast(i1, dt), expand1) * unsqueeze(ctx.cast(i2, dt), expand2) * unsqueeze(ctx.cast(i3, dt), expand3)
+    return jnp.sum(prod, axis=tuple(sumdim)) if sumdim else prod

@@ -210,3 +210,51 @@ def round_decimals(ctx, x, *, decimals):
     x = x.astype(opmath(x.dtype))
     scale = jnp.asarray(10.0 ** abs(decimals), x.dtype)
     return jnp.round(x * scale) / scale if decimals >= 0 else jnp.round(x / scale) * scale
+
+
+_binary([aten.fmax.default], jnp.fmax)
+_binary([aten.fmin.default], jnp.fmin)
+_binary([aten.hypot.default], jnp.hypot)
+_binary([aten.nextafter.default], jnp.nextafter)
+_binary([aten.gcd.default], jnp.gcd)
+_binary([aten.lcm.default], jnp.lcm)
+
+
+@lowers(aten.signbit.default)
+def signbit(ctx, x):
+    if x.dtype == jnp.bool_:
+        return jnp.zeros(x.shape, jnp.bool_)
+    return jnp.signbit(x) if jnp.issubdtype(x.dtype, jnp.floating) else x < 0
+
+
+@lowers(aten.frexp.Tensor)
+def frexp(ctx, x):
+    mantissa, exponent = jnp.frexp(x)
+    return mantissa, exponent.astype(jnp.int32)
+
+
+# ---- complex numbers ---------------------------------------------------------------------------
+
+@lowers(aten.complex.default)
+def complex_(ctx, real, imag):
+    return lax.complex(*jnp.broadcast_arrays(real, imag))
+
+
+@lowers(aten.polar.default)
+def polar(ctx, r, theta):
+    return lax.complex(*jnp.broadcast_arrays(r * jnp.cos(theta), r * jnp.sin(theta)))
+
+
+@lowers(aten.view_as_complex.default)
+def view_as_complex(ctx, x):
+    return lax.complex(x[..., 0], x[..., 1])
+
+
+@lowers(aten.view_as_real.default)
+def view_as_real(ctx, x):
+    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+
+
+@lowers(aten._conj.default, aten._conj_physical.default, aten.conj_physical.default)
+def conj(ctx, x):
+    return jnp.conj(x) if jnp.iscomplexobj(x) else x

@@ -13,7 +13,7 @@ aten = torch.ops.aten
 _SUM, _MEAN, _MAX = 0, 1, 2
 
 
-@lowers(aten._embedding_bag.default)
+@lowers(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
 def embedding_bag(ctx, weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
     """torch's four outputs: (output, offset2bag, bag_size, max_indices), as torch's CPU kernel fills them.

@@ -209,3 +209,84 @@ def searchsorted(ctx, sorted_sequence, values, *, out_int32=False, right=False, 
 @lowers(aten.bucketize.Tensor)
 def bucketize(ctx, values, boundaries, *, out_int32=False, right=False):
     return _searchsorted(boundaries, values, right, ctx.out_dtype())
+
+
+@lowers(aten.scatter.reduce, aten.scatter.value_reduce)
+def scatter_reduce_legacy(ctx, x, dim, index, src, *, reduce):
+    # the older scatter(reduce=) form: "add" or "multiply" into self
+    if x.ndim == 0:
+        x1 = scatter_reduce_legacy(ctx, x.reshape(1), 0, index.reshape(-1), jnp.asarray(src).reshape(-1)
+                                   if jnp.ndim(src) else src, reduce=reduce)
+        return x1.reshape(())
+    grid = _grid(_wrap(index, x.shape[dim]), dim)
+    src = _src_like(src, index, x.dtype)
+    if reduce == "add":
+        return x.at[grid].add(src)
+    if reduce == "multiply":
+        return x.at[grid].multiply(src)
+    raise ValueError(f"unknown reduce {reduce!r}")
+
+
+@lowers(aten.put.default)
+def put(ctx, x, index, source, accumulate=False):
+    flat = jnp.reshape(x, (-1,))
+    index = _wrap(index.reshape(-1), flat.shape[0])
+    source = ctx.cast(source, x.dtype).reshape(-1)
+    flat = flat.at[index].add(source) if accumulate else flat.at[index].set(source)
+    return flat.reshape(x.shape)
+
+
+@lowers(aten.index_reduce.default)
+def index_reduce(ctx, x, dim, index, source, reduce, *, include_self=True):
+    # index_reduce is scatter_reduce with the 1-D index spread over the source's other dims
+    if x.ndim == 0:
+        return scatter_reduce(ctx, x, 0, index.reshape(-1), source.reshape(-1), reduce, include_self=include_self)
+    dim = dim % x.ndim
+    shape = [1] * source.ndim
+    shape[dim] = index.shape[0]
+    full_index = jnp.broadcast_to(index.reshape(shape), source.shape)
+    return scatter_reduce(ctx, x, dim, full_index, source, reduce, include_self=include_self)
+
+
+@lowers(aten.masked_select.default)
+def masked_select(ctx, x, mask):
+    # the selected elements padded to the broadcast size, valid only as a program output (like x[mask])
+    x, mask = jnp.broadcast_arrays(x, mask)
+    flat, m = x.reshape(-1), mask.reshape(-1)
+    rows = jnp.nonzero(m, size=m.size, fill_value=0)
+    return Ragged(flat[rows], jnp.sum(m, dtype=jnp.int64))
+
+
+def _unique_runs(flat, sorted_order):
+    """Unique values of runs of equal neighbours in ``flat`` (already in the order to scan), padded to
+    flat.size, with each element's run id and each run's length."""
+    n = flat.shape[0]
+    new = jnp.concatenate([jnp.ones((min(n, 1),), jnp.bool_), flat[1:] != flat[:-1]])
+    run = jnp.cumsum(new.astype(jnp.int32)) - 1
+    values = jnp.zeros((n,), flat.dtype).at[run].set(flat)
+    counts = jnp.zeros((n,), jnp.int32).at[run].add(1)
+    inverse = run if sorted_order is None else jnp.zeros((n,), jnp.int32).at[sorted_order].set(run)
+    return values, inverse, counts, jnp.sum(new, dtype=jnp.int64)
+
+
+def _unique_outputs(ctx, x, values, inverse, counts, k, return_inverse, return_counts):
+    inverse = inverse.reshape(x.shape) if return_inverse else jnp.zeros(ctx.out_shape(1), jnp.int32)
+    counts = Ragged(counts, k) if return_counts else jnp.zeros(ctx.out_shape(2), jnp.int32)
+    return Ragged(values, k), inverse, counts
+
+
+@lowers(aten._unique2.default)
+def unique2(ctx, x, sorted=True, return_inverse=False, return_counts=False):
+    # sorted ascending whatever ``sorted`` says (torch's CPU kernel sorts too)
+    flat = x.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    values, inverse, counts, k = _unique_runs(flat[order], order)
+    return _unique_outputs(ctx, x, values, inverse, counts, k, return_inverse, return_counts)
+
+
+@lowers(aten.unique_consecutive.default)
+def unique_consecutive(ctx, x, return_inverse=False, return_counts=False, dim=None):
+    if dim is not None:
+        raise NotImplementedError("unique_consecutive along a dim")
+    values, inverse, counts, k = _unique_runs(x.reshape(-1), None)
+    return _unique_outputs(ctx, x, values, inverse, counts, k, return_inverse, return_counts)

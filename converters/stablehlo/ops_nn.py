@@ -387,3 +387,42 @@ def addbmm(ctx, bias, batch1, batch2, *, beta=1, alpha=1):
     out = jnp.einsum("bij,bjk->ik", batch1, batch2, preferred_element_type=_acc(batch1.dtype))
     out = out * alpha if alpha != 1 else out
     return (out if beta == 0 else out + (bias if beta == 1 else bias * beta)).astype(ctx.out_dtype())
+
+
+@lowers(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
+def adaptive_max_pool(ctx, x, output_size):
+    """Max over torch's adaptive windows [floor(i*n/out), ceil((i+1)*n/out)), and its flat spatial index."""
+    k = len(output_size)
+    spatial = x.shape[-k:]
+    lead = x.ndim - k
+    vals = x
+    flat = jnp.zeros((), jnp.int32)
+    valid = jnp.ones((), jnp.bool_)
+    for a, (n_in, n_out) in enumerate(zip(spatial, output_size)):
+        starts = [(i * n_in) // n_out for i in range(n_out)]
+        ends = [-(-((i + 1) * n_in) // n_out) for i in range(n_out)]
+        width = max(e - s for s, e in zip(starts, ends))
+        pos = np.array([[min(s + j, e - 1) for j in range(width)] for s, e in zip(starts, ends)], np.int32)
+        ok = np.array([[s + j < e for j in range(width)] for s, e in zip(starts, ends)])
+        axis = lead + 2 * a  # each earlier spatial axis has become (out, window)
+        vals = jnp.take(vals, jnp.asarray(pos.reshape(-1)), axis=axis)
+        vals = vals.reshape(vals.shape[:axis] + pos.shape + vals.shape[axis + 1:])
+        # the flat input index (row-major over the spatial dims) and the window mask, (out, window) per axis
+        stride = int(np.prod(spatial[a + 1:], dtype=np.int64))
+        shape = [1] * (2 * k)
+        shape[2 * a], shape[2 * a + 1] = pos.shape
+        flat = flat + jnp.asarray(pos * stride).reshape(shape)
+        valid = valid & jnp.asarray(ok).reshape(shape)
+    # (..., o1, w1, o2, w2, ...) -> (..., o1, o2, ..., w1 * w2 * ...)
+    order = list(range(lead)) + [lead + 2 * a for a in range(k)] + [lead + 2 * a + 1 for a in range(k)]
+    vals = jnp.transpose(vals, order)
+    vals = vals.reshape(vals.shape[:lead + k] + (-1,))
+    perm = [2 * a for a in range(k)] + [2 * a + 1 for a in range(k)]
+    flat = jnp.transpose(jnp.broadcast_to(flat, valid.shape), perm).reshape(tuple(output_size) + (-1,))
+    valid = jnp.transpose(valid, perm).reshape(tuple(output_size) + (-1,))
+    low = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
+    vals = jnp.where(valid, vals, jnp.asarray(low, x.dtype))
+    best = jnp.argmax(vals, axis=-1)
+    out = jnp.take_along_axis(vals, best[..., None], axis=-1)[..., 0]
+    index = jnp.take_along_axis(jnp.broadcast_to(flat, vals.shape), best[..., None], axis=-1)[..., 0]
+    return out, index

@@ -108,3 +108,36 @@ def col2im(ctx, x, output_size, kernel_size, dilation, padding, stride):
             out = out.at[:, :, rows, colsl].add(cols[:, :, i, j])
     out = lax.slice(out, (0, 0, ph, pw), (n, c, ph + h, pw + w)).astype(x.dtype)
     return out if batched else out[0]
+
+
+@lowers(aten.grid_sampler_3d.default)
+def grid_sampler_3d(ctx, x, grid, interpolation_mode, padding_mode, align_corners):
+    """Trilinear or nearest sampling of (n, c, d, h, w) at grid (n, od, oh, ow, 3) = (x, y, z) points."""
+    if interpolation_mode == _BICUBIC:
+        raise NotImplementedError("grid_sampler_3d with bicubic interpolation (torch does not support it either)")
+    acc = _acc(x.dtype)
+    xf, grid = x.astype(acc), grid.astype(acc)
+    n, c, d, h, w = x.shape
+    batch = jnp.arange(n).reshape((n, 1, 1, 1))
+
+    def tap(ix, iy, iz, weight):
+        inside = (ix >= 0) & (ix < w) & (iy >= 0) & (iy < h) & (iz >= 0) & (iz < d)
+        xi, yi, zi = (jnp.where(inside, v, 0).astype(jnp.int32) for v in (ix, iy, iz))
+        vals = xf[batch, :, zi, yi, xi]  # (n, od, oh, ow, c)
+        return jnp.moveaxis(vals * jnp.where(inside, weight, 0)[..., None], -1, 1)
+
+    ix = _pad_coordinates(_unnormalize(grid[..., 0], w, align_corners), w, padding_mode, align_corners)
+    iy = _pad_coordinates(_unnormalize(grid[..., 1], h, align_corners), h, padding_mode, align_corners)
+    iz = _pad_coordinates(_unnormalize(grid[..., 2], d, align_corners), d, padding_mode, align_corners)
+    if interpolation_mode == _NEAREST:
+        return tap(jnp.round(ix), jnp.round(iy), jnp.round(iz), jnp.ones_like(ix)).astype(x.dtype)
+    x0, y0, z0 = jnp.floor(ix), jnp.floor(iy), jnp.floor(iz)
+    out = 0
+    for dz in (0, 1):
+        wz = (iz - z0) if dz else (z0 + 1 - iz)
+        for dy in (0, 1):
+            wy = (iy - y0) if dy else (y0 + 1 - iy)
+            for dx in (0, 1):
+                wx = (ix - x0) if dx else (x0 + 1 - ix)
+                out = out + tap(x0 + dx, y0 + dy, z0 + dz, wx * wy * wz)
+    return out.astype(x.dtype)

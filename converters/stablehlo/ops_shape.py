@@ -125,13 +125,34 @@ def diagonal(ctx, x, offset=0, dim1=0, dim2=1):
 @lowers(aten.as_strided.default)
 def as_strided(ctx, x, size, stride, storage_offset=None):
     # Our tensors are contiguous: read element (offset + sum(i_k * stride_k)) of the flat input.
-    offset = storage_offset or 0
-    index = np.full(tuple(size), offset, dtype=np.int64)
+    return jnp.take(jnp.reshape(x, (-1,)), jnp.asarray(_strided_index(size, stride, storage_offset)), axis=0)
+
+
+lowers(aten.as_strided_copy.default)(as_strided)
+
+
+def _strided_index(size, stride, storage_offset) -> np.ndarray:
+    """The flat element index of every entry of an as_strided view of a contiguous tensor."""
+    index = np.full(tuple(size), storage_offset or 0, dtype=np.int64)
     for axis, (n, s) in enumerate(zip(size, stride)):
         shape = [1] * len(size)
         shape[axis] = n
         index = index + (np.arange(n) * s).reshape(shape)
-    return jnp.take(jnp.reshape(x, (-1,)), jnp.asarray(index.astype(np.int32)), axis=0)
+    return index.astype(np.int32)
+
+
+@lowers(aten.as_strided_scatter.default)
+def as_strided_scatter(ctx, x, src, size, stride, storage_offset=None):
+    index = jnp.asarray(_strided_index(size, stride, storage_offset))
+    flat = jnp.reshape(x, (-1,)).at[index].set(ctx.cast(src, x.dtype).reshape(index.shape))
+    return flat.reshape(x.shape)
+
+
+@lowers(aten.diagonal_scatter.default)
+def diagonal_scatter(ctx, x, src, offset=0, dim1=0, dim2=1):
+    index = np.diagonal(np.arange(x.size, dtype=np.int32).reshape(x.shape), offset, dim1 % x.ndim, dim2 % x.ndim)
+    flat = jnp.reshape(x, (-1,)).at[jnp.asarray(index)].set(ctx.cast(src, x.dtype).reshape(index.shape))
+    return flat.reshape(x.shape)
 
 
 @lowers(aten.alias.default, aten.clone.default)
@@ -234,3 +255,39 @@ def unfold(ctx, x, dimension, size, step):
     windows = jnp.take(x, jnp.asarray(index.reshape(-1)), axis=dim)
     windows = windows.reshape(x.shape[:dim] + (n, size) + x.shape[dim + 1:])
     return jnp.moveaxis(windows, dim + 1, -1)
+
+
+# ---- the *_copy variants of views: without aliasing, a view and its copy are the same value -----
+
+lowers(aten.view_copy.default)(view)
+lowers(aten.permute_copy.default)(permute)
+
+
+@lowers(aten.narrow_copy.default)
+def narrow_copy(ctx, x, dim, start, length):
+    dim = dim % x.ndim
+    start = start % x.shape[dim] if start < 0 else start
+    return lax.slice_in_dim(x, start, start + length, axis=dim)
+
+
+@lowers(aten.unbind_copy.int)
+def unbind_copy(ctx, x, dim=0):
+    dim = dim % x.ndim
+    return [lax.index_in_dim(x, i, axis=dim, keepdims=False) for i in range(x.shape[dim])]
+
+
+@lowers(aten.empty_permuted.default)
+def empty_permuted(ctx, size, physical_layout, **kwargs):
+    # the layout is a memory order only; values are uninitialised in torch, zeros here
+    return jnp.zeros(_shape(size), ctx.out_dtype())
+
+
+def _tri_indices(np_fn):
+    def rule(ctx, row, col, offset=0, **kwargs):
+        r, c = np_fn(row, offset, col)
+        return jnp.asarray(np.stack([r, c]).reshape(2, -1), ctx.out_dtype())
+    return rule
+
+
+lowers(aten.tril_indices.default)(_tri_indices(np.tril_indices))
+lowers(aten.triu_indices.default)(_tri_indices(np.triu_indices))
