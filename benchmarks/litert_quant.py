@@ -24,7 +24,7 @@ import time
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from litert_vs_litert_torch import REPO, _feed, ensure_bench_venv, latency  # noqa: E402
+from litert_vs_litert_torch import REPO, ensure_bench_venv, latency, outputs_and_reference  # noqa: E402
 
 # model -> zoo factory kwargs: the CNNs at phone resolution; a ~21M-parameter Llama-style decoder
 MODELS = {
@@ -87,16 +87,8 @@ def ours(model, args, recipe: str, out: str) -> dict:
 
 
 def error(path: str, model, args) -> dict:
-    import torch
-    import torch.utils._pytree as pytree
-    from ai_edge_litert.interpreter import Interpreter
-
     from torchtpu_export.quant import measure
-    runner, feed = _feed(Interpreter(model_path=path), [a.numpy() for a in args])
-    out = runner(**feed)
-    with torch.no_grad():
-        ref = [r.numpy() for r in pytree.tree_leaves(model(*args))]
-    got = [out[k] for k in sorted(out, key=lambda k: int(k.split("_")[-1]) if k.split("_")[-1].isdigit() else 0)]
+    got, ref = outputs_and_reference(path, model, args)
     r = measure("", ref[:1], got[:1], 1, 1)
     return {"cosine": r.cosine, "top1": r.top1_agreement, "rel": r.max_rel_err}
 

@@ -119,7 +119,8 @@ def latency(paths: dict, args, threads: int, runs: int, rounds: int = 5) -> dict
     return best
 
 
-def max_error(path: str, model, args) -> float:
+def outputs_and_reference(path: str, model, args) -> tuple[list, list]:
+    """The .tflite's outputs (in output_N order) and torch eager's on ``args``."""
     import torch
     import torch.utils._pytree as pytree
     from ai_edge_litert.interpreter import Interpreter
@@ -128,6 +129,11 @@ def max_error(path: str, model, args) -> float:
     with torch.no_grad():
         ref = [r.numpy() for r in pytree.tree_leaves(model(*args))]
     got = [out[k] for k in sorted(out, key=lambda k: int(k.split("_")[-1]) if k.split("_")[-1].isdigit() else 0)]
+    return got, ref
+
+
+def max_error(path: str, model, args) -> float:
+    got, ref = outputs_and_reference(path, model, args)
     scale = max(float(np.abs(r).max()) for r in ref) or 1.0
     return max(float(np.abs(g.astype(np.float64) - r).max()) for g, r in zip(got, ref)) / scale
 

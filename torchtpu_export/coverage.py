@@ -263,12 +263,11 @@ def _weight_samples(op_name: str) -> list:
     def w(*shape):
         return Constant(f(*shape) / shape[-1] ** 0.5)
 
-    conv = "aten.convolution.default"
     samples = {
-        conv: [Sample((f(1, 8, 10, 10), w(32, 8, 3, 3), Constant(f(32)), [1, 1], [1, 1], [1, 1], False, [0, 0], 1),
-                      {}, "3x3 conv, padding 1"),
-               Sample((f(1, 16, 9, 9), w(32, 16, 1, 1), None, [2, 2], [0, 0], [1, 1], False, [0, 0], 1), {},
-                      "1x1 conv, stride 2, no bias")],
+        "aten.convolution.default": [Sample((f(1, 8, 10, 10), w(32, 8, 3, 3), Constant(f(32)), [1, 1], [1, 1],
+                                             [1, 1], False, [0, 0], 1), {}, "3x3 conv, padding 1"),
+                                     Sample((f(1, 16, 9, 9), w(32, 16, 1, 1), None, [2, 2], [0, 0], [1, 1], False,
+                                             [0, 0], 1), {}, "1x1 conv, stride 2, no bias")],
         "aten.addmm.default": [Sample((Constant(f(64)), f(4, 48), w(48, 64)), {}, "bias + x @ w")],
         "aten.mm.default": [Sample((f(4, 48), w(48, 64)), {}, "x @ w")],
         "aten.bmm.default": [Sample((f(2, 4, 48), w(2, 48, 64)), {}, "batched x @ w")],
@@ -280,7 +279,7 @@ def _weight_samples(op_name: str) -> list:
     return samples[op_name]
 
 
-def _quant_samples(op_name: str, recipe: str, samples) -> list:
+def _quant_samples(op_name: str, samples) -> list:
     """The samples of a quantized column: layer-sized ones with constant weights for the weight
     ops, the table's ordinary float32 ones for the activation ops."""
     import torch
@@ -417,7 +416,7 @@ def run_op(op_name: str, runtimes: Sequence[str], *, locate: bool = True) -> dic
             continue
         samples = _column_samples(entry, column, everything)
         if column.quant is not None:
-            samples = _quant_samples(op_name, column.quant, samples)
+            samples = _quant_samples(op_name, samples)
         if not samples:
             cells[rt] = Cell("unsupported", reason="no sample of this op has a dtype this runtime is tested with")
             continue
@@ -635,9 +634,10 @@ def run_matrix(ops: Sequence[str], runtimes: Sequence[str], *, jobs: int = 2, ti
     tasks = [(fn, (op, list(runtimes))) for op in ops]
     results = run_isolated(tasks, jobs=jobs, timeout=timeout * len(runtimes), on_result=report(tasks))
     retry = []
+    columns = _columns()
     for (_, (op, rts)), result in zip(tasks, results):
         if "status" in result:  # the worker died or timed out: no per-runtime cells
-            retry += [(fn, (op, [rt])) for rt in rts if _columns()[rt].runs(op)] if len(rts) > 1 else []
+            retry += [(fn, (op, [rt])) for rt in rts if columns[rt].runs(op)] if len(rts) > 1 else []
             if len(rts) == 1:
                 cells[op][rts[0]] = result
         else:

@@ -369,14 +369,23 @@ def _op_names() -> dict:
     return _OP_NAMES
 
 
+def _opcode_names(model) -> list[str]:
+    # the operator name of each of the model's opcode entries (CUSTOM ones with their custom code)
+    names = _op_names()
+    codes = []
+    for i in range(model.OperatorCodesLength()):
+        oc = model.OperatorCodes(i)
+        code = max(oc.BuiltinCode(), oc.DeprecatedBuiltinCode())
+        codes.append(names.get(code, f"CUSTOM:{(oc.CustomCode() or b'').decode()}" if code == 32 else str(code)))
+    return codes
+
+
 def int8_ops(content: bytes) -> dict[str, int]:
     """The operators of a flatbuffer that read an 8-bit integer tensor, by name: the kernels that run
     quantized. DEQUANTIZE counts only for constant inputs (weights stored int8, dequantized at load);
     QUANTIZE, which makes int8 values, never."""
     model = _model(content)
-    names = _op_names()
-    codes = [names.get(max(oc.BuiltinCode(), oc.DeprecatedBuiltinCode()), "?")
-             for oc in (model.OperatorCodes(i) for i in range(model.OperatorCodesLength()))]
+    codes = _opcode_names(model)
     hist: dict[str, int] = {}
     for k in range(model.SubgraphsLength()):
         sub = model.Subgraphs(k)
@@ -412,12 +421,7 @@ def describe_tflite(path: str) -> dict:
 
 def _describe(path: str, content: bytes) -> dict:
     model = _model(content)
-    names = _op_names()
-    codes = []
-    for i in range(model.OperatorCodesLength()):
-        oc = model.OperatorCodes(i)
-        code = max(oc.BuiltinCode(), oc.DeprecatedBuiltinCode())
-        codes.append(names.get(code, f"CUSTOM:{(oc.CustomCode() or b'').decode()}" if code == 32 else str(code)))
+    codes = _opcode_names(model)
     io = _signature_io(model)
     meta = read_metadata(content) or {}
     programs = {}

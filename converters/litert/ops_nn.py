@@ -689,7 +689,7 @@ def addmv(ctx, bias, mat, vec, *, beta=1, alpha=1):
 def addbmm(ctx, bias, b1, b2, *, beta=1, alpha=1):
     # the sum over the batch of b1[i] @ b2[i]
     if b1.shape[-1] == 0 or b1.shape[0] == 0:
-        return _beta_alpha(ctx, bias, ctx.const(np.zeros(ctx.out_shape(), ctx.out_dtype())), beta, alpha)
+        return _beta_alpha(ctx, bias, _empty_product(ctx), beta, alpha)
     products = batch_matmul(ctx, b1, b2, (b1.shape[0], b1.shape[1], b2.shape[2]))
     y = ctx.op("SUM", [products, np.asarray([0], np.int32)], shape=products.shape[1:], dtype=products.dtype)
     return _beta_alpha(ctx, bias, y, beta, alpha)
