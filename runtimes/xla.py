@@ -1,14 +1,25 @@
-"""Runs a ``.tpu`` program on the local PJRT backend (cpu here; tpu or gpu where present)."""
+"""Runs a ``.tpu`` program on the local PJRT backend (cpu here; tpu or gpu where present).
+
+On a TPU host, a program whose artifact stores an executable for these chips, this libtpu and
+this jax (``torchtpu-export compile``) runs it without compiling; otherwise the StableHLO is
+compiled, and a warning says once why no stored executable could be used.
+"""
 from __future__ import annotations
+
+import logging
 
 from typing import Sequence
 
 import jax
 import numpy as np
 
+from torchtpu_export import tpu_compile
 from torchtpu_export.errors import ArtifactError, InputError
 from torchtpu_export.specs import TensorSpec, check_dims, coerce_input
 from torchtpu_export.tpu_format import TpuArtifact
+
+log = logging.getLogger("torchtpu_export")
+_WARNED: set = set()
 
 _BACKEND_PLATFORM = {"cpu": "cpu", "tpu": "tpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm"}
 
@@ -60,11 +71,34 @@ class XlaRunner:
             else:
                 wsh = {}
             self.weights = {n: jax.device_put(np.asarray(artifact.weights[n]), wsh.get(n)) for n in spec["weights"]}
-            self._call = jax.jit(self.exported.call)
+            self._call = None
+            self.executable = None  # the stored executable's topology, when one is used
+            if platform == "tpu":
+                self._call = self._stored(artifact, program)
+            if self._call is None:
+                self._call = jax.jit(self.exported.call)
         avals = self.exported.in_avals[len(self.weights):]
         if len(avals) != len(self.inputs):
             raise ArtifactError("the manifest's inputs do not match the program's arguments")
         self._input_dtypes = [np.dtype(a.dtype).name for a in avals]
+
+    def _stored(self, artifact: TpuArtifact, program: str):
+        devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
+        found, why = tpu_compile.stored_executable(artifact, program, devices, self.uses_x64)
+        if found is not None:
+            topology, data = found
+            try:
+                call = tpu_compile.load_executable(data, self.exported, uses_x64=self.uses_x64, devices=devices)
+            except ArtifactError as e:
+                why = str(e)
+            else:
+                self.executable = topology
+                return call
+        key = (id(artifact), program)
+        if artifact.manifest.get("compiled") and key not in _WARNED:
+            _WARNED.add(key)
+            log.warning("compiling the tpu program %r: no stored executable can run here (%s)", program, why)
+        return None
 
     def run(self, inputs: Sequence) -> list[np.ndarray]:
         if len(inputs) != len(self.inputs):

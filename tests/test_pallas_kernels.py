@@ -17,6 +17,7 @@ from torchtpu_export.converters.stablehlo.pallas import Unfit  # noqa: E402
 from torchtpu_export.converters.stablehlo.pallas.attention import flash_attention, plan_attention  # noqa: E402
 from torchtpu_export.converters.stablehlo.pallas.int8_matmul import int8_matmul, plan_int8_matmul  # noqa: E402
 from torchtpu_export.converters.stablehlo.pallas.norm import layer_norm, plan_norm, rms_norm  # noqa: E402
+from torchtpu_export.converters.stablehlo.pallas.splash import plan_splash, splash_attention  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -51,6 +52,11 @@ ATTENTION_CASES = [
     pytest.param(2, 4, 2, 1, 256, 128, torch.float32, False, "bool", True, id="gqa-decode-boolmask"),
     pytest.param(1, 2, 2, 100, 300, 64, torch.bfloat16, False, "float", "tpu", id="mha-floatmask-padded-bf16"),
     pytest.param(1, 2, 1, 136, 128, 32, torch.float32, True, None, True, id="headdim32-padded"),
+    # decode-shaped: the q heads of a kv head fold into the rows of one block
+    pytest.param(1, 8, 2, 4, 640, 128, torch.float32, True, None, True, id="decode-gqa-causal-4tokens"),
+    pytest.param(2, 8, 2, 3, 300, 64, torch.bfloat16, False, "float", True, id="decode-gqa-perhead-floatmask-bf16"),
+    pytest.param(1, 4, 1, 1, 1024, 128, torch.float32, False, "bool", True, id="decode-mqa-boolmask"),
+    pytest.param(2, 4, 4, 2, 256, 128, torch.float32, False, "float", True, id="decode-mha-floatmask"),
 ]
 
 
@@ -65,7 +71,7 @@ def test_flash_attention_matches_torch(b, h, hkv, lq, s, d, dtype, causal, mask,
         g = torch.Generator().manual_seed(1)
         m = torch.randn(b, h, lq, s, generator=g).to(dtype)
         m[..., ::3] = float("-inf")
-        m[0, 0, 5, :] = float("-inf")  # a row with every key masked: torch gives 0
+        m[0, 0, min(5, lq - 1), :] = float("-inf")  # a row with every key masked: torch gives 0
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, enable_gqa=h != hkv)
     plan = plan_attention(q.shape, k.shape, v.shape, _j(q).dtype, None if m is None else m.shape, force=True)
     assert not isinstance(plan, Unfit), plan
@@ -73,6 +79,32 @@ def test_flash_attention_matches_torch(b, h, hkv, lq, s, d, dtype, causal, mask,
                           else jnp.asarray(m.numpy()), causal=causal, plan=plan,
                           interpret=pltpu.InterpretParams() if interpret == "tpu" else True)
     _close(got, ref, dtype)
+
+
+@pytest.mark.parametrize("b,h,hkv,lq,s,d,dtype,causal,scale", [
+    (2, 4, 2, 256, 256, 128, torch.float32, True, None),
+    (1, 4, 1, 128, 384, 64, torch.float32, False, 0.3),
+    (1, 2, 2, 128, 256, 128, torch.float32, True, None),  # top-left causal with more keys than queries
+    (1, 4, 4, 256, 512, 128, torch.bfloat16, True, None),
+])
+def test_splash_attention_matches_torch(b, h, hkv, lq, s, d, dtype, causal, scale):
+    q, k, v = _qkv(b, h, hkv, lq, s, d, dtype)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=h != hkv)
+    plan = plan_splash(q.shape, k.shape, v.shape, _j(q).dtype, has_mask=False)
+    assert not isinstance(plan, Unfit), plan
+    got = splash_attention(_j(q), _j(k), _j(v), causal=causal, scale=scale, plan=plan, interpret=True)
+    _close(got, ref, dtype)
+
+
+@pytest.mark.parametrize("shapes,has_mask,reason", [
+    (((1, 2, 128, 128),) * 3, True, "runtime mask"),
+    (((1, 2, 100, 64), (1, 2, 128, 64), (1, 2, 128, 64)), False, "not multiples of 128"),
+    (((1, 2, 128, 96),) * 3, False, "head_dim 96"),
+    (((1, 3, 128, 64), (1, 2, 128, 64), (1, 2, 128, 64)), False, "not a multiple of 2 kv heads"),
+])
+def test_splash_plan_leaves_what_it_does_not_cover_to_flash(shapes, has_mask, reason):
+    plan = plan_splash(*shapes, jnp.float32, has_mask=has_mask)
+    assert isinstance(plan, Unfit) and reason in plan.reason
 
 
 def test_flash_attention_explicit_scale():

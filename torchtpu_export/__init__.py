@@ -6,6 +6,10 @@
 """
 __version__ = "0.1.0"
 
+from . import tpu_compile as _tpu_compile  # noqa: E402
+
+_tpu_compile.prepare_environment()  # before jax loads libtpu on a host without TPU chips
+
 from .api import SignatureSet, TpuProgram, convert, export, load, signature  # noqa: E402
 from .debugger import DebugReport, debug  # noqa: E402
 from .errors import (ArtifactError, CaptureError, ConversionError, InputError, NumericsError,  # noqa: E402

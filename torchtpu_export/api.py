@@ -94,6 +94,34 @@ class TpuProgram:
             raise InputError(f"no {platform} program in this artifact; it has {sorted(texts)}")
         return texts[platform]
 
+    def compile(self, topology="v5e:2x2", signature_name: str | None = None) -> "TpuProgram":
+        """Compiles the tpu program(s) for TPU topologies (``"v5e:2x2"``, ``"v5e:2x2,v6e:2x2"`` or a
+        sequence) with libtpu, ahead of time (no TPU needed), and stores each executable in the
+        artifact (``save`` writes them; ``load`` on a matching TPU host runs them without compiling).
+        Raises ConversionError with the compiler's message if it rejects a program."""
+        from . import tpu_compile
+        from .errors import ConversionError
+        programs = None if signature_name is None else [self._program(signature_name)]
+        for topo in tpu_compile.parse_topologies(topology):
+            try:
+                tpu_compile.compile_artifact(self.artifact, topo, programs)
+            except tpu_compile.CompileError as e:
+                raise ConversionError(str(e), hint="export with kernels='xla', or report it") from e
+        return self
+
+    def compiled_stats(self, topology: str = "v5e:2x2", signature_name: str | None = None) -> dict:
+        """What the TPU compiler says about one program on a topology's chips: HBM bytes (arguments,
+        outputs, temporaries, code) and whether they fit, FLOPs, bytes accessed, and a roofline estimate
+        from the generation's published peak FLOP/s and HBM bandwidth. Compiles (and stores) if needed."""
+        from . import tpu_compile
+        prog = self._program(signature_name)
+        (topo,) = tpu_compile.parse_topologies(topology)
+        entry = self.manifest.get("compiled", {}).get(topo, {}).get(prog)
+        if entry is None or entry.get("libtpu") != tpu_compile.libtpu_version():
+            self.compile(topo, signature_name=prog if len(self.signatures) > 1 else None)
+            entry = self.manifest["compiled"][topo][prog]
+        return entry["stats"]
+
     def kernels(self) -> list[dict]:
         """Per hot node: the Pallas kernel chosen, or why it fell back to XLA."""
         return [dict(k, program=p) for p, spec in self.manifest["programs"].items() for k in spec.get("kernels", [])]
@@ -170,11 +198,11 @@ def _captures(entries: Sequence[tuple], target: str, strict_export, dynamic_shap
 
 
 def _export_tpu(captures, *, platforms=("tpu", "cpu"), kernels="auto", narrow_64bit=False, quant_config=None,
-                mesh=None, sharding=None):
+                mesh=None, sharding=None, precompile=()):
     from .converters import stablehlo
     prog = TpuProgram(stablehlo.export_programs(captures, platforms=platforms, kernels=kernels,
                                                 narrow_64bit=narrow_64bit, mesh=mesh, sharding=sharding,
-                                                quant_config=quant_config))
+                                                quant_config=quant_config, precompile=precompile))
     if quant_config is not None and "cpu" in platforms:
         from .quant import parse
         float_bytes = sum(t.numel() * t.element_size() for c in captures.values() for t in c.weights.values())
@@ -224,12 +252,12 @@ def _export_onnx(captures, **options) -> OnnxProgram:
 def export(module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *, target: str = "tpu",
            platforms: Sequence[str] = ("tpu", "cpu"), dynamic_shapes=None, kernels: str = "auto",
            strict_export: bool | str = False, narrow_64bit: bool = False, quant_config=None, mesh=None,
-           sharding: str | None = None, **options):
+           sharding: str | None = None, precompile=(), **options):
     """Captures ``module`` once and converts it for ``target`` (``"tpu"``, ``"litert"`` or ``"onnx"``).
 
-    TPU options: ``platforms``, ``kernels`` (Pallas kernels for hot ops), ``narrow_64bit``, and
+    TPU options: ``platforms``, ``kernels`` (Pallas kernels for hot ops), ``narrow_64bit``,
     ``mesh=(("data", 1), ("model", 8))`` with ``sharding="tensor_parallel"`` for a program sharded
-    over several chips.
+    over several chips, and ``precompile=("v5e:2x2",)`` to store TPU executables compiled by libtpu.
     """
     if target not in TARGETS:
         raise InputError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
@@ -243,7 +271,7 @@ def export(module, sample_args: Sequence = (), sample_kwargs: dict | None = None
         raise InputError(f"unknown option(s) for the tpu target: {', '.join(sorted(options))}")
     caps = _captures([("main", module, sample_args, sample_kwargs, None)], "tpu", strict_export, dynamic_shapes)
     return _export_tpu(caps, platforms=platforms, kernels=kernels, narrow_64bit=narrow_64bit, quant_config=quant_config,
-                       mesh=mesh, sharding=sharding)
+                       mesh=mesh, sharding=sharding, precompile=precompile)
 
 
 class ChannelsLast(torch.nn.Module):

@@ -217,13 +217,50 @@ def _check_inputs_match(ep, sample) -> None:
 def _inspect_args(p):
     p.add_argument("artifact", help="a .tpu, .tflite or .onnx file")
     p.add_argument("--json", action="store_true", help="print the description as JSON")
+    p.add_argument("--topology", default=None, metavar="T[,T...]",
+                   help=".tpu: compile for these TPU topologies (libtpu) and show what the compiler says")
 
 
 @command("inspect", "inputs, outputs, op histogram, kernels and sizes of an artifact")(_inspect_args)
 def _inspect(args) -> int:
     from .describe import describe, format_description
-    desc = describe(args.artifact)
+    desc = describe(args.artifact, topologies=args.topology)
     print(json.dumps(desc, indent=1, sort_keys=True) if args.json else format_description(desc))
+    return 0
+
+
+# ---- compile -------------------------------------------------------------------------------
+
+def _compile_args(p):
+    p.add_argument("artifact", help="a .tpu file")
+    p.add_argument("--topology", required=True, metavar="T[,T...]",
+                   help="TPU topologies to compile for, e.g. v5e:2x2 or v5e:2x2,v6e:2x2 (no TPU needed)")
+    p.add_argument("--signature", default=None, help="compile one program only (artifacts with several)")
+    p.add_argument("-o", "--output", default=None, help="write the artifact with its executables here "
+                                                         "(default: replace the input file)")
+
+
+@command("compile", "compile a .tpu's programs for TPU topologies with libtpu and store the executables")(
+    _compile_args)
+def _compile(args) -> int:
+    from . import api, tpu_compile
+    from .fileio import check_writable
+    from .models import sniff_model
+
+    topologies = tpu_compile.parse_topologies(args.topology)
+    tpu_compile.require_libtpu("torchtpu-export compile")
+    output = check_writable(args.output or args.artifact)
+    if sniff_model(args.artifact) != "tpu":
+        raise InputError(f"{args.artifact} is not a .tpu artifact", hint="compile applies to the tpu target's output")
+    prog = api.load(args.artifact)
+    t0 = time.perf_counter()
+    prog.compile(topologies, signature_name=args.signature)
+    prog.save(output)
+    for topo in topologies:
+        for name, entry in sorted(prog.manifest["compiled"][topo].items()):
+            stored = "executable stored" if entry.get("executable") else entry.get("executable_reason", "not stored")
+            _out(args, f"{topo} {name}: {tpu_compile.describe_stats(entry['stats'])} [{stored}]")
+    _out(args, f"wrote {output} ({_human(os.path.getsize(output))}) in {time.perf_counter() - t0:.1f} s")
     return 0
 
 

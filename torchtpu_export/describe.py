@@ -7,11 +7,15 @@ import zipfile
 from .errors import ArtifactError, InputError
 
 
-def describe(path: str) -> dict:
+def describe(path: str, topologies=None) -> dict:
+    """What the artifact at ``path`` holds; for a .tpu with ``topologies``, also what the TPU compiler
+    says about each program on them (compiled here with libtpu, nothing written)."""
     from .models import sniff_model
     kind = sniff_model(path)
+    if topologies and kind != "tpu":
+        raise InputError("--topology applies to .tpu artifacts")
     if kind == "tpu":
-        return describe_tpu(path)
+        return describe_tpu(path, topologies)
     if kind == "litert":
         from .edge import describe_tflite
         return describe_tflite(path)
@@ -20,9 +24,16 @@ def describe(path: str) -> dict:
     raise InputError(f"{path} is a {kind} file, not an artifact; convert it first")
 
 
-def describe_tpu(path: str) -> dict:
-    from . import tpu_format
+def describe_tpu(path: str, topologies=None) -> dict:
+    from . import tpu_compile, tpu_format
     art = tpu_format.read(path)
+    for topo in tpu_compile.parse_topologies(topologies) if topologies else ():
+        tpu_compile.require_libtpu("--topology")
+        try:
+            tpu_compile.compile_artifact(art, topo, store=False)
+        except tpu_compile.CompileError as e:
+            from .errors import ConversionError
+            raise ConversionError(str(e), hint="export with kernels='xla', or report it") from e
     with zipfile.ZipFile(path) as zf:
         entries = {i.filename: i.file_size for i in zf.infolist()}
     m = art.manifest
@@ -36,6 +47,7 @@ def describe_tpu(path: str) -> dict:
             "kernels": spec.get("kernels", []),
             "narrow_64bit": spec.get("narrow_64bit", False),
             "sharding": spec.get("sharding"),
+            "compiled": {topo: per[name] for topo, per in sorted(m.get("compiled", {}).items()) if name in per},
         }
     return {
         "path": path, "kind": "tpu", "size": os.path.getsize(path), "format_version": m["format_version"],
@@ -97,6 +109,11 @@ def format_description(desc: dict) -> str:
             if k.get("kernel") and k.get("detail"):
                 what += f" ({k['detail']})"
             lines.append(f"  kernel [{k.get('platform', '?')}] {k.get('node', '?')} ({k.get('op', '?')}): {what}")
+        for topo, entry in (prog.get("compiled") or {}).items():
+            from .tpu_compile import describe_stats
+            stored = "executable stored" if entry.get("executable") else entry.get("executable_reason", "not stored")
+            lines.append(f"  compiled [{topo}, {entry.get('device_kind')}, libtpu {entry.get('libtpu')}, {stored}]: "
+                         + describe_stats(entry["stats"]))
         plan = prog.get("sharding")
         if plan:
             sharded = {w: s for w, s in plan["weights"].items() if any(s)}

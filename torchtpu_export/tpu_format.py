@@ -7,6 +7,9 @@ Entries::
     stablehlo/<platform>.mlir              the module as text (one program), or
     stablehlo/<program>/<platform>.mlir    (several programs)
     weights.safetensors                    every weight, shared by all programs
+    executables/<topology>/<program>.bin   optional: a TPU executable compiled ahead of time
+                                           (``manifest["compiled"]`` says for which libtpu, jax
+                                           and chips, with its sha256 and the compiler's stats)
 
 Weights are arguments of every program, never constants inside it. The
 manifest names the files, so readers never guess paths. Writing is
@@ -45,6 +48,7 @@ class TpuArtifact:
     mlir: dict[str, dict[str, str]]  # program -> platform -> StableHLO text
     weights: Mapping[str, np.ndarray]
     _keepalive: object = None  # the mmap the weights point into
+    executables: dict[str, dict[str, bytes]] = dataclasses.field(default_factory=dict)  # topology -> program -> bytes
 
     def program_path(self, program: str, platform: str) -> str:
         return f"programs/{program}/{platform}.jaxexport"
@@ -52,8 +56,14 @@ class TpuArtifact:
     def mlir_path(self, program: str, platform: str) -> str:
         return f"stablehlo/{platform}.mlir" if len(self.programs) == 1 else f"stablehlo/{program}/{platform}.mlir"
 
+    def executable_path(self, topology: str, program: str) -> str:
+        return f"executables/{topology.replace(':', '_')}/{program}.bin"
+
     def save(self, path) -> None:
         files = {}
+        for topology, per_program in sorted(self.executables.items()):
+            for prog, blob in sorted(per_program.items()):
+                files[self.executable_path(topology, prog)] = blob
         for prog, per_platform in sorted(self.programs.items()):
             spec = self.manifest["programs"][prog]
             spec["files"] = {p: self.program_path(prog, p) for p in sorted(per_platform)}
@@ -120,6 +130,12 @@ def read(path) -> TpuArtifact:
             for prog, spec in manifest["programs"].items():
                 programs[prog] = {p: zf.read(name) for p, name in spec["files"].items()}
                 mlir[prog] = {p: zf.read(name).decode() for p, name in spec.get("stablehlo", {}).items()}
+            executables = {}
+            for topology, per_program in manifest.get("compiled", {}).items():
+                for prog, entry in per_program.items():
+                    exe = entry.get("executable")
+                    if exe:
+                        executables.setdefault(topology, {})[prog] = zf.read(exe["file"])
             info = zf.getinfo(manifest["weights"]["file"])
             if info.compress_type != zipfile.ZIP_STORED:
                 raise ArtifactError(f"{path}: weights are compressed; .tpu weights must be stored")
@@ -137,7 +153,7 @@ def read(path) -> TpuArtifact:
     missing = [w for prog in manifest["programs"].values() for w in prog["weights"] if w not in weights]
     if missing:
         raise ArtifactError(f"{path} is corrupt: weights {missing[:3]} are missing")
-    return TpuArtifact(manifest, programs, mlir, weights, mm)
+    return TpuArtifact(manifest, programs, mlir, weights, mm, executables)
 
 
 def check_manifest(manifest, path: str = "artifact") -> None:
@@ -159,6 +175,21 @@ def check_manifest(manifest, path: str = "artifact") -> None:
         _check_program(spec, f"{path}: program {name!r}")
     if not isinstance(manifest.get("weights"), dict) or "file" not in manifest["weights"]:
         raise ArtifactError(f"{path}: manifest has no weights entry")
+    _check_compiled(manifest.get("compiled", {}), programs, path)
+
+
+def _check_compiled(compiled, programs: dict, path: str) -> None:
+    """``compiled``: topology -> program -> {stats, and an executable's file and sha256}."""
+    ok = isinstance(compiled, dict) and all(
+        isinstance(t, str) and isinstance(per, dict) and all(
+            p in programs and isinstance(e, dict) and isinstance(e.get("stats", {}), dict)
+            and (e.get("executable") is None or (isinstance(e["executable"], dict)
+                                                 and isinstance(e["executable"].get("file"), str)
+                                                 and isinstance(e["executable"].get("sha256"), str)))
+            for p, e in per.items())
+        for t, per in compiled.items())
+    if not ok:
+        raise ArtifactError(f"{path}: the manifest's compiled executables are malformed", hint="export the model again")
 
 
 def _check_program(spec: dict, where: str) -> None:

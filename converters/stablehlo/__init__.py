@@ -13,7 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import torchtpu_export
-from torchtpu_export import progress, tpu_format
+from torchtpu_export import progress, tpu_compile, tpu_format
 from torchtpu_export.capture import CapturedProgram
 from torchtpu_export.core_ops import core_aten_ops
 from torchtpu_export.errors import ConversionError, InputError, UnsupportedOpError
@@ -95,11 +95,15 @@ def _merge_weights(captures: Mapping[str, CapturedProgram]):
 
 def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str] = ("tpu", "cpu"),
                     kernels: str = "auto", narrow_64bit: bool = False, mesh=None,
-                    sharding: str | None = None, quant_config=None) -> tpu_format.TpuArtifact:
+                    sharding: str | None = None, quant_config=None, precompile=()) -> tpu_format.TpuArtifact:
     """Lowers each captured program for each platform and packs them as one ``.tpu`` artifact.
 
     With ``mesh`` (e.g. ``(("data", 1), ("model", 8))``) the programs are sharded over that many
     devices following ``sharding`` (default ``"tensor_parallel"``; see sharding.py).
+    ``precompile`` (TPU topologies, e.g. ``("v5e:2x2",)``) stores an executable per program and
+    topology, compiled by libtpu. Where libtpu is installed, every Pallas kernel is first compiled
+    for the generations of ``precompile`` (default v5e and v6e); one the compiler rejects falls
+    back to XLA, and the manifest says why.
     """
     platforms = tuple(platforms)
     bad = [p for p in platforms if p not in PLATFORMS]
@@ -107,6 +111,12 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
         raise InputError(f"unknown platform(s) {bad}; choose from {', '.join(PLATFORMS)}")
     if kernels not in KERNEL_MODES:
         raise InputError(f"kernels must be one of {', '.join(KERNEL_MODES)}, not {kernels!r}")
+    precompile = tpu_compile.parse_topologies(precompile) if precompile else ()
+    if precompile:
+        if "tpu" not in platforms:
+            raise InputError("precompile= needs the tpu platform", hint="export with platforms including 'tpu'")
+        tpu_compile.require_libtpu("precompile=")
+    kernel_topologies = _kernel_topologies(precompile) if "tpu" in platforms else ()
     for cap in captures.values():
         fuse_hot_ops(cap)
         for p in platforms:
@@ -122,7 +132,7 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
         "format": tpu_format.FORMAT,
         "format_version": tpu_format.FORMAT_VERSION,
         "versions": {"torchtpu_export": torchtpu_export.__version__, "jax": jax.__version__,
-                     "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else jax.__version__,
+                     "jaxlib": tpu_compile.jaxlib_version(),
                      "torch": torch.__version__.split("+")[0]},
         "platforms": list(platforms),
         "programs": {},
@@ -143,7 +153,8 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
         jit_kwargs = _jit_shardings(plan, renames, len(cap.outputs)) if plan else {}
         for platform in platforms:
             ctx = LoweringContext(platform, narrow_64bit=narrow_64bit, kernels=kernels, float_dtype=float_dtype,
-                                  sharded=bool(mesh_axes))
+                                  sharded=bool(mesh_axes),
+                                  kernel_topologies=kernel_topologies if platform == "tpu" else ())
             fn = to_jax_function(cap, ctx, renames, dequantize)
             with jax.enable_x64(uses_x64), progress.stage(f"lower ({platform})"):
                 ispecs = _symbolic_specs(cap, narrow_64bit)
@@ -184,7 +195,24 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
             plan["column_parallel"] = [renames[k] for k in plan["column_parallel"]]
             plan["row_parallel"] = [renames[k] for k in plan["row_parallel"]]
             manifest["programs"][prog]["sharding"] = plan
-    return tpu_format.TpuArtifact(manifest, programs, mlir, np_weights)
+    artifact = tpu_format.TpuArtifact(manifest, programs, mlir, np_weights)
+    for topology in precompile:
+        with progress.stage(f"compile ({topology})"):
+            try:
+                tpu_compile.compile_artifact(artifact, topology)
+            except tpu_compile.CompileError as e:
+                raise ConversionError(str(e), hint="export with kernels='xla', or report it") from e
+    return artifact
+
+
+def _kernel_topologies(precompile: Sequence[str]) -> tuple[str, ...]:
+    """One topology per TPU generation whose compiler must accept each kernel (none without libtpu)."""
+    if tpu_compile.libtpu_version() is None:
+        return ()
+    by_generation = {}
+    for name in precompile or tpu_compile.DEFAULT_TOPOLOGIES:
+        by_generation.setdefault(tpu_compile.generation(name).name, name)
+    return tuple(by_generation.values())
 
 
 def _jit_shardings(plan: dict, renames: dict, n_outputs: int) -> dict:

@@ -9,8 +9,11 @@ never uses a kernel; ``kernels="pallas"`` raises where a kernel cannot apply.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import operator
+from typing import Callable
 
 import jax.numpy as jnp
 import torch
@@ -19,10 +22,11 @@ from jax import lax
 from torchtpu_export.capture import op_name, user_source_line
 from torchtpu_export.errors import UnsupportedOpError
 
-from .pallas import Unfit
-from .pallas.attention import flash_attention, plan_attention
+from .pallas import Unfit, compiler_rejects
+from .pallas.attention import DECODE_MAX_Q, flash_attention, plan_attention
 from .pallas.int8_matmul import int8_matmul, plan_int8_matmul
 from .pallas.norm import layer_norm, plan_norm, rms_norm
+from .pallas.splash import plan_splash, splash_attention, splash_cost
 from .registry import LOWERINGS, lowers
 
 aten = torch.ops.aten
@@ -32,27 +36,54 @@ aten = torch.ops.aten
 KEEP_WHOLE = [aten.scaled_dot_product_attention.default, aten.rms_norm.default]
 
 
-def use_kernel(ctx, kernel: str, fit) -> bool:
-    """Whether the node lowers to ``kernel`` (fit is its plan or an Unfit); logs the choice."""
+@dataclasses.dataclass
+class Candidate:
+    """A kernel that may lower a node: its plan (or why it does not fit) and the call to make."""
+
+    kernel: str
+    fit: object                 # the kernel's plan, or an Unfit
+    call: Callable              # call(*operands), static parameters bound
+    operands: tuple
+    key: tuple = ()             # what ``call`` binds besides the plan (causal, scale, eps, ...)
+    cost: dict | None = None    # for kernels that declare no cost estimate to the compiler
+
+
+def dispatch(ctx, *candidates: Candidate):
+    """The first candidate that fits and that the TPU compiler accepts, called; None for the XLA rule.
+
+    The choice, or why no kernel, goes to ``ctx.kernel_log`` (the manifest's ``kernels``).
+    Where libtpu is installed, each kernel is compiled alone for ``ctx.kernel_topologies``
+    first, so ``kernels="auto"`` never leaves a kernel in the program that the TPU compiler
+    rejects; ``kernels="pallas"`` raises instead of falling back.
+    """
     entry = {"node": ctx.node.name, "op": op_name(ctx.node.target)}
-    if ctx.sharded:
-        # XLA cannot partition a Mosaic kernel; it would need a shard_map per kernel
-        fit = Unfit("the program is sharded over a mesh, and Pallas kernels are not partitioned automatically")
+    reasons = []
     if ctx.kernels == "xla":
-        entry["reason"] = "kernels='xla'"
-    elif isinstance(fit, Unfit):
-        if ctx.kernels == "pallas":
-            raise UnsupportedOpError(
-                op_name(ctx.node.target), target="stablehlo (tpu, kernels='pallas')",
-                reason=f"the Pallas {kernel} kernel cannot take node {ctx.node.name}: {fit.reason}",
-                source=user_source_line(ctx.node),
-                hint="export with kernels='auto' to lower such nodes with XLA")
-        entry["reason"] = fit.reason
+        reasons.append("kernels='xla'")
+    elif ctx.sharded:
+        # XLA cannot partition a Mosaic kernel; it would need a shard_map per kernel
+        reasons.append("the program is sharded over a mesh, and Pallas kernels are not partitioned automatically")
     else:
-        entry["kernel"] = f"pallas.{kernel}"
-        entry["detail"] = fit.describe()
+        for c in candidates:
+            why = c.fit.reason if isinstance(c.fit, Unfit) else None
+            if why is None and ctx.kernel_topologies:
+                rejected = compiler_rejects(c.kernel, c.call, c.operands, (c.fit, *c.key), ctx.kernel_topologies)
+                why = f"the TPU compiler rejects it ({rejected})" if rejected else None
+            if why is None:
+                entry.update(kernel=f"pallas.{c.kernel}", detail=c.fit.describe())
+                if c.cost:
+                    entry["cost"] = c.cost
+                ctx.kernel_log.append(entry)
+                return c.call(*c.operands)
+            reasons.append(why if len(candidates) == 1 else f"{c.kernel}: {why}")
+    if ctx.kernels == "pallas":
+        raise UnsupportedOpError(
+            op_name(ctx.node.target), target="stablehlo (tpu, kernels='pallas')",
+            reason=f"no Pallas kernel can take node {ctx.node.name}: {'; '.join(reasons)}",
+            source=user_source_line(ctx.node), hint="export with kernels='auto' to lower such nodes with XLA")
+    entry["reason"] = "; ".join(reasons)
     ctx.kernel_log.append(entry)
-    return "kernel" in entry
+    return None
 
 
 def _default(op):
@@ -113,14 +144,31 @@ def scaled_dot_product_attention(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is
 def scaled_dot_product_attention_tpu(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
                                      enable_gqa=False):
     _check_dropout(ctx, dropout_p)
-    fit = plan_attention(_shape(q), _shape(k), _shape(v), q.dtype,
-                         None if attn_mask is None else _shape(attn_mask), force=ctx.kernels == "pallas")
-    if not isinstance(fit, Unfit) and fit.groups > 1 and not enable_gqa:
-        fit = Unfit("q and k/v head counts differ without enable_gqa")
-    if use_kernel(ctx, "flash_attention", fit):
-        return flash_attention(q, k, v, attn_mask, causal=bool(is_causal), scale=scale, plan=fit)
+    force = ctx.kernels == "pallas"
+    causal = bool(is_causal)
+    ungrouped = Unfit("q and k/v head counts differ without enable_gqa") \
+        if q.shape[-3] != k.shape[-3] and not enable_gqa else None
+    flash = ungrouped or plan_attention(_shape(q), _shape(k), _shape(v), q.dtype,
+                                        None if attn_mask is None else _shape(attn_mask), force=force)
+    operands = (q, k, v) if attn_mask is None else (q, k, v, attn_mask)
+    candidates = [Candidate("flash_attention", flash,
+                            functools.partial(_flash, causal=causal, scale=scale, plan=flash), operands,
+                            (causal, scale))]
+    if not isinstance(q.shape[-2], int) or q.shape[-2] > DECODE_MAX_Q:  # decode steps are ours: splash has none
+        splash = ungrouped or plan_splash(_shape(q), _shape(k), _shape(v), q.dtype, has_mask=attn_mask is not None)
+        candidates.insert(0, Candidate(
+            "splash_attention", splash, functools.partial(splash_attention, causal=causal, scale=scale, plan=splash),
+            (q, k, v), (causal, scale),
+            None if isinstance(splash, Unfit) else splash_cost(_shape(q), _shape(k), q.dtype, causal)))
+    out = dispatch(ctx, *candidates)
+    if out is not None:
+        return out
     return scaled_dot_product_attention(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
                                         enable_gqa=enable_gqa)
+
+
+def _flash(q, k, v, mask=None, *, causal, scale, plan):
+    return flash_attention(q, k, v, mask, causal=causal, scale=scale, plan=plan)
 
 
 # ---- norms -----------------------------------------------------------------------------------
@@ -141,21 +189,36 @@ def rms_norm_xla(ctx, x, normalized_shape, weight=None, eps=None):
     return y.astype(ctx.out_dtype())
 
 
+def _norm_candidate(ctx, kernel: str, x, normalized_shape, weight, bias, eps, out_dtype=None) -> Candidate:
+    """The norm kernel for this node; ``weight`` and ``bias`` may be None (bound, not operands)."""
+    fit = plan_norm(_shape(x), len(normalized_shape), x.dtype, force=ctx.kernels == "pallas")
+    nd = len(normalized_shape)
+    params = [p for p in (weight, bias) if p is not None]
+    has = (weight is not None, bias is not None)
+
+    def call(x, *params):
+        it = iter(params)
+        w, b = (next(it) if has[0] else None), (next(it) if has[1] else None)
+        if kernel == "rms_norm":
+            return rms_norm(x, w, eps, normalized_ndim=nd, out_dtype=out_dtype, plan=fit)
+        return layer_norm(x, w, b, eps, normalized_ndim=nd, out_dtype=out_dtype, plan=fit)
+
+    return Candidate(kernel, fit, call, (x, *params), (eps, nd, has, None if out_dtype is None else
+                                                       jnp.dtype(out_dtype).name))
+
+
 @lowers(aten.rms_norm.default, platform="tpu")
 def rms_norm_tpu(ctx, x, normalized_shape, weight=None, eps=None):
-    fit = plan_norm(_shape(x), len(normalized_shape), x.dtype, force=ctx.kernels == "pallas")
-    if use_kernel(ctx, "rms_norm", fit):
-        return rms_norm(x, weight, _eps(eps, x.dtype), normalized_ndim=len(normalized_shape),
-                        out_dtype=ctx.out_dtype(), plan=fit)
-    return rms_norm_xla(ctx, x, normalized_shape, weight, eps)
+    out = dispatch(ctx, _norm_candidate(ctx, "rms_norm", x, normalized_shape, weight, None, _eps(eps, x.dtype),
+                                        ctx.out_dtype()))
+    return out if out is not None else rms_norm_xla(ctx, x, normalized_shape, weight, eps)
 
 
 @lowers(aten.native_layer_norm.default, platform="tpu")
 def native_layer_norm_tpu(ctx, x, normalized_shape, weight, bias, eps):
-    fit = plan_norm(_shape(x), len(normalized_shape), x.dtype, force=ctx.kernels == "pallas")
-    if not use_kernel(ctx, "layer_norm", fit):
+    out = dispatch(ctx, _norm_candidate(ctx, "layer_norm", x, normalized_shape, weight, bias, float(eps)))
+    if out is None:
         return _default(aten.native_layer_norm.default)(ctx, x, normalized_shape, weight, bias, eps)
-    out = layer_norm(x, weight, bias, eps, normalized_ndim=len(normalized_shape), plan=fit)
     stats_used = any(u.target is not operator.getitem or u.args[1] != 0 for u in ctx.node.users)
     if not stats_used:  # inference reads only the output; mean and rstd would be dead code
         empty = jnp.zeros((0,), jnp.float32)
@@ -170,10 +233,8 @@ def native_layer_norm_tpu(ctx, x, normalized_shape, weight, bias, eps):
 @lowers(aten.layer_norm.default, platform="tpu")
 def layer_norm_tpu(ctx, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
     # the composite op, as graphs that skip decomposition to core ATen carry it
-    fit = plan_norm(_shape(x), len(normalized_shape), x.dtype, force=ctx.kernels == "pallas")
-    if not use_kernel(ctx, "layer_norm", fit):
-        return _default(aten.layer_norm.default)(ctx, x, normalized_shape, weight, bias, eps)
-    return layer_norm(x, weight, bias, eps, normalized_ndim=len(normalized_shape), plan=fit)
+    out = dispatch(ctx, _norm_candidate(ctx, "layer_norm", x, normalized_shape, weight, bias, float(eps)))
+    return out if out is not None else _default(aten.layer_norm.default)(ctx, x, normalized_shape, weight, bias, eps)
 
 
 # ---- int8 weight-only matmul -----------------------------------------------------------------
@@ -189,11 +250,17 @@ def weight_int8pack_mm_tpu(ctx, x, w, scales):
     # leading batch dims (F.linear kept whole) fold into M: the kernel takes (M, K) x (N, K)
     lead = x.shape[:-1]
     x2 = x.reshape((-1, x.shape[-1])) if x.ndim != 2 else x
-    fit = plan_int8_matmul(_shape(x2), _shape(w), x.dtype, w.dtype, force=ctx.kernels == "pallas")
-    if use_kernel(ctx, "int8_matmul", fit):
-        out = int8_matmul(x2, w, scales, out_dtype=ctx.out_dtype(), plan=fit)
+    out = dispatch(ctx, _int8_candidate(ctx, x2, w, scales))
+    if out is not None:
         return out.reshape(lead + (w.shape[0],)) if x.ndim != 2 else out
     return weight_int8pack_mm(ctx, x, w, scales)
+
+
+def _int8_candidate(ctx, x2, w, scales) -> Candidate:
+    fit = plan_int8_matmul(_shape(x2), _shape(w), x2.dtype, w.dtype, force=ctx.kernels == "pallas")
+    out_dtype = ctx.out_dtype()
+    return Candidate("int8_matmul", fit, functools.partial(int8_matmul, out_dtype=out_dtype, plan=fit), (x2, w, scales),
+                     (jnp.dtype(out_dtype).name,))
 
 
 # ---- weights quantized by the int8_weight_only recipe ----------------------------------------
@@ -217,10 +284,9 @@ def _quantized_weight(ctx, arg_index: int, transposed: bool):
 def _int8_linear(ctx, x, q, scales, bias):
     lead = x.shape[:-1]
     x2 = x.reshape((-1, x.shape[-1]))
-    fit = plan_int8_matmul(_shape(x2), _shape(q), x.dtype, q.dtype, force=ctx.kernels == "pallas")
-    if not use_kernel(ctx, "int8_matmul", fit):
+    out = dispatch(ctx, _int8_candidate(ctx, x2, q, scales.astype(x.dtype)))
+    if out is None:
         return None
-    out = int8_matmul(x2, q, scales.astype(x.dtype), out_dtype=ctx.out_dtype(), plan=fit)
     out = out.reshape(lead + (q.shape[0],))
     return out if bias is None else out + bias.astype(out.dtype)
 

@@ -80,8 +80,10 @@ class LoweringContext:
     """What a rule may ask about the node it lowers: output metadata, dtypes, platform."""
 
     def __init__(self, platform: str, *, narrow_64bit: bool = False, kernels: str = "auto",
-                 float_dtype=None, sharded: bool = False):
+                 float_dtype=None, sharded: bool = False, kernel_topologies: tuple[str, ...] = ()):
         self.platform = platform
+        # TPU topologies whose compiler must accept a Pallas kernel before it is used (libtpu)
+        self.kernel_topologies = tuple(kernel_topologies)
         self.narrow_64bit = narrow_64bit
         self.float_dtype = float_dtype  # e.g. bfloat16: the program computes all floats in it
         self.sharded = sharded  # the program is partitioned over a device mesh

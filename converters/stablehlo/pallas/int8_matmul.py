@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import LANES, Unfit, dtype_unfit, interpreting, round_up, static_shape, sublanes
+from . import LANES, Unfit, dtype_unfit, interpreting, round_up, static_shape, sublanes, traced_in_32_bit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +66,7 @@ def plan_int8_matmul(x_shape, w_shape, dtype, w_dtype, *, force: bool = False) -
     return Int8MatmulPlan(m, n, k, block_m, block_n, block_k)
 
 
+@traced_in_32_bit
 def int8_matmul(x, w, scale, *, out_dtype=None, plan: Int8MatmulPlan | None = None, interpret: bool | None = None):
     """``x @ (w.astype(float) * scale[:, None]).T``, accumulated in float32."""
     if plan is None:
@@ -90,6 +91,10 @@ def int8_matmul(x, w, scale, *, out_dtype=None, plan: Int8MatmulPlan | None = No
         out_shape=jax.ShapeDtypeStruct((pm, pn), out_dtype),
         scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        cost_estimate=pl.CostEstimate(
+            flops=2 * pm * pn * pk, transcendentals=0,
+            bytes_accessed=pm * pk * jnp.dtype(x.dtype).itemsize * (pn // bn) + pn * pk * (pm // bm)
+            + pm * pn * jnp.dtype(out_dtype).itemsize),
         interpret=interpreting(interpret),
         name="int8_matmul",
     )(x, w, scale)

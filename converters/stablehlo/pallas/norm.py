@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import LANES, Unfit, dtype_unfit, interpreting, round_up, sublanes
+from . import LANES, Unfit, dtype_unfit, interpreting, round_up, sublanes, traced_in_32_bit
 
 BLOCK_BYTES = 1 << 20  # per input block; x and y blocks are double-buffered
 MAX_DIM = 1 << 16  # 8 rows of 64K float32 are 2 MiB per block
@@ -69,6 +69,7 @@ def layer_norm(x, weight, bias, eps: float, *, normalized_ndim: int = 1, out_dty
     return _norm(x, weight, bias, eps, normalized_ndim, out_dtype, plan, interpret, centered=True)
 
 
+@traced_in_32_bit
 def _norm(x, weight, bias, eps, normalized_ndim, out_dtype, plan, interpret, *, centered):
     if plan is None:
         plan = plan_norm(x.shape, normalized_ndim, x.dtype, force=True)
@@ -91,6 +92,10 @@ def _norm(x, weight, bias, eps, normalized_ndim, out_dtype, plan, interpret, *, 
         out_specs=pl.BlockSpec((br, dim), lambda i: (i, 0)),
         out_shape=jax.ShapeDtypeStruct((rows, dim), out_dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        cost_estimate=pl.CostEstimate(
+            flops=(8 if centered else 6) * rows * dim, transcendentals=rows,
+            bytes_accessed=rows * dim * (jnp.dtype(x.dtype).itemsize + jnp.dtype(out_dtype).itemsize)
+            + sum(dim * jnp.dtype(p.dtype).itemsize for p in operands[1:])),
         interpret=interpreting(interpret),
         name="layer_norm" if centered else "rms_norm",
     )(*operands)
