@@ -1,9 +1,12 @@
-"""Every example runs to completion on both targets and matches eager (tokens for the decoders)."""
+"""Every example runs to completion on both targets and matches eager (tokens for the decoders),
+and the TPU compiler (libtpu, ahead of time) accepts every .tpu it writes for v5e and v6e."""
 import os
 import subprocess
 import sys
 
 import pytest
+
+from torchtpu_export import tpu_compile, tpu_format
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
@@ -13,7 +16,20 @@ def run_example(script, *args, tmp_path):
     proc = subprocess.run([sys.executable, script, *args], cwd=EXAMPLES, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _tpu_artifacts_compile(tmp_path)
     return proc.stdout
+
+
+def _tpu_artifacts_compile(folder):
+    paths = sorted(p for p in os.listdir(folder) if p.endswith(".tpu"))
+    assert paths, f"the example wrote no .tpu to {folder}"
+    for name in paths:
+        artifact = tpu_format.read(os.path.join(folder, name))
+        for topology in ("v5e:2x2", "v6e:2x2"):
+            try:
+                tpu_compile.compile_artifact(artifact, topology, store=False)
+            except tpu_compile.CompileError as e:
+                pytest.fail(f"{name}: {e}", pytrace=False)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])

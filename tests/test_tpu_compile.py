@@ -358,3 +358,18 @@ def test_precompile_needs_the_tpu_platform_and_a_known_topology():
         tte.export(model, args, platforms=("cpu",), precompile=("v5e:2x2",))
     with pytest.raises(InputError, match="unknown TPU topology"):
         tte.export(model, args, precompile=("v5x",))
+
+
+class _Spectrum(torch.nn.Module):
+    def forward(self, x):
+        return torch.fft.rfft(x).abs()
+
+
+def test_float64_the_tpu_compiler_lacks_says_to_narrow():
+    """float64 compiles on TPUs (emulated) except FFT and LU: the error says how to compute in float32."""
+    x = torch.randn(4, 64, dtype=torch.float64)
+    prog = tte.export(_Spectrum(), (x,), platforms=("tpu",))
+    with pytest.raises(ConversionError, match="Unexpected operand type for FFT") as e:
+        prog.compile("v5e:2x2")
+    assert "narrow_64bit=True" in e.value.hint
+    assert_compiles(tte.export(_Spectrum(), (x,), platforms=("tpu",), narrow_64bit=True), ("v5e:2x2",))

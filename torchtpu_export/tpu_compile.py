@@ -26,7 +26,7 @@ import math
 import os
 import pickle
 
-from .errors import ArtifactError, InputError
+from .errors import ArtifactError, ConversionError, InputError
 
 log = logging.getLogger("torchtpu_export")
 
@@ -161,8 +161,19 @@ def devices_for(name: str, count: int) -> list:
     return devices[:count]
 
 
-class CompileError(Exception):
+class CompileError(ConversionError):
     """The TPU compiler rejected a program; the message is the compiler's."""
+
+    def __init__(self, message: str):
+        super().__init__(message, hint=_hint(message))
+
+
+def _hint(message: str) -> str:
+    if any(t in message for t in ("f64", "F64", "c128", "C128")):
+        # float64 compiles on TPUs (emulated, slowly) except where the compiler has no such kernel
+        return ("the TPU compiler has no float64 kernel for this op (FFT and LU-based linear algebra): "
+                "export with narrow_64bit=True (--narrow-64bit) to compute in float32")
+    return "export with kernels='xla' if the message names a Pallas kernel; otherwise please report it"
 
 
 def compiler_message(e: BaseException, limit: int = 1500) -> str:

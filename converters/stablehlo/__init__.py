@@ -198,10 +198,7 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
     artifact = tpu_format.TpuArtifact(manifest, programs, mlir, np_weights)
     for topology in precompile:
         with progress.stage(f"compile ({topology})"):
-            try:
-                tpu_compile.compile_artifact(artifact, topology)
-            except tpu_compile.CompileError as e:
-                raise ConversionError(str(e), hint="export with kernels='xla', or report it") from e
+            tpu_compile.compile_artifact(artifact, topology)
     return artifact
 
 
