@@ -1,6 +1,6 @@
 """The op-coverage matrix: every op of the table on every runtime, compared with torch eager.
 
-    torchtpu-export coverage [--targets xla,litert,onnx] [--ops PATTERN] [--format md|json] [-o FILE]
+    torchtpu-export coverage [--targets xla,tpu,litert,onnx] [--ops PATTERN] [--format md|json] [-o FILE]
     python -m torchtpu_export.coverage --regenerate     # docs/coverage.{json,md}, tests/coverage_expected.json
 
 A cell is one op on one runtime: ``pass`` (every sample within the op's tolerance),
@@ -30,7 +30,10 @@ from .errors import InputError, UnsupportedOpError
 log = logging.getLogger("torchtpu_export")
 
 FLOAT_RUNTIMES = ("xla", "litert", "onnx")
-RUNTIMES = FLOAT_RUNTIMES + ("litert_dynamic_int8", "litert_int8")  # and the quantized LiteRT columns
+# tpu: the xla column's program compiled for a TPU by libtpu (pass = the TPU compiler accepts it);
+# then the quantized LiteRT columns
+RUNTIMES = ("xla", "tpu", "litert", "onnx", "litert_dynamic_int8", "litert_int8")
+TPU_TOPOLOGY = "v5e:2x2"
 STATUSES = ("pass", "mismatch", "unsupported", "error")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECTED_FILE = os.path.join(REPO, "tests", "coverage_expected.json")
@@ -79,6 +82,7 @@ class Column:
     lowp: frozenset                # half-precision dtypes it is tested with
     narrows_64bit: bool = False    # int64/float64 results may come back as 32-bit
     quant: str | None = None       # a quantization recipe: the column runs only QUANTIZED[quant]'s ops
+    compile_for: str | None = None  # a TPU topology: the cell is whether libtpu compiles the program
 
     def converter(self):
         from . import api
@@ -90,6 +94,10 @@ class Column:
 
     def missing(self) -> str | None:
         """Why this column cannot run in this build, or None."""
+        if self.compile_for:
+            from .tpu_compile import libtpu_version
+            if libtpu_version() is None:
+                return "libtpu (the TPU compiler) is not installed: pip install 'torchtpu-export[tpu]'"
         if self.target == "litert":
             conv = self.converter()
             if not hasattr(conv, "convert_programs"):
@@ -104,6 +112,8 @@ class Column:
         from . import api
         if self.name == "xla":
             return api._export_tpu(captures, platforms=("cpu",))
+        if self.compile_for:
+            return api._export_tpu(captures, platforms=("tpu",))
         if self.name == "onnx":
             return api._export_onnx(captures)
         # like tte.convert: one "serving_default" signature
@@ -118,6 +128,7 @@ def _columns() -> dict[str, Column]:
     import torch
     return {
         "xla": Column("xla", "tpu", frozenset({torch.float16, torch.bfloat16})),
+        "tpu": Column("tpu", "tpu", frozenset({torch.float16, torch.bfloat16}), compile_for=TPU_TOPOLOGY),
         # ONNX Runtime's CPU provider and the LiteRT interpreter lack half-precision kernels for most
         # ops: their columns are measured on float32, integer and bool samples.
         "litert": Column("litert", "litert", frozenset(), narrows_64bit=True),
@@ -346,6 +357,8 @@ class _Batch:
                     return Cell("unsupported", sample=label, reason=f"the {column.quant} recipe leaves it float")
                 if set(quantized) == {"DEQUANTIZE"}:
                     note = "int8 weights dequantized at load; the op runs in float"
+            if column.compile_for:
+                return _compile_cell(program, column.compile_for, self.samples, label, note)
             outs = program.run_flat([_to_numpy(t) for t in self.inputs])
         except UnsupportedOpError as e:
             reason = e.reason if e.op == entry.name else f"{e.op}: {e.reason}"
@@ -354,6 +367,18 @@ class _Batch:
             log.debug("cell %s/%s failed", entry.name, column.name, exc_info=True)
             return Cell("error", sample=label, reason=_first_line(e), note=note)
         return compare_outputs(entry, self.samples, self.refs, outs, column, note)
+
+
+def _compile_cell(program, topology: str, samples, label: str, note: str | None) -> Cell:
+    """A tpu cell: pass when libtpu compiles the program for ``topology`` (the numbers are the xla column's)."""
+    from . import tpu_compile
+    try:
+        tpu_compile.compile_artifact(program.artifact, topology, store=False)
+    except tpu_compile.CompileError as e:
+        lines = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()]
+        return Cell("unsupported", sample=label, reason=f"the TPU compiler rejects it: {' '.join(lines)[:400]}",
+                    note=note)
+    return Cell("pass", samples=len(samples), note=note)
 
 
 def compare_outputs(entry, samples, refs, outs, column: Column, note: str | None = None) -> Cell:
@@ -598,7 +623,7 @@ def parse_runtimes(text: str | None) -> list[str]:
         return list(RUNTIMES)
     out = []
     for name in (t.strip() for t in text.split(",") if t.strip()):
-        name = {"tpu": "xla", "tflite": "litert"}.get(name, name)
+        name = {"tflite": "litert"}.get(name, name)
         if name not in RUNTIMES:
             raise InputError(f"unknown runtime {name!r}; choose from {', '.join(RUNTIMES)}")
         if name not in out:
@@ -691,6 +716,10 @@ def to_markdown(report: dict) -> str:
         "run on xla only (ONNX Runtime's CPU provider and the LiteRT interpreter lack half-precision kernels",
         "for most ops); litert may return int64/float64 results as 32-bit. PyTorch's own OpInfo samples go",
         "through the same machinery in [coverage_opinfo.md](coverage_opinfo.md).",
+        "",
+        f"The `tpu` column compiles the xla column's program for a TPU ({TPU_TOPOLOGY}) with libtpu, ahead of",
+        "time on this CPU machine: **pass** means the TPU compiler accepts it (its numbers are the xla",
+        "column's; only a TPU can measure them), and a rejection quotes the compiler.",
         "",
         "The quantized columns (`litert_dynamic_int8`, `litert_int8`) run the LiteRT recipes on the ops they",
         "quantize (`-` elsewhere): weight ops with layer-sized constant weights (a recipe leaves weights",
