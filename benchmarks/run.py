@@ -22,6 +22,7 @@ BENCHMARKS = {
     "quant": ("litert_quant.py", ["-o", "RESULTS-quant.md"]),
     "scale": ("scale.py", ["-o", "RESULTS-scale.md"]),
     "pallas": ("pallas_kernels.py", []),
+    "tpu-compile": ("tpu_compile.py", ["-o", "RESULTS-tpu-compile.md"]),
     "web": ("web.py", []),
     "opinfo-peers": ("opinfo_peers.py", ["-o", "RESULTS-opinfo-peers.md"]),
 }
