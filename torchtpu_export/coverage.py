@@ -225,39 +225,42 @@ def _to_numpy(t):
 def compare_sample(entry, sample, outs: list, refs: list, column: Column):
     """The verdict of one sample: shapes and dtypes must match, values within the op's tolerance."""
     from .numerics import compare
-    from .optable import Verdict
     outs = [np.asarray(o) for o in outs]
     refs = [_to_numpy(r) for r in refs]
     if len(outs) != len(refs):
-        return Verdict(False, math.inf, math.inf, f"{len(outs)} outputs, torch has {len(refs)}")
+        return _failed(f"{len(outs)} outputs, torch has {len(refs)}")
     for i, (o, r) in enumerate(zip(outs, refs)):
         if entry.compared is not None and i not in entry.compared:
             continue
         if o.shape != r.shape:
-            return Verdict(False, math.inf, math.inf, f"output {i}: shape {o.shape}, torch {r.shape}")
+            return _failed(f"output {i}: shape {o.shape}, torch {r.shape}")
         if o.dtype != r.dtype:
             narrowed = column.narrows_64bit and o.dtype.kind == r.dtype.kind and r.dtype.itemsize == 8 \
                 and o.dtype.itemsize == 4
             if not narrowed:
-                return Verdict(False, math.inf, math.inf, f"output {i}: dtype {o.dtype.name}, torch {r.dtype.name}")
+                return _failed(f"output {i}: dtype {o.dtype.name}, torch {r.dtype.name}")
     if entry.compared is not None:
         outs, refs = [outs[i] for i in entry.compared], [refs[i] for i in entry.compared]
     if column.quant is not None:
         return _quant_verdict(outs, refs, *QUANT_BOUNDS[column.quant])
     if entry.compare is not None:
         return entry.compare(outs, refs, sample)
-    agreement = compare(outs, refs, rtol=entry.tolerance(sample))
-    return Verdict(agreement.ok, agreement.max_abs_err, agreement.max_rel_err, agreement.detail)
+    return compare(outs, refs, rtol=entry.tolerance(sample))
+
+
+def _failed(detail: str):
+    from .numerics import Agreement
+    return Agreement(math.inf, math.inf, False, detail)
 
 
 def _quant_verdict(outs, refs, max_rel: float, min_cosine: float):
-    from .optable import Verdict
+    from .numerics import Agreement
     from .quant import measure
     report = measure("", refs, outs, 0, 0)
     ok = report.max_rel_err <= max_rel and report.cosine >= min_cosine
     detail = None if ok else f"rel err {report.max_rel_err:.3g} (bound {max_rel}), cosine {report.cosine:.5f} " \
                              f"(bound {min_cosine})"
-    return Verdict(ok, report.max_abs_err, report.max_rel_err, detail)
+    return Agreement(report.max_abs_err, report.max_rel_err, ok, detail)
 
 
 def _weight_samples(op_name: str) -> list:

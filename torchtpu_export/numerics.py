@@ -16,9 +16,9 @@ DEFAULT_RTOL = 1e-5
 class Agreement:
     """Max abs error, the same relative to the reference's scale, and whether it is within ``rtol``."""
 
-    max_abs_err: float
-    max_rel_err: float
-    ok: bool
+    max_abs_err: float = 0.0
+    max_rel_err: float = 0.0
+    ok: bool = True
     detail: str = ""
 
     def __str__(self) -> str:

@@ -21,6 +21,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from ..numerics import Agreement
+
 aten = torch.ops.aten
 
 # Tolerances are relative to the output's scale (its largest finite magnitude), as in numerics.compare.
@@ -107,17 +109,7 @@ def S(*args, desc: str, dynamic: dict | None = None, lowp: bool = True, **kwargs
     return Sample(tuple(args), kwargs, desc, dynamic, lowp)
 
 
-Comparator = Callable[[list, list, Sample], "Verdict"]
-
-
-@dataclasses.dataclass
-class Verdict:
-    """How one sample's outputs compare with torch's."""
-
-    ok: bool
-    max_abs_err: float = 0.0
-    max_rel_err: float = 0.0
-    detail: str = ""
+Comparator = Callable[[list, list, Sample], Agreement]  # how one sample's outputs compare with torch's
 
 
 @dataclasses.dataclass

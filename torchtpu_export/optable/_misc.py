@@ -6,7 +6,8 @@ import math
 import numpy as np
 import torch
 
-from . import EXACT, S, Verdict, aten, entry
+from ..numerics import Agreement
+from . import EXACT, S, aten, entry
 
 _SHAPE = "an integer shape query"
 _DYN = {0: {0: (2, 64), 1: (2, 64)}}   # both dims of the first input are symbolic
@@ -73,7 +74,7 @@ def _distribution(check):
     def compare(outs, refs, sample):
         x = np.asarray(outs[0], np.float64).reshape(-1)
         ok, stat, detail = check(x)
-        return Verdict(ok, 0.0, stat, "" if ok else detail)
+        return Agreement(ok=ok, max_rel_err=stat, detail="" if ok else detail)
     return compare
 
 
@@ -94,7 +95,7 @@ def _normal(x):
 def _permutation(outs, refs, sample):
     x = np.asarray(outs[0]).reshape(-1)
     ok = np.array_equal(np.sort(x), np.arange(x.size))
-    return Verdict(bool(ok), 0.0, 0.0, "" if ok else "not a permutation of 0..n-1")
+    return Agreement(ok=bool(ok), detail="" if ok else "not a permutation of 0..n-1")
 
 
 _RANDOM = "random: compared by distribution (range, mean, spread), not values"

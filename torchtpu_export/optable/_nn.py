@@ -7,7 +7,8 @@ import math
 import numpy as np
 import torch
 
-from . import EXACT, F32_ACCUM, S, Verdict, aten, entry
+from ..numerics import Agreement
+from . import EXACT, F32_ACCUM, S, aten, entry
 
 _MATMUL = "float32 dot products: the accumulation order differs (blocked kernels)"
 _NORM = "float32 mean/variance over the normalised dims: the summation order differs"
@@ -320,7 +321,7 @@ def _dropout_check(outs, refs, sample):
     xin = np.asarray(refs[0], np.float64) if not train else None
     if not train or p == 0:
         ok = np.array_equal(out, np.asarray(refs[0], np.float64)) and mask.all()
-        return Verdict(bool(ok), 0.0, 0.0, "" if ok else "dropout off must be the identity")
+        return Agreement(ok=bool(ok), detail="" if ok else "dropout off must be the identity")
     xin = x.numpy().astype(np.float64)
     kept = mask.mean()
     scaled_ok = np.allclose(out[mask], xin[mask] / (1 - p), rtol=1e-6) and np.all(out[~mask] == 0)
@@ -328,7 +329,8 @@ def _dropout_check(outs, refs, sample):
     sd = math.sqrt(p * (1 - p) / mask.size)
     frac_ok = abs(kept - (1 - p)) < 5 * sd
     ok = bool(scaled_ok and frac_ok)
-    return Verdict(ok, 0.0, abs(kept - (1 - p)), "" if ok else f"kept {kept:.3f}, expected {1 - p:.3f}; scaled ok {scaled_ok}")
+    return Agreement(ok=ok, max_rel_err=abs(kept - (1 - p)),
+                     detail="" if ok else f"kept {kept:.3f}, expected {1 - p:.3f}; scaled ok {scaled_ok}")
 
 
 entry(aten.native_dropout.default, lambda g: [

@@ -6,7 +6,8 @@ import math
 import numpy as np
 import torch
 
-from . import EXACT, F32_ULPS, S, Verdict, aten, edge_values, entry
+from ..numerics import Agreement
+from . import EXACT, F32_ULPS, S, aten, edge_values, entry
 
 _MOVE = "moves or copies values"
 
@@ -175,7 +176,7 @@ entry(aten.fill.Scalar, lambda g: [
 
 def _shape_only(outs, refs, sample):
     """Uninitialised memory: only the shape and dtype (checked before) are defined."""
-    return Verdict(True)
+    return Agreement(ok=True)
 
 
 entry(aten.empty.memory_format, lambda g: [
@@ -208,7 +209,7 @@ def _resize_prefix(outs, refs, sample):
     n = math.prod(sample.args[0].shape)
     o, r = np.asarray(outs[0]).reshape(-1)[:n], np.asarray(refs[0]).reshape(-1)[:n]
     diff = float(np.abs(o.astype(np.float64) - r.astype(np.float64)).max()) if n else 0.0
-    return Verdict(diff == 0.0, diff, diff, "" if diff == 0.0 else "the old values differ")
+    return Agreement(diff, diff, diff == 0.0, "" if diff == 0.0 else "the old values differ")
 
 
 def _resize_rewrite(gm):
