@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from . import onnx_format, tpu_format
+from . import onnx_format, tpu_format, treespec
 from .capture import CapturedProgram, capture, flatten_call_args
 from .errors import InputError
 from .specs import TensorSpec
@@ -24,7 +24,7 @@ TARGETS = ("tpu", "litert", "onnx")
 
 
 def _unflatten(outputs: list, out_spec: str | pytree.TreeSpec):
-    spec = pytree.treespec_loads(out_spec) if isinstance(out_spec, str) else out_spec
+    spec = treespec.loads(out_spec) if isinstance(out_spec, str) else out_spec
     return pytree.tree_unflatten(outputs, spec)
 
 
@@ -82,8 +82,7 @@ class TpuProgram:
 
     def __call__(self, *args, signature_name: str | None = None, **kwargs):
         spec = self.manifest["programs"][self._program(signature_name)]
-        constants = {int(k): v for k, v in spec.get("constant_inputs", {}).items()}
-        flat = flatten_call_args(pytree.treespec_loads(spec["in_spec"]), constants, args, kwargs)
+        flat = flatten_call_args(spec["in_spec"], spec.get("constant_inputs", {}), args, kwargs)
         return _unflatten(self.run_flat(flat, signature_name), spec["out_spec"])
 
     def stablehlo_text(self, platform: str = "tpu", signature_name: str | None = None) -> str:
@@ -169,7 +168,7 @@ class OnnxProgram:
                 raise InputError("this ONNX model has no recorded call structure: pass its inputs positionally")
             outs = self.run_flat(args, signature_name)
             return outs[0] if len(outs) == 1 else tuple(outs)
-        flat = flatten_call_args(pytree.treespec_loads(art.in_spec), art.constant_inputs, args, kwargs)
+        flat = flatten_call_args(art.in_spec, art.constant_inputs, args, kwargs)
         return _unflatten(self.run_flat(flat, signature_name), art.out_spec)
 
     def __repr__(self) -> str:

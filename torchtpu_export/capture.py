@@ -21,9 +21,9 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
-from . import progress
+from . import progress, treespec
 from .errors import CaptureError, InputError
-from .specs import TensorSpec, dtype_name
+from .specs import TensorSpec, dtype_name, jsonable
 
 log = logging.getLogger("torchtpu_export")
 
@@ -62,6 +62,13 @@ class CapturedProgram:
     def flatten_inputs(self, args: Sequence, kwargs: dict | None = None) -> list:
         """Flattens call arguments like the captured ones, returning the tensor leaves."""
         return flatten_call_args(self.in_spec, self.constant_inputs, args, kwargs)
+
+    def call_metadata(self) -> dict:
+        """What an artifact records to be called like the module: torch-side input and output specs,
+        the call's pytree structure (treespec text), and the non-tensor inputs torch.export specialised."""
+        return {"inputs": [s.to_json() for s in self.inputs], "outputs": [s.to_json() for s in self.outputs],
+                "in_spec": treespec.dumps(self.in_spec), "out_spec": treespec.dumps(self.out_spec),
+                "constant_inputs": {str(i): jsonable(v) for i, v in self.constant_inputs.items()}}
 
     def op_histogram(self) -> dict[str, int]:
         hist: dict[str, int] = {}
@@ -110,10 +117,15 @@ def _reorder_kwargs(in_spec: pytree.TreeSpec, kwargs: dict) -> dict:
 
 
 def flatten_call_args(in_spec, constant_inputs, args, kwargs=None) -> list:
+    """The tensor leaves of a call, checked against the captured structure (``in_spec``: a TreeSpec
+    or its treespec text; ``constant_inputs``: flat index -> the non-tensor leaves, left out)."""
+    if isinstance(in_spec, str):
+        in_spec = treespec.loads(in_spec)
+    constant_inputs = {int(k): v for k, v in constant_inputs.items()}
     args = tuple(pytree.tree_map(to_torch, tuple(args)))
     kwargs = _reorder_kwargs(in_spec, pytree.tree_map(to_torch, dict(kwargs or {})))
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    if spec != in_spec:
+    if not treespec.same_structure(spec, in_spec):
         raise InputError(
             f"the inputs do not have the structure of the captured ones: got {_short(spec)}, expected {_short(in_spec)}")
     return [x for i, x in enumerate(leaves) if i not in constant_inputs]

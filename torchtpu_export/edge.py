@@ -343,11 +343,11 @@ class EdgeModel:
                 raise InputError("this .tflite was not made by torchtpu-export: pass inputs positionally")
             outs = self.run_flat(list(args), sig)
             return outs[0] if len(outs) == 1 else tuple(outs)
+        from . import treespec
         from .capture import flatten_call_args
-        constants = {int(k): v for k, v in meta.get("constant_inputs", {}).items()}
-        flat = flatten_call_args(pytree.treespec_loads(meta["in_spec"]), constants, args, kwargs)
+        flat = flatten_call_args(meta["in_spec"], meta.get("constant_inputs", {}), args, kwargs)
         outs = self.run_flat(flat, sig)
-        return pytree.tree_unflatten(outs, pytree.treespec_loads(meta["out_spec"]))
+        return pytree.tree_unflatten(outs, treespec.loads(meta["out_spec"]))
 
     def __repr__(self) -> str:
         return f"EdgeModel(signatures={self.signatures}, {len(self._content):,} bytes)"

@@ -50,6 +50,13 @@ class TensorSpec:
         return f"{self.name}: {self.dtype}[{', '.join(str(d) for d in self.shape)}]"
 
 
+def jsonable(v):
+    """A value for a JSON manifest: plain scalars as they are, anything else as its repr."""
+    if isinstance(v, (int, float, bool, str)) or v is None:
+        return v
+    return repr(v)
+
+
 def as_numpy(x) -> np.ndarray:
     """A torch tensor, numpy array or Python number as a numpy array."""
     if isinstance(x, torch.Tensor):

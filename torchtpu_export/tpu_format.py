@@ -194,7 +194,7 @@ def _check_compiled(compiled, programs: dict, path: str) -> None:
 
 def _check_program(spec: dict, where: str) -> None:
     """The fields a program entry must have, with the types readers rely on."""
-    import torch.utils._pytree as pytree
+    from . import treespec
     ok = (isinstance(spec.get("weights"), list) and all(isinstance(w, str) for w in spec["weights"])
           and all(isinstance(f, str) for f in spec["files"].values()))
     for key in ("inputs", "outputs"):
@@ -207,7 +207,7 @@ def _check_program(spec: dict, where: str) -> None:
         raise ArtifactError(f"{where} has malformed fields in the manifest", hint="export the model again")
     for key in ("in_spec", "out_spec"):
         try:
-            pytree.treespec_loads(spec[key])
-        except Exception as e:
+            treespec.loads(spec[key])
+        except (ArtifactError, KeyError, TypeError) as e:
             raise ArtifactError(f"{where}: the manifest's {key} is not a valid pytree spec ({type(e).__name__})",
                                 hint="export the model again") from e

@@ -13,7 +13,6 @@ import tempfile
 from typing import Mapping
 
 import torch
-import torch.utils._pytree as pytree
 
 import torchtpu_export
 from torchtpu_export.capture import CapturedProgram
@@ -93,11 +92,7 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
         g = run_pipeline(AtenProgram.from_capture(name, cap, io_dtypes, quants[name]), skip)
         graphs.append(g)
         signatures[name] = {
-            "inputs": [s.to_json() for s in cap.inputs],
-            "outputs": [s.to_json() for s in cap.outputs],
-            "in_spec": _spec_text(cap.in_spec),
-            "out_spec": _spec_text(cap.out_spec),
-            "constant_inputs": {str(i): _jsonable(v) for i, v in cap.constant_inputs.items()},
+            **cap.call_metadata(),
             # dynamic dims -> [min, max or None]: the sizes the model was exported for
             "dims": _dim_ranges(cap),
         }
@@ -139,29 +134,6 @@ def _dim_ranges(cap: CapturedProgram) -> dict[str, list]:
     # every symbol of the inputs' dims (those inside expressions such as "4*s0" included), and the
     # expressions themselves, as capture reports them
     return {**{k: list(v) for k, v in symbol_ranges(cap).items()}, **{k: list(v) for k, v in cap.dim_ranges.items()}}
-
-
-def _spec_text(spec: pytree.TreeSpec) -> str:
-    # A pytree spec as text; named tuples without a serialisation name (torch.return_types) become tuples.
-    try:
-        return pytree.treespec_dumps(spec)
-    except NotImplementedError:
-        def plain(x):
-            if isinstance(x, tuple):
-                return tuple(plain(v) for v in x)
-            if isinstance(x, list):
-                return [plain(v) for v in x]
-            if isinstance(x, dict):
-                return {k: plain(v) for k, v in x.items()}
-            return x
-        tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
-        return pytree.treespec_dumps(pytree.tree_structure(plain(tree)))
-
-
-def _jsonable(v):
-    if isinstance(v, (int, float, bool, str)) or v is None:
-        return v
-    return repr(v)
 
 
 __all__ = ["KEEP_WHOLE", "convert_programs", "METADATA_NAME", "FORMAT", "PIPELINE",

@@ -12,7 +12,6 @@ import warnings
 from typing import Mapping
 
 import torch
-import torch.utils._pytree as pytree
 
 from torchtpu_export.capture import CapturedProgram
 from torchtpu_export.errors import ConversionError, InputError, UnsupportedOpError
@@ -35,9 +34,9 @@ def convert_programs(captures: Mapping[str, CapturedProgram], **options) -> Onnx
                          hint="export each signature to its own .onnx file")
     (cap,) = captures.values()
     program = _torch_onnx_export(cap, **options)
-    artifact = OnnxArtifact(b"", list(cap.inputs), list(cap.outputs), pytree.treespec_dumps(cap.in_spec),
-                            pytree.treespec_dumps(cap.out_spec),
-                            {i: _jsonable(v) for i, v in cap.constant_inputs.items()}, cap.op_histogram())
+    meta = cap.call_metadata()
+    artifact = OnnxArtifact(b"", list(cap.inputs), list(cap.outputs), meta["in_spec"], meta["out_spec"],
+                            meta["constant_inputs"], cap.op_histogram())
     artifact.model = with_metadata(program.model_proto.SerializeToString(), artifact.metadata())
     return artifact
 
@@ -104,9 +103,3 @@ def _quiet_loggers():
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
-
-
-def _jsonable(v):
-    if isinstance(v, (int, float, bool, str)) or v is None:
-        return v
-    return repr(v)

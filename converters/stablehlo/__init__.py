@@ -10,7 +10,6 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 import torch
-import torch.utils._pytree as pytree
 
 import torchtpu_export
 from torchtpu_export import progress, tpu_compile, tpu_format
@@ -171,11 +170,7 @@ def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Seque
                 calling_convention = exp.calling_convention_version
             kernel_log += [dict(entry, platform=platform) for entry in ctx.kernel_log]
         manifest["programs"][prog] = {
-            "inputs": [s.to_json() for s in cap.inputs],
-            "outputs": [s.to_json() for s in cap.outputs],
-            "in_spec": pytree.treespec_dumps(cap.in_spec),
-            "out_spec": pytree.treespec_dumps(cap.out_spec),
-            "constant_inputs": {str(i): _jsonable(v) for i, v in cap.constant_inputs.items()},
+            **cap.call_metadata(),
             "weights": weight_names[prog],
             "uses_x64": uses_x64,
             "narrow_64bit": narrow_64bit,
@@ -229,9 +224,3 @@ def _weight_array(t: torch.Tensor, narrow: bool) -> np.ndarray:
         a = a.astype({np.dtype(np.int64): np.int32, np.dtype(np.float64): np.float32,
                       np.dtype(np.uint64): np.uint32}[a.dtype])
     return a
-
-
-def _jsonable(v):
-    if isinstance(v, (int, float, bool, str)) or v is None:
-        return v
-    return repr(v)
