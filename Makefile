@@ -37,8 +37,10 @@ web-deps:
 test: venv web-deps
 	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup tests
 
+# the committed coverage files (docs/coverage.*, tests/coverage_expected.json, README totals);
+# OPS='aten.add.*' regenerates those ops' rows only
 coverage: venv
-	$(PY) -m torchtpu_export.coverage --regenerate
+	$(PY) tools/coverage.py $(if $(OPS),--ops '$(OPS)')
 
 bench: venv web-deps
 	$(PY) benchmarks/run.py

@@ -24,6 +24,7 @@ import time
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))  # zoo
 from litert_vs_litert_torch import REPO, ensure_bench_venv, latency, outputs_and_reference  # noqa: E402
 
 # model -> zoo factory kwargs: the CNNs at phone resolution; a ~21M-parameter Llama-style decoder
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     bench_py = ensure_bench_venv()
     load_start = os.getloadavg()[0]
-    from torchtpu_export import zoo
+    import zoo
     threads_all = os.cpu_count() or 1
     tmp = tempfile.mkdtemp(prefix="quant-bench-")
     rows = []

@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "examples"))  # zoo
 BENCH_VENV = os.path.join(REPO, ".venv-bench-litert-torch")
 LITERT_TORCH = "litert-torch==0.10.0"
 # model -> zoo factory kwargs (the sizes a phone would see for the CNNs)
@@ -146,8 +147,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     bench_py = ensure_bench_venv()
     load_start = os.getloadavg()[0]
-    from torchtpu_export import zoo
-    from torchtpu_export.edge import describe_tflite
+    import zoo
+    from torchtpu_export.litert_format import describe as describe_tflite
     threads_all = os.cpu_count() or 1
     rows = []
     tmp = tempfile.mkdtemp(prefix="litert-bench-")

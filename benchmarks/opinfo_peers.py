@@ -3,7 +3,7 @@
     python benchmarks/opinfo_peers.py [--ops PATTERN] [--jobs 2] [-o RESULTS-opinfo-peers.md] [--json FILE]
                                       [--peer-cells EARLIER.json]
 
-The cases are those of ``torchtpu-export coverage --source opinfo`` (torchtpu_export/opinfo.py: the
+The cases are those of ``torchtpu-export coverage --source opinfo`` (torchtpu_export/coverage/opinfo.py: the
 same op_db entries, the first float32 samples of each, batched into one module per OpInfo), with
 torch's generator seeded so a run is repeatable. Only cases that torch.export captures in our
 harness are compared: that one set is the denominator of all four columns.
@@ -54,8 +54,8 @@ def ours_case(name: str, case_dir: str) -> dict:
     """Prepares one OpInfo case, saves it for the peers, and runs it on our columns."""
     import torch
 
-    from torchtpu_export import opinfo
-    from torchtpu_export.coverage import Cell, _columns, _first_line
+    from torchtpu_export.coverage import opinfo
+    from torchtpu_export.coverage.cells import Cell, columns, first_line
     torch.manual_seed(0)
     case = opinfo.prepare(name)
     if isinstance(case, Cell):
@@ -64,15 +64,15 @@ def ours_case(name: str, case_dir: str) -> dict:
     try:
         ep = batch.exported()
     except Exception as e:
-        return {"captured": False, "reason": f"torch.export: {_first_line(e)}"}
+        return {"captured": False, "reason": f"torch.export: {first_line(e)}"}
     os.makedirs(case_dir, exist_ok=True)
     try:
         torch.export.save(ep, os.path.join(case_dir, "program.pt2"))
         torch.save({"inputs": [t.clone() for t in batch.inputs], "refs": batch.refs,
                     "descs": [s.desc for s in samples]}, os.path.join(case_dir, "case.pt"))
     except Exception as e:
-        return {"captured": False, "reason": f"harness: the program cannot be saved for the peers: {_first_line(e)}"}
-    columns = _columns()
+        return {"captured": False, "reason": f"harness: the program cannot be saved for the peers: {first_line(e)}"}
+    columns = columns()
     return {"captured": True, **{rt: opinfo.run_column(case, columns[rt]).to_json() for rt in OURS}}
 
 
@@ -129,7 +129,7 @@ def _peer_loop(peer: str) -> None:
                 pickle.dump(outs, f)
             result = {"status": "ran"}
         except BaseException as e:  # noqa: BLE001  (the case's verdict)
-            result = {"status": "unsupported" if _unsupported(peer, e) else "error", "reason": _first_line(e)}
+            result = {"status": "unsupported" if _unsupported(peer, e) else "error", "reason": first_line(e)}
         print("RESULT " + json.dumps(result), file=out, flush=True)
 
 
@@ -156,7 +156,7 @@ def _unsupported(peer: str, e: BaseException) -> bool:
     return "Lowering not found" in text
 
 
-def _first_line(e: BaseException, limit: int = 300) -> str:
+def first_line(e: BaseException, limit: int = 300) -> str:
     text = str(e).strip().splitlines()
     msg = f"{type(e).__name__}: {text[0] if text else ''}"
     return msg if len(msg) <= limit else msg[:limit] + "..."
@@ -248,7 +248,7 @@ def run_peer(peer: str, python: str, case_dirs: list, jobs: int, timeout: float,
                 try:
                     results[i] = w.run(d, timeout)
                 except Exception as e:  # noqa: BLE001
-                    results[i] = {"status": "error", "reason": f"harness: {_first_line(e)}"}
+                    results[i] = {"status": "error", "reason": f"harness: {first_line(e)}"}
                 versions.update(w.versions)
                 with lock:
                     done[0] += 1
@@ -273,8 +273,8 @@ def judge(peer: str, case_dir: str, raw: dict) -> dict:
 
     import torch
 
-    from torchtpu_export.coverage import Cell, _columns, compare_outputs
-    from torchtpu_export.opinfo import OpInfoEntry
+    from torchtpu_export.coverage.cells import Cell, columns, compare_outputs
+    from torchtpu_export.coverage.opinfo import OpInfoEntry
     if raw["status"] != "ran":
         return Cell(raw["status"], reason=raw.get("reason")).to_json()
     data = torch.load(os.path.join(case_dir, "case.pt"))
@@ -286,9 +286,9 @@ def judge(peer: str, case_dir: str, raw: dict) -> dict:
     if len(outs) != want:
         return Cell("mismatch", reason=f"{len(outs)} outputs, torch has {want}").to_json()
     try:
-        return compare_outputs(entry, samples, data["refs"], outs, _columns()[PEERS[peer][1]]).to_json()
+        return compare_outputs(entry, samples, data["refs"], outs, columns()[PEERS[peer][1]]).to_json()
     except Exception as e:  # noqa: BLE001
-        return Cell("error", reason=f"compare: {_first_line(e)}").to_json()
+        return Cell("error", reason=f"compare: {first_line(e)}").to_json()
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -296,8 +296,7 @@ def judge(peer: str, case_dir: str, raw: dict) -> dict:
 def measure(pattern: str | None, jobs: int, timeout: float, peers: list, work: str, reuse: dict | None = None) -> dict:
     import torch
 
-    from torchtpu_export import opinfo
-    from torchtpu_export.coverage import run_isolated
+    from torchtpu_export.coverage import opinfo, run_isolated
     names = sorted(opinfo._op_db())
     if pattern:
         names = [n for n in names if pattern in n]
@@ -379,7 +378,7 @@ def to_markdown(report: dict, command: str, jobs: int) -> str:
         + ", ".join(f"{k} {s}" for k, s in report["seconds"].items()) + "."
         + _reused_note(report.get("reused", {})),
         "",
-        "Cases: the OpInfo cases of `torchtpu-export coverage --source opinfo` (torchtpu_export/opinfo.py: "
+        "Cases: the OpInfo cases of `torchtpu-export coverage --source opinfo` (torchtpu_export/coverage/opinfo.py: "
         "each op_db entry's first float32 samples, integer or bool for ops without float32, batched into one "
         "module), torch's generator seeded. Of the "
         f"{report['opinfos']} OpInfos, **{n}** are compared: those with a deterministic sample that torch.export "
@@ -460,7 +459,7 @@ def main() -> int:
     try:
         reuse = None
         if args.peer_cells:
-            with open(args.peer_cells) as f:
+            with _open_text(args.peer_cells) as f:
                 reuse = json.load(f)
         report = measure(args.ops, args.jobs, args.timeout, peers, work, reuse)
     finally:
@@ -469,14 +468,19 @@ def main() -> int:
     command = " ".join(["python benchmarks/opinfo_peers.py"]
                        + [os.path.relpath(a, REPO) if os.path.isabs(a) else a for a in sys.argv[1:]])
     text = to_markdown(report, command, args.jobs)
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.json:  # a name ending in .gz is written compressed (the committed report is)
+        with _open_text(args.json, "w") as f:
             json.dump(report, f, indent=1)
     if args.output:
         with open(args.output, "w") as f:
             f.write(text)
     print(text)
     return 0
+
+
+def _open_text(path: str, mode: str = "r"):
+    import gzip
+    return gzip.open(path, mode + "t") if path.endswith(".gz") else open(path, mode)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,13 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))  # zoo
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
 import torchtpu_export as tte  # noqa: E402
-from torchtpu_export import zoo  # noqa: E402
+import zoo  # noqa: E402
 
 FRIENDLY = dict(seq=256, dim=256, heads=2, layers=2, max_seq=256)
 LLAMA = dict(FRIENDLY, kv_heads=1, head_dim=128)

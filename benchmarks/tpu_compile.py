@@ -18,12 +18,14 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))  # zoo
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
 import torchtpu_export as tte  # noqa: E402
-from torchtpu_export import tpu_compile, zoo  # noqa: E402
+import zoo  # noqa: E402
+from torchtpu_export import tpu_compile  # noqa: E402
 
 KERNEL_FRIENDLY = dict(seq=512, dim=1024, heads=8, layers=4, max_seq=1024)  # head_dim 128
 

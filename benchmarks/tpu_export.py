@@ -47,9 +47,10 @@ def _median_ms(fn, warmup=2, runs=15) -> float:
 
 def worker(tool: str, model_name: str, platforms: str) -> dict:
     sys.path.insert(0, REPO)
+    sys.path.insert(0, os.path.join(REPO, "examples"))  # zoo
     import torch
 
-    from torchtpu_export import zoo
+    import zoo
     model, args = zoo.ZOO[model_name]()
     base_rss = _rss_mb()
     result = {"tool": tool, "model": model_name, "platforms": platforms}

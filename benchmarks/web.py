@@ -19,6 +19,7 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))  # the headless-browser helper the tests use
+sys.path.insert(0, os.path.join(REPO, "examples"))  # zoo
 
 from web_browser import Browser, interpreter_outputs, max_error, missing_web_deps  # noqa: E402
 
@@ -28,7 +29,7 @@ MODELS = ["small_cnn", "mobilenet_v2", "bert_encoder", "llama_decode"]
 def _case(name):
     import torch
 
-    from torchtpu_export import zoo
+    import zoo
     if name == "small_cnn":
         return zoo.small_cnn()
     if name == "mobilenet_v2":
@@ -79,7 +80,7 @@ def main() -> int:
             edge = tte.convert(module, sample, **options)
             convert_s = time.perf_counter() - t0
             model = edge.model_content()
-            specs = web.describe_tflite(model)["serving_default"]["inputs"]
+            specs = web.signature_tensors(model)["serving_default"]["inputs"]
             dtypes = {s["name"]: s["dtype"] for s in specs}
             inputs = {s.name: a.numpy().astype(dtypes[s.name]) for s, a in zip(edge.inputs(), sample)}
             url = server.add_model(f"{name}.tflite", model)

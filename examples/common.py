@@ -88,7 +88,7 @@ def single_call_example(name: str, description: str, model, args, rtol=1e-5) -> 
 
 def decoder_example(name: str, description: str, model, prompt, steps: int = 8, rtol=1e-4) -> int:
     """Prefill and decode as two signatures of one artifact; greedy tokens must equal eager's."""
-    from torchtpu_export import zoo
+    import zoo
     prefill, decode = zoo.Prefill(model), zoo.Decode(model)
     k, v = model.empty_cache(prompt.shape[0])
     decode_args = (prompt[:, -1:], torch.tensor([prompt.shape[1]]), k, v)

@@ -5,7 +5,7 @@ import os
 import sys
 
 from common import check_outputs, convert_both
-from torchtpu_export import zoo
+import zoo
 import torchtpu_export as tte
 
 

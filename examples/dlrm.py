@@ -2,7 +2,7 @@
 import sys
 
 from common import single_call_example
-from torchtpu_export import zoo
+import zoo
 
 if __name__ == "__main__":
     model, args = zoo.dlrm()

@@ -4,7 +4,7 @@ import sys
 import torch
 
 from common import decoder_example
-from torchtpu_export import zoo
+import zoo
 
 if __name__ == "__main__":
     model, (tokens,) = zoo.qwen3(seq=12)

@@ -54,6 +54,33 @@ class InterpreterRunner:
         return [np.asarray(out[s.name]) for s in self.outputs]
 
 
+class TensorObserver:
+    """Runs a flatbuffer on LiteRT's reference kernels keeping every tensor, to read intermediates
+    (what int8 calibration measures: the converter is handed this class, it does not import it)."""
+
+    def __init__(self, content: bytes):
+        from ai_edge_litert.interpreter import Interpreter, OpResolverType
+        try:
+            self._interp = Interpreter(model_content=content, num_threads=1,
+                                       experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
+                                       experimental_preserve_all_tensors=True)
+            self._interp.allocate_tensors()
+        except (ValueError, RuntimeError) as e:
+            raise ArtifactError(f"LiteRT cannot run the model: {str(e).strip()[:300]}") from e
+
+    def run(self, inputs: dict[int, np.ndarray]) -> None:
+        """Sets tensor index -> value and invokes; InputError when LiteRT refuses the values."""
+        for index, value in inputs.items():
+            self._interp.set_tensor(index, value)
+        try:
+            self._interp.invoke()
+        except (ValueError, RuntimeError) as e:
+            raise InputError(str(e).strip()[:300]) from e
+
+    def tensor(self, index: int) -> np.ndarray:
+        return self._interp.get_tensor(index)
+
+
 _ENV = None
 _ENV_LOCK = threading.Lock()
 

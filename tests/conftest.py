@@ -9,6 +9,9 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(REPO, "examples")
+sys.path.insert(0, EXAMPLES)  # zoo: the example models tests build (and, below, the processes tests start)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (EXAMPLES, os.environ.get("PYTHONPATH")) if p)
 
 
 def run_cli(*args, cwd=None, timeout=600, env=None):

@@ -1,8 +1,9 @@
 """The coverage matrix, cell by cell, against the committed verdicts in coverage_expected.json.
 
 Every op of the table runs on every runtime, like ``torchtpu-export coverage``. A cell whose
-status differs from the committed one fails, whether it regressed or newly passes: run
-``make coverage`` to regenerate the file (and docs/coverage.md) when a change is intended.
+status differs from the committed one fails, whether it regressed or newly passes, and so does a
+mismatch whose error grew past its recorded bound: run ``make coverage`` (or
+``python tools/coverage.py --ops OP`` for one op) to regenerate the files when a change is intended.
 """
 import json
 import os
@@ -11,23 +12,16 @@ import pytest
 
 from torchtpu_export import coverage, optable
 
-with open(coverage.EXPECTED_FILE) as f:
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPECTED_FILE = os.path.join(REPO, "tests", "coverage_expected.json")
+DOCS_JSON = os.path.join(REPO, "docs", "coverage.json")
+
+with open(EXPECTED_FILE) as f:
     EXPECTED = json.load(f)
 
 
 def _diff(op, cells):
-    want = EXPECTED["cells"].get(op, {})
-    bad = []
-    for rt in EXPECTED["runtimes"]:
-        got = cells.get(rt)
-        if got is None:  # a quantized column without a cell for this op
-            if rt in want:
-                bad.append(f"{rt}: no cell (expected {want[rt]})")
-            continue
-        if got.status != want.get(rt):
-            detail = got.reason or (f"max rel err {got.max_rel_err} ({got.sample})" if got.status == "mismatch" else "")
-            bad.append(f"{rt}: {got.status} (expected {want.get(rt)}) {detail}".rstrip())
-    return bad
+    return coverage.differences(EXPECTED["cells"].get(op, {}), cells, EXPECTED["runtimes"])
 
 
 def test_expected_file_matches_the_table():
@@ -39,7 +33,7 @@ def test_expected_file_matches_the_table():
 def test_cells(op):
     if op in EXPECTED.get("isolate", []):
         # its worker crashed or hung when the file was made: run it where a crash cannot take pytest down
-        results = coverage.run_isolated([("torchtpu_export.coverage:run_op_json", (op, [rt]))
+        results = coverage.run_isolated([("torchtpu_export.coverage.harness:run_op_json", (op, [rt]))
                                          for rt in EXPECTED["runtimes"]], jobs=1)
         cells = {rt: coverage.Cell.from_json(r.get(rt, r)) for rt, r in zip(EXPECTED["runtimes"], results)}
     else:
@@ -79,20 +73,31 @@ def test_cli_markdown_and_bad_flags(cli, tmp_path):
 
 
 def test_docs_are_generated_from_the_same_report():
-    docs = os.path.join(coverage.REPO, "docs", "coverage.md")
-    with open(coverage.DOCS_JSON) as f:
+    docs = os.path.join(REPO, "docs", "coverage.md")
+    with open(DOCS_JSON) as f:
         report = json.load(f)
     with open(docs) as f:
         assert f.read() == coverage.to_markdown(report)
-    assert coverage.expected_statuses(report)["cells"] == EXPECTED["cells"]
+    assert coverage.expected(report)["cells"] == EXPECTED["cells"]
+
+
+def test_a_mismatch_that_grows_fails_and_a_status_change_shows_the_old_reason():
+    want = {"litert": {"status": "mismatch", "reason": "output 0", "max_rel_err": 0.001},
+            "onnx": {"status": "unsupported", "reason": "no ONNX function"}, "xla": "pass"}
+    same = {"litert": coverage.Cell("mismatch", 1.0, 0.0015), "onnx": coverage.Cell("unsupported", reason="x"),
+            "xla": coverage.Cell("pass")}
+    assert coverage.differences(want, same, ["xla", "litert", "onnx"]) == []
+    worse = dict(same, litert=coverage.Cell("mismatch", 1.0, 0.01))
+    (msg,) = coverage.differences(want, worse, ["xla", "litert", "onnx"])
+    assert "grew" in msg and "0.01" in msg
+    fixed = dict(same, onnx=coverage.Cell("pass"))
+    (msg,) = coverage.differences(want, fixed, ["xla", "litert", "onnx"])
+    assert "onnx: pass (expected unsupported)" in msg and "no ONNX function" in msg
 
 
 def test_litert_column_follows_the_converter_contract(monkeypatch):
-    """The litert column against a stand-in converter with the agreed contract: convert_programs(captures)
-    returns a model with run_flat(list of arrays); ops it cannot express raise UnsupportedOpError;
-    int64 results may come back as int32."""
-    import types
-
+    """The litert column against a stand-in built through api.build: a model with run_flat(list of
+    arrays); ops it cannot express raise UnsupportedOpError; int64 results may come back as int32."""
     from torchtpu_export import api
     from torchtpu_export.errors import UnsupportedOpError
 
@@ -103,21 +108,23 @@ def test_litert_column_follows_the_converter_contract(monkeypatch):
         def run_flat(self, inputs, signature_name=None):
             return [o.astype("int32") if o.dtype == "int64" else o for o in self.prog.run_flat(inputs)]
 
-    def convert_programs(captures, quant_config=None):
-        (name, cap), = captures.items()
+    real = api.build
+
+    def build(target, captured, **options):
+        if target != "litert":
+            return real(target, captured, **options)
+        (name, cap), = captured.items()
         assert name == "serving_default"
         if "aten.sin.default" in cap.op_histogram():
             raise UnsupportedOpError("aten.sin.default", target="litert", reason="no SIN builtin in this test")
-        return Edge(api._export_tpu({"main": cap}, platforms=("cpu",)))
+        return Edge(real("tpu", {"main": cap}, platforms=("cpu",)))
 
-    fake = types.SimpleNamespace(KEEP_WHOLE=[], convert_programs=convert_programs)
-    real = api._converter
-    monkeypatch.setattr(api, "_converter", lambda target: fake if target == "litert" else real(target))
+    monkeypatch.setattr(api, "build", build)
     sin = coverage.run_cell("aten.sin.default", "litert")
     assert sin.status == "unsupported" and sin.reason == "no SIN builtin in this test"
     argmax = coverage.run_cell("aten.argmax.default", "litert")
     assert argmax.status == "pass", argmax
     # no half-precision samples on litert
-    litert = coverage._columns()["litert"]
-    assert argmax.samples == len(coverage._column_samples(optable.get("aten.argmax.default"), litert))
-    assert all(not s.desc.endswith("16]") for s in coverage._column_samples(optable.get("aten.sin.default"), litert))
+    litert = coverage.columns()["litert"]
+    assert argmax.samples == len(coverage.column_samples(optable.get("aten.argmax.default"), litert))
+    assert all(not s.desc.endswith("16]") for s in coverage.column_samples(optable.get("aten.sin.default"), litert))

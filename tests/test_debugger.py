@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import torchtpu_export as tte
-from torchtpu_export import zoo
+import zoo
 
 
 class MLP(torch.nn.Module):
@@ -44,7 +44,7 @@ def test_finds_broken_lowering_tpu(broken_sigmoid_tpu):
 def test_bisection_agrees_with_exposed_intermediates(broken_sigmoid_tpu):
     from torchtpu_export import api, debugger
     torch.manual_seed(0)
-    (cap,) = api._captures([("main", MLP(), (torch.randn(4, 8),), None, None)], "tpu", False).values()
+    (cap,) = api.captures([("main", MLP(), (torch.randn(4, 8),), None, None)], "tpu", False).values()
     eager = debugger._eager_values(cap)
     found = debugger._bisect(cap, debugger._taps(cap), eager, "tpu", 1e-5, {})
     assert found.op == "aten.sigmoid.default"
@@ -52,6 +52,6 @@ def test_bisection_agrees_with_exposed_intermediates(broken_sigmoid_tpu):
 
 def test_cli_debug_exit_codes(tmp_path):
     from conftest import run_cli
-    ok = run_cli("debug", "torchtpu_export.zoo:small_cnn", "--target", "tpu")
+    ok = run_cli("debug", "examples/zoo.py:small_cnn", "--target", "tpu")
     assert ok.returncode == 0, ok.stderr
     assert "no intermediate diverges" in ok.stdout

@@ -5,7 +5,7 @@ import torch.utils._pytree as pytree
 from torch.export import Dim
 
 import torchtpu_export as tte
-from torchtpu_export import zoo
+import zoo
 from torchtpu_export.numerics import compare
 
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import torchtpu_export as tte
-from torchtpu_export import zoo
-from torchtpu_export.edge import describe_tflite
+import zoo
+from torchtpu_export.litert_format import describe as describe_tflite
 from torchtpu_export.numerics import compare
 
 
@@ -74,11 +74,11 @@ def test_channels_last_needs_an_image_and_cli_flags(tmp_path):
     with pytest.raises(tte.InputError, match="4-D floating input"):
         tte.convert(torch.nn.Linear(3, 3), (torch.randn(2, 3),), channels_last_io=True)
     from conftest import run_cli
-    r = run_cli("torchtpu_export.zoo:small_cnn", "--target", "litert", "--channels-last", "--check",
+    r = run_cli("examples/zoo.py:small_cnn", "--target", "litert", "--channels-last", "--check",
                 "-o", tmp_path / "m.tflite")
     assert r.returncode == 0, r.stderr
     assert "check: OK" in r.stdout
-    r = run_cli("torchtpu_export.zoo:small_cnn", "--target", "tpu", "--io-dtypes", "web", "-o", tmp_path / "m.tpu")
+    r = run_cli("examples/zoo.py:small_cnn", "--target", "tpu", "--io-dtypes", "web", "-o", tmp_path / "m.tpu")
     assert r.returncode == 2 and "apply to --target litert" in r.stderr
 
 

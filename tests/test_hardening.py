@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import torchtpu_export as tte
-from torchtpu_export import safetensors_io, zoo
+import zoo
+from torchtpu_export import safetensors_io
 
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, OSError])
@@ -35,14 +36,14 @@ def test_ctrl_c_in_cli_exits_130_without_output(tmp_path, monkeypatch, capsys):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(tpu_format.TpuArtifact, "save", interrupt)
-    code = cli.main(["torchtpu_export.zoo:small_cnn", "--target", "tpu", "-o", str(tmp_path / "m.tpu")])
+    code = cli.main(["examples/zoo.py:small_cnn", "--target", "tpu", "-o", str(tmp_path / "m.tpu")])
     assert code == 130 and "interrupted" in capsys.readouterr().err
     assert not (tmp_path / "m.tpu").exists()
 
 
 SCRIPT = """
 import sys, torchtpu_export as tte
-from torchtpu_export import zoo
+import zoo
 target, path = sys.argv[1], sys.argv[2]
 model, args = zoo.gpt(seq=16)
 tte.export(model, args, target=target).save(path)

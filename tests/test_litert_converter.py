@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 import torchtpu_export as tte
-from torchtpu_export import zoo
+import zoo
 from torchtpu_export.converters.litert.ir import Graph, Op, Tensor
 from torchtpu_export.converters.litert.layout import reshape_keeps_order
 from torchtpu_export.converters.litert.writer import serialize
@@ -111,7 +111,7 @@ def test_export_with_target_litert_is_convert(tmp_path):
 
 def test_cli_converts_checks_and_inspects(cli, tmp_path):
     out = tmp_path / "cnn.tflite"
-    r = cli("torchtpu_export.zoo:small_cnn", "--target", "litert", "-o", out, "--check")
+    r = cli("examples/zoo.py:small_cnn", "--target", "litert", "-o", out, "--check")
     assert r.returncode == 0, r.stderr
     assert "check: OK" in r.stdout
     r = cli("inspect", out)

@@ -8,7 +8,7 @@ from ai_edge_litert import schema_py_generated as fb
 from torch.export import Dim
 
 import torchtpu_export as tte
-from torchtpu_export import zoo
+import zoo
 from torchtpu_export.numerics import compare
 
 RUNTIMES = ("interpreter", "compiled_model")

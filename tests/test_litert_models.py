@@ -4,8 +4,8 @@ import torch
 import torch.utils._pytree as pytree
 
 import torchtpu_export as tte
-from torchtpu_export import zoo
-from torchtpu_export.edge import describe_tflite
+import zoo
+from torchtpu_export.litert_format import describe as describe_tflite
 from torchtpu_export.numerics import compare
 
 # model -> (factory kwargs, most TRANSPOSE ops allowed)

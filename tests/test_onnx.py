@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torchtpu_export as tte
-from torchtpu_export import zoo
+import zoo
 from torchtpu_export.errors import InputError, UnsupportedOpError
 
 
@@ -86,7 +86,7 @@ def test_bad_options_and_signatures():
 
 def test_cli_convert_and_run(cli, tmp_path):
     out = tmp_path / "cnn.onnx"
-    r = cli("torchtpu_export.zoo:small_cnn", "--target", "onnx", "-o", out, "--check")
+    r = cli("examples/zoo.py:small_cnn", "--target", "onnx", "-o", out, "--check")
     assert r.returncode == 0, r.stderr
     assert os.path.getsize(out) > 0 and "check: OK" in r.stdout
     r = cli("run", out)

@@ -1,4 +1,4 @@
-"""The OpInfo source of the coverage matrix (one small OpInfo; the full run is `--regenerate-opinfo`)."""
+"""The OpInfo source of the coverage matrix (one small OpInfo; the full run is `python tools/coverage.py --opinfo`)."""
 import types
 
 import numpy as np
@@ -8,17 +8,17 @@ pytest.importorskip("expecttest")
 
 
 def test_opinfo_case_runs_and_mismatch_is_caught():
-    from torchtpu_export import opinfo
-    from torchtpu_export.coverage import _columns, compare_outputs
+    from torchtpu_export.coverage import opinfo
+    from torchtpu_export.coverage.cells import columns, compare_outputs
 
     cells = opinfo.run_opinfo("cumsum", ["xla"])
     assert cells["xla"]["status"] == "pass", cells
     entry, samples, batch = opinfo.prepare("cumsum")
     outs = [np.asarray(r) for ref in batch.refs for r in ref]
-    assert compare_outputs(entry, samples, batch.refs, outs, _columns()["xla"]).status == "pass"
+    assert compare_outputs(entry, samples, batch.refs, outs, columns()["xla"]).status == "pass"
     outs[0] = outs[0] + 1.0
     cell = compare_outputs(entry, [types.SimpleNamespace(desc=s.desc) for s in samples], batch.refs, outs,
-                           _columns()["xla"])
+                           columns()["xla"])
     assert cell.status == "mismatch" and cell.sample == samples[0].desc
 
 
@@ -27,6 +27,6 @@ def test_opinfo_case_runs_and_mismatch_is_caught():
 def test_empty_and_edge_samples(name):
     # zero-size results (mm of 0 x 5, reflect-padding 0 x 3 x 3), an empty roll, index_copy of a
     # 0-d tensor, negative replicate padding: OpInfo's edge samples that once failed to build
-    from torchtpu_export import opinfo
+    from torchtpu_export.coverage import opinfo
     cells = opinfo.run_opinfo(name, ["xla", "litert"])
     assert all(c["status"] == "pass" for c in cells.values()), cells

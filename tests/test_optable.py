@@ -38,10 +38,10 @@ def test_half_variants_are_derived_from_float32_samples():
 
 @pytest.mark.parametrize("name", optable.op_names())
 def test_samples_run_in_eager(name):
-    from torchtpu_export.coverage import _op_module
+    from torchtpu_export.coverage.harness import op_module
     e = optable.get(name)
     samples = e.all_samples()
-    module = _op_module(e, samples)
+    module = op_module(e, samples)
     with torch.no_grad():
         outs = module(*[t for s in samples for t in s.tensors()])
     assert len(outs) == len(samples)

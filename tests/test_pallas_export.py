@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 import torchtpu_export as tte
-from torchtpu_export import zoo
+import zoo
 from torchtpu_export.capture import capture
 from torchtpu_export.converters import stablehlo
 from torchtpu_export.converters.stablehlo import pallas

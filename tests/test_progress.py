@@ -44,9 +44,9 @@ def test_stage_times_are_logged(caplog):
 
 def test_cli_verbose_logs_stages(tmp_path):
     from conftest import run_cli
-    proc = run_cli("torchtpu_export.zoo:small_cnn", "--target", "tpu", "-o", tmp_path / "m.tpu", "-v")
+    proc = run_cli("examples/zoo.py:small_cnn", "--target", "tpu", "-o", tmp_path / "m.tpu", "-v")
     assert proc.returncode == 0, proc.stderr
     assert "capture:" in proc.stderr and "write:" in proc.stderr
     assert "\r" not in proc.stderr  # no bar in a pipe
-    quiet = run_cli("torchtpu_export.zoo:small_cnn", "--target", "tpu", "-o", tmp_path / "m.tpu", "-q")
+    quiet = run_cli("examples/zoo.py:small_cnn", "--target", "tpu", "-o", tmp_path / "m.tpu", "-q")
     assert quiet.returncode == 0 and quiet.stdout == "" and quiet.stderr == ""

@@ -14,7 +14,7 @@ from ai_edge_litert import schema_py_generated as fb
 
 import pt2e_like
 import torchtpu_export as tte
-from torchtpu_export import zoo
+import zoo
 from torchtpu_export.converters.litert.quantize import MIN_ELEMENTS
 from torchtpu_export.errors import InputError, UnsupportedOpError
 from torchtpu_export.quant import measure
@@ -273,7 +273,7 @@ def test_dynamic_pt2e_is_refused_clearly():
 
 def test_cli_prints_the_report(tmp_path, cli):
     out = tmp_path / "m.tflite"
-    r = cli("torchtpu_export.zoo:small_cnn", "--target", "litert", "--quantize", "dynamic_int8", "-o", str(out))
+    r = cli("examples/zoo.py:small_cnn", "--target", "litert", "--quantize", "dynamic_int8", "-o", str(out))
     assert r.returncode == 0, r.stderr
     assert "quantization dynamic_int8" in r.stdout and "cosine" in r.stdout
     r = cli("inspect", str(out))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import torchtpu_export as tte
-from torchtpu_export import zoo
+import zoo
 
 MODELS = {
     "cnn": lambda: zoo.resnet18(size=32, batch=4),
@@ -70,7 +70,7 @@ def test_unknown_recipe_is_refused():
 
 def test_cli_quantize_prints_report(tmp_path):
     from conftest import run_cli
-    proc = run_cli("torchtpu_export.zoo:small_cnn", "--target", "tpu", "-o", tmp_path / "m.tpu",
+    proc = run_cli("examples/zoo.py:small_cnn", "--target", "tpu", "-o", tmp_path / "m.tpu",
                    "--quantize", "int8_weight_only", "--check", "--tolerance", "0.05")
     assert proc.returncode == 0, proc.stderr
     assert "quantization int8_weight_only" in proc.stdout and "smaller" in proc.stdout

@@ -7,13 +7,13 @@ import textwrap
 import pytest
 
 import torchtpu_export as tte
-from torchtpu_export import zoo
+import zoo
 
 SCRIPT = textwrap.dedent("""
     import os, sys, json
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, numpy as np, torch, torchtpu_export as tte
-    from torchtpu_export import zoo
+    import zoo
     from torchtpu_export.numerics import compare
     assert len(jax.devices()) == 8
     out_dir = sys.argv[1]

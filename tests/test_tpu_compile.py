@@ -19,7 +19,8 @@ import torch
 from torch.export import Dim
 
 import torchtpu_export as tte
-from torchtpu_export import tpu_compile, zoo
+import zoo
+from torchtpu_export import tpu_compile
 from torchtpu_export.converters.stablehlo import pallas
 from torchtpu_export.converters.stablehlo.pallas.attention import flash_attention, plan_attention
 from torchtpu_export.converters.stablehlo.pallas.int8_matmul import int8_matmul, plan_int8_matmul

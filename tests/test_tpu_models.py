@@ -8,7 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import torchtpu_export as tte
-from torchtpu_export import zoo
+import zoo
 from torchtpu_export.numerics import compare
 
 MODELS = ["resnet18", "mobilenet_v2", "gpt", "llama", "qwen3", "bert_encoder", "dlrm", "unet", "resnet50"]

@@ -119,7 +119,7 @@ def test_runner_page_shows_outputs_and_timings(browser):
 def test_given_inputs_are_used_in_signature_order(tmp_path, browser):
     from torchtpu_export import web
     model = fx.difference_model()
-    assert [t["name"] for t in web.describe_tflite(model)["serving_default"]["inputs"]] == ["zeta", "alpha"]
+    assert [t["name"] for t in web.signature_tensors(model)["serving_default"]["inputs"]] == ["zeta", "alpha"]
     zeta = np.linspace(-2, 2, 4)                 # float64 on disk: cast to the model's float32
     alpha = np.array([3, 1, 4, 1], np.int64)     # integers are fine for a float input too
     np.save(tmp_path / "first.npy", zeta)
@@ -236,10 +236,6 @@ def _convert(module, args):
     import torch
 
     import torchtpu_export as tte
-    from torchtpu_export.converters import litert
-    if not hasattr(litert, "convert_programs"):
-        pytest.fail("tte.convert is not available in this tree: converters/litert has no convert_programs yet "
-                    "(merge the LiteRT converter first)", pytrace=False)
     options = {"io_dtypes": "web"} if any(a.dtype == torch.int64 for a in args) else {}
     try:
         return tte.convert(module, args, **options)
@@ -253,8 +249,8 @@ def _convert(module, args):
 
 def _web_inputs(edge, model: bytes, args) -> dict[str, np.ndarray]:
     """The sample args under the converted model's input names, cast to its (web) input dtypes."""
-    from torchtpu_export.web import describe_tflite
-    specs = {t["name"]: t for t in next(iter(describe_tflite(model).values()))["inputs"]}
+    from torchtpu_export.web import signature_tensors
+    specs = {t["name"]: t for t in next(iter(signature_tensors(model).values()))["inputs"]}
     out = {}
     for spec, a in zip(edge.inputs(), args):
         a = a.detach().numpy()
@@ -268,7 +264,7 @@ def _web_inputs(edge, model: bytes, args) -> dict[str, np.ndarray]:
 def _llama_decode_step():
     import torch
 
-    from torchtpu_export import zoo
+    import zoo
     model, _ = zoo.llama()
     prompt = torch.randint(0, model.embed.num_embeddings, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -278,7 +274,7 @@ def _llama_decode_step():
 
 
 def _zoo_case(name):
-    from torchtpu_export import zoo
+    import zoo
     if name == "small_cnn":
         return zoo.small_cnn(batch=1, size=32)
     if name == "bert_encoder":
@@ -305,7 +301,7 @@ def test_converted_model_in_browser(server, browser, case):
 
 
 def test_classify_page_with_converted_mobilenet(server, browser):
-    from torchtpu_export import zoo
+    import zoo
     module, args = zoo.mobilenet_v2(batch=1, size=64)
     edge = _convert(module, args)
     check_classify_page(server, browser, "mobilenet_v2.tflite", edge.model_content())

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from . import onnx_format, tpu_format, treespec
+from . import converters, onnx_format, tpu_format, treespec
 from .capture import CapturedProgram, capture, flatten_call_args
 from .errors import InputError
 from .specs import TensorSpec
@@ -175,73 +175,57 @@ class OnnxProgram:
         return f"OnnxProgram(inputs={[str(s) for s in self.artifact.inputs]})"
 
 
-def _converter(target: str):
-    """The converter package of a target (imported on first use: each pulls in its toolchain)."""
-    import importlib
-    return importlib.import_module({"tpu": ".converters.stablehlo", "litert": ".converters.litert",
-                                    "onnx": ".converters.onnx"}[target], __package__)
-
-
-def _captures(entries: Sequence[tuple], target: str, strict_export, dynamic_shapes=None) -> dict[str, CapturedProgram]:
-    converter = _converter(target)
+def captures(entries: Sequence[tuple], target: str, strict_export=False,
+             dynamic_shapes=None) -> dict[str, CapturedProgram]:
+    """Captures each ``(name, module, args, kwargs, dynamic_shapes)`` entry for ``target``'s converter."""
+    converter = converters.converter(target)
     out = {}
     for name, module, args, kwargs, dyn in entries:
         out[name] = capture(module, args, kwargs, dynamic_shapes=dyn if dyn is not None else dynamic_shapes,
-                            strict_export=strict_export, keep=converter.KEEP_WHOLE,
-                            lowerable=getattr(converter, "lowerable", None))
+                            strict_export=strict_export, keep=converter.KEEP_WHOLE, lowerable=converter.lowerable)
     return out
 
 
-def _export_tpu(captures, *, platforms=("tpu", "cpu"), kernels="auto", narrow_64bit=False, quant_config=None,
-                mesh=None, sharding=None, precompile=()):
-    from .converters import stablehlo
-    prog = TpuProgram(stablehlo.export_programs(captures, platforms=platforms, kernels=kernels,
-                                                narrow_64bit=narrow_64bit, mesh=mesh, sharding=sharding,
-                                                quant_config=quant_config, precompile=precompile))
-    if quant_config is not None and "cpu" in platforms:
-        from .quant import parse
-        float_bytes = sum(t.numel() * t.element_size() for c in captures.values() for t in c.weights.values())
-        prog.quant_report = _quant_report(prog, captures, parse(quant_config, "tpu").recipe, float_bytes,
-                                          sum(w.nbytes for w in prog.artifact.weights.values()))
-    return prog
-
-
-def build(target: str, captures: dict[str, CapturedProgram], **options):
-    """Converts already-captured programs for ``target``; the result has ``run_flat`` (tpu: cpu platform only)."""
+def build(target: str, captured: dict[str, CapturedProgram], **options):
+    """Converts already-captured programs for ``target`` and wraps the artifact in its runtime:
+    a TpuProgram (``platforms`` default ``("tpu", "cpu")``), an EdgeModel or an OnnxProgram. Each
+    has ``run_flat``, ``save`` and ``__call__``. What ``export`` and ``convert`` do after capturing."""
+    if target not in TARGETS:
+        raise InputError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    converter = converters.converter(target)
     if target == "tpu":
-        return _export_tpu(captures, **{"platforms": ("cpu",), **options})
-    if target == "litert":
-        return _convert_litert(captures, options.pop("quant_config", None), options)
-    raise InputError(f"cannot build {target!r} from captured programs")
+        prog = TpuProgram(converter.convert(captured, **options))
+        quant_config, platforms = options.get("quant_config"), options.get("platforms", ("tpu", "cpu"))
+        if quant_config is not None and "cpu" in platforms:
+            from .quant import parse
+            float_bytes = sum(t.numel() * t.element_size() for c in captured.values() for t in c.weights.values())
+            prog.quant_report = _quant_report(prog, captured, parse(quant_config, "tpu").recipe, float_bytes,
+                                              sum(w.nbytes for w in prog.artifact.weights.values()))
+        return prog
+    if target == "onnx":
+        return OnnxProgram(converter.convert(captured, **options))
+    from .edge import EdgeModel
+    from .runtimes.litert import TensorObserver
+    edge = EdgeModel.from_artifact(converter.convert(captured, observer=TensorObserver, **options))
+    info = edge.quantization
+    if info is not None:  # a recipe, or a model quantized with pt2e
+        edge.quant_report = _quant_report(edge, captured, info["recipe"], info["float_weight_bytes"],
+                                          info["weight_bytes"])
+    return edge
 
 
-def _quant_report(prog, captures, recipe: str, float_bytes: int, quant_bytes: int):
+def _quant_report(prog, captured, recipe: str, float_bytes: int, quant_bytes: int):
     """Size before and after, and the error against the float model (torch eager) on the sample inputs."""
     from .quant import measure
-    name, cap = next(iter(captures.items()))
+    name, cap = next(iter(captured.items()))
     leaves = list(cap.sample_inputs)
     for i in sorted(cap.constant_inputs):  # the non-tensor arguments torch.export specialised
         leaves.insert(i, cap.constant_inputs[i])
     args, kwargs = pytree.tree_unflatten(leaves, cap.in_spec)
     with torch.no_grad():
         ref = cap.exported.module()(*args, **kwargs)
-    got = prog.run_flat(cap.sample_inputs, signature_name=name if len(captures) > 1 else None)
+    got = prog.run_flat(cap.sample_inputs, signature_name=name if len(captured) > 1 else None)
     return measure(recipe, pytree.tree_leaves(ref), got, float_bytes, quant_bytes)
-
-
-def _convert_litert(captures, quant_config, options):
-    from .converters import litert
-    edge = litert.convert_programs(captures, quant_config=quant_config, **options)
-    info = edge.quantization
-    if info is not None:  # a recipe, or a model quantized with pt2e
-        edge.quant_report = _quant_report(edge, captures, info["recipe"], info["float_weight_bytes"],
-                                          info["weight_bytes"])
-    return edge
-
-
-def _export_onnx(captures, **options) -> OnnxProgram:
-    from .converters import onnx as onnx_converter
-    return OnnxProgram(onnx_converter.convert_programs(captures, **options))
 
 
 def export(module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *, target: str = "tpu",
@@ -260,13 +244,13 @@ def export(module, sample_args: Sequence = (), sample_kwargs: dict | None = None
         return convert(module, sample_args, sample_kwargs, dynamic_shapes=dynamic_shapes,
                        quant_config=quant_config, strict_export=strict_export, **options)
     if target == "onnx":
-        caps = _captures([("main", module, sample_args, sample_kwargs, None)], "onnx", strict_export, dynamic_shapes)
-        return _export_onnx(caps, **options)
+        caps = captures([("main", module, sample_args, sample_kwargs, None)], "onnx", strict_export, dynamic_shapes)
+        return build("onnx", caps, **options)
     if options:
         raise InputError(f"unknown option(s) for the tpu target: {', '.join(sorted(options))}")
-    caps = _captures([("main", module, sample_args, sample_kwargs, None)], "tpu", strict_export, dynamic_shapes)
-    return _export_tpu(caps, platforms=platforms, kernels=kernels, narrow_64bit=narrow_64bit, quant_config=quant_config,
-                       mesh=mesh, sharding=sharding, precompile=precompile)
+    caps = captures([("main", module, sample_args, sample_kwargs, None)], "tpu", strict_export, dynamic_shapes)
+    return build("tpu", caps, platforms=platforms, kernels=kernels, narrow_64bit=narrow_64bit,
+                 quant_config=quant_config, mesh=mesh, sharding=sharding, precompile=precompile)
 
 
 class ChannelsLast(torch.nn.Module):
@@ -316,9 +300,9 @@ def convert(module, sample_args: Sequence = (), sample_kwargs: dict | None = Non
                 dict(zip(("args", "kwargs"), channels_last(module, *_sample_parts(c))[1:]))
                 for c in quant_config["calibration"]])
         module, sample_args, sample_kwargs = channels_last(module, sample_args, sample_kwargs)
-    caps = _captures([("serving_default", module, sample_args, sample_kwargs, None)], "litert", strict_export,
-                     dynamic_shapes)
-    return _convert_litert(caps, quant_config, options)
+    caps = captures([("serving_default", module, sample_args, sample_kwargs, None)], "litert", strict_export,
+                    dynamic_shapes)
+    return build("litert", caps, quant_config=quant_config, **options)
 
 
 def _sample_parts(sample) -> tuple:
@@ -342,15 +326,14 @@ class SignatureSet:
         return self
 
     def convert(self, *, quant_config=None, strict_export: bool | str = False, **options):
-        caps = _captures(self.entries, "litert", strict_export)
-        return _convert_litert(caps, quant_config, options)
+        return build("litert", captures(self.entries, "litert", strict_export), quant_config=quant_config, **options)
 
     def export(self, *, target: str = "tpu", strict_export: bool | str = False, **options):
         if target == "litert":
             return self.convert(strict_export=strict_export, **options)
         if target != "tpu":
             raise InputError(f"signatures can be exported for tpu or litert, not {target!r}")
-        return _export_tpu(_captures(self.entries, "tpu", strict_export), **options)
+        return build("tpu", captures(self.entries, "tpu", strict_export), **options)
 
 
 def signature(name: str, module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *,

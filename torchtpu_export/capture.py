@@ -13,6 +13,7 @@ import logging
 import operator
 import os
 import re
+from collections import Counter
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -22,7 +23,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
 from . import progress, treespec
-from .errors import CaptureError, InputError
+from .errors import CaptureError, InputError, UnsupportedOpError
 from .specs import TensorSpec, dtype_name, jsonable
 
 log = logging.getLogger("torchtpu_export")
@@ -83,6 +84,27 @@ def op_name(target) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return str(target)
     return f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', repr(target))}".lstrip(".")
+
+
+def require_rules(nodes: Iterable[torch.fx.Node], has_rule: Callable, *, target: str, reasons: dict | None = None,
+                  default_reason: str = "no rule is registered for it") -> None:
+    """Raises UnsupportedOpError for the most used op among ``nodes`` that ``has_rule(op)`` refuses,
+    naming its count, the user's source line of its first node and the other unsupported ops."""
+    missing: Counter = Counter()
+    first: dict = {}
+    for node in nodes:
+        if not has_rule(node.target):
+            missing[node.target] += 1
+            first.setdefault(node.target, node)
+    if not missing:
+        return
+    op, count = missing.most_common(1)[0]
+    others = sorted(op_name(o) for o in missing if o is not op)
+    reason = (reasons or {}).get(op, default_reason)
+    if others:
+        reason += f" (also unsupported: {', '.join(others)})"
+    raise UnsupportedOpError(op_name(op), target=target, reason=reason, count=count,
+                             source=user_source_line(first[op]))
 
 
 def user_source_line(node: torch.fx.Node) -> str | None:
@@ -148,14 +170,18 @@ def decomposition_table(keep: Iterable = ()) -> dict:
 _BOOKKEEPING = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default}
 
 
-def _needs_decomposition(ep: ExportedProgram, table: dict, keep: Iterable, lowerable: Callable | None) -> bool:
-    """False when run_decompositions (a second full trace of the model) would change nothing we need.
+def kept_or_plain_core(keep: Iterable) -> Callable:
+    """A ``lowerable`` for targets without a rule table to consult: an op is taken as it is when the
+    target keeps it whole, or it is core ATen that torch's decomposition table leaves alone."""
+    keep = frozenset(keep)
+    table = decomposition_table(keep)
+    return lambda op: op in keep or (op not in table and torch.Tag.core in op.tags)
 
-    That is when every op is functional and either has a rule in the target (``lowerable``), is
-    kept whole by it, or is core ATen with nothing to decompose to.
-    """
-    keep = set(keep)
-    if not keep and lowerable is None:
+
+def _needs_decomposition(ep: ExportedProgram, lowerable: Callable | None) -> bool:
+    """False when run_decompositions (a second full trace of the model) would change nothing we need:
+    every op is functional and the target takes it as it is (``lowerable``; None: decompose always)."""
+    if lowerable is None:
         return True
     for node in ep.graph.nodes:
         if node.op in ("placeholder", "output"):
@@ -167,10 +193,7 @@ def _needs_decomposition(ep: ExportedProgram, table: dict, keep: Iterable, lower
             continue
         if not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable:
             return True
-        if lowerable is not None:
-            if not lowerable(t):
-                return True
-        elif t not in keep and (t in table or torch.Tag.core not in t.tags):
+        if not lowerable(t):
             return True
     return any(o.kind != OutputKind.USER_OUTPUT for o in ep.graph_signature.output_specs)
 
@@ -252,8 +275,10 @@ def capture(module, sample_args: Sequence = (), sample_kwargs: dict | None = Non
         raise InputError(f"expected a torch.nn.Module, a callable or an ExportedProgram, got {type(module).__name__}")
     keep = list(keep)
     table = decomposition_table(keep)
+    if lowerable is None and keep:
+        lowerable = kept_or_plain_core(keep)
     try:
-        if _needs_decomposition(ep, table, keep, lowerable):
+        if _needs_decomposition(ep, lowerable):
             with progress.stage("decompose"):
                 ep = ep.run_decompositions(table)
         else:

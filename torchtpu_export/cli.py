@@ -20,13 +20,12 @@ import traceback
 import warnings
 from typing import Callable
 
-from . import __version__
+from . import __version__, debugger, web
+from .coverage import cli as coverage_cli
 from .errors import EXIT_CODES, InputError, NumericsError, TteError
 
 log = logging.getLogger("torchtpu_export")
 
-# name -> (add_arguments(parser), run(args) -> exit code, one-line help). Other modules add theirs.
-COMMANDS: dict[str, tuple[Callable, Callable, str]] = {}
 
 _EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {what}" for code, what in sorted(EXIT_CODES.items()))
 
@@ -36,15 +35,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"error: {message}\n  hint: see `{self.prog} --help`\n")
-
-
-def command(name: str, help: str):
-    def register(add_arguments):
-        def wrap(run):
-            COMMANDS[name] = (add_arguments, run, help)
-            return run
-        return wrap
-    return register
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -221,7 +211,6 @@ def _inspect_args(p):
                    help=".tpu: compile for these TPU topologies (libtpu) and show what the compiler says")
 
 
-@command("inspect", "inputs, outputs, op histogram, kernels and sizes of an artifact")(_inspect_args)
 def _inspect(args) -> int:
     from .describe import describe, format_description
     desc = describe(args.artifact, topologies=args.topology)
@@ -240,8 +229,6 @@ def _compile_args(p):
                                                          "(default: replace the input file)")
 
 
-@command("compile", "compile a .tpu's programs for TPU topologies with libtpu and store the executables")(
-    _compile_args)
 def _compile(args) -> int:
     from . import api, tpu_compile
     from .fileio import check_writable
@@ -274,7 +261,6 @@ def _run_args(p):
     p.add_argument("-o", "--output", default=None, help="save the outputs to this .npz file")
 
 
-@command("run", "run an artifact on inputs and print (or save) the outputs")(_run_args)
 def _run(args) -> int:
     import numpy as np
 
@@ -327,22 +313,22 @@ def _setup_logging(args) -> None:
         warnings.filterwarnings("ignore", category=UserWarning, module="torch")
 
 
-def _load_plugins() -> None:
-    # modules that add subcommands to COMMANDS
-    import importlib
-    for mod in ("torchtpu_export.coverage", "torchtpu_export.debugger", "torchtpu_export.web"):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
+# Every subcommand: name -> (add_arguments(parser), run(args) -> exit code, one-line help).
+COMMANDS: dict[str, tuple[Callable, Callable, str]] = {
+    "inspect": (_inspect_args, _inspect, "inputs, outputs, op histogram, kernels and sizes of an artifact"),
+    "compile": (_compile_args, _compile,
+                "compile a .tpu's programs for TPU topologies with libtpu and store the executables"),
+    "run": (_run_args, _run, "run an artifact on inputs and print (or save) the outputs"),
+    "coverage": (coverage_cli.add_arguments, coverage_cli.run, coverage_cli.HELP),
+    "debug": (debugger.add_arguments, debugger.run_cli, debugger.HELP),
+    "serve-web": (web.add_arguments, web.run_cli, web.HELP),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
-        _load_plugins()
         if argv and argv[0] in COMMANDS:
             add_arguments, run, help_text = COMMANDS[argv[0]]
             p = _Parser(prog=f"torchtpu-export {argv[0]}", description=help_text, epilog=_EPILOG,
@@ -374,6 +360,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # run the imported module's main: plugins register their commands there, not in __main__
-    from torchtpu_export.cli import main as _main
-    sys.exit(_main())
+    sys.exit(main())

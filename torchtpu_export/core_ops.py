@@ -24,7 +24,12 @@ def core_aten_ops() -> tuple[torch._ops.OpOverload, ...]:
     return tuple(sorted(ops, key=str))
 
 
-def resolve_op(name: str) -> torch._ops.OpOverload:
-    """``"aten.add.Tensor"`` -> ``torch.ops.aten.add.Tensor``."""
-    ns, op, overload = name.split(".")
-    return getattr(getattr(getattr(torch.ops, ns), op), overload)
+@functools.cache
+def rewritten_core_ops() -> tuple[torch._ops.OpOverload, ...]:
+    """Core ATen ops that torch.export's default decomposition table still rewrites (the symbolic
+    shape queries aside, which torch.export resolves itself). A target with a rule for one of them
+    keeps it whole: the program stays closer to the model (col2im, the pads and the norm
+    backwards lower smaller than their decompositions)."""
+    table = torch.export.default_decompositions()
+    return tuple(op for op in core_aten_ops() if op in table and not op.name().startswith("aten::sym_"))
+

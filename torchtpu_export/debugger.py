@@ -133,8 +133,10 @@ def debug(module, sample_args: Sequence = (), sample_kwargs: dict | None = None,
     from . import api
     if target not in ("litert", "tpu"):
         raise InputError(f"debug supports the litert and tpu targets, not {target!r}")
-    (captured,) = api._captures([("main", module, tuple(sample_args), sample_kwargs, None)], target,
-                                strict_export).values()
+    (captured,) = api.captures([("main", module, tuple(sample_args), sample_kwargs, None)], target,
+                               strict_export).values()
+    if target == "tpu":  # the values are compared here, on the cpu program
+        options = {"platforms": ("cpu",), **options}
     # build first: a target may rewrite the graph (fusing patterns into single ops) and the
     # intermediates compared must be those of the graph it converts
     final_values = api.build(target, {"main": captured}, **options).run_flat(captured.sample_inputs)
@@ -189,7 +191,10 @@ def _bisect(captured, taps, eager, target, rtol, options) -> NodeResult | None:
 
 # ---- CLI -----------------------------------------------------------------------------------
 
-def _debug_args(p):
+HELP = "find the first op whose converted output diverges from torch eager"
+
+
+def add_arguments(p) -> None:
     p.add_argument("model", help="a .pt2, TorchScript archive or package.module:factory")
     p.add_argument("--target", required=True, choices=["litert", "tpu"])
     p.add_argument("--inputs", nargs="+", default=None, metavar="SPEC", help="sample inputs (as for conversion)")
@@ -197,7 +202,7 @@ def _debug_args(p):
     p.add_argument("--trust-pickle", action="store_true", help="allow loading a pickled module")
 
 
-def _debug_run(args) -> int:
+def run_cli(args) -> int:
     from .models import load_model, parse_inputs
     sample = parse_inputs(args.inputs) if args.inputs else None
     model, margs, mkwargs = load_model(args.model, trust_pickle=args.trust_pickle, sample_inputs=sample)
@@ -209,11 +214,3 @@ def _debug_run(args) -> int:
         raise NumericsError(f"the {args.target} conversion diverges from eager"
                             + (f" first at {report.first_divergence.op}" if report.first_divergence else ""))
     return 0
-
-
-def _register() -> None:
-    from .cli import command
-    command("debug", "find the first op whose converted output diverges from torch eager")(_debug_args)(_debug_run)
-
-
-_register()

@@ -17,8 +17,8 @@ def describe(path: str, topologies=None) -> dict:
     if kind == "tpu":
         return describe_tpu(path, topologies)
     if kind == "litert":
-        from .edge import describe_tflite
-        return describe_tflite(path)
+        from .litert_format import describe
+        return describe(path)
     if kind == "onnx":
         return describe_onnx(path)
     raise InputError(f"{path} is a {kind} file, not an artifact; convert it first")

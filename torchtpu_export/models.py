@@ -59,7 +59,11 @@ def sniff_model(path: str) -> str:
 
 
 def _is_factory(spec: str) -> bool:
-    return ":" in spec and not os.path.exists(spec) and re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", spec) is not None
+    """``package.module:factory`` or ``path/to/file.py:factory`` (and not a file of that name)."""
+    if ":" not in spec or os.path.exists(spec):
+        return False
+    source, _, attr = spec.rpartition(":")
+    return attr.isidentifier() and (source.endswith(".py") or re.match(r"^[A-Za-z_][\w.]*$", source) is not None)
 
 
 def load_model(spec: str, *, trust_pickle: bool = False, sample_inputs: Sequence | None = None):
@@ -96,14 +100,41 @@ def load_model(spec: str, *, trust_pickle: bool = False, sample_inputs: Sequence
                      hint="use `torchtpu-export inspect` or `torchtpu-export run` on artifacts")
 
 
-def _load_factory(spec: str):
-    module_name, attr = spec.split(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+def _import_file(path: str):
+    """The module in a .py file the user named (its folder on sys.path, for its own imports)."""
+    import importlib.util
+    if not os.path.isfile(path):
+        raise InputError(f"{path} does not exist")
+    path = os.path.abspath(path)
+    if os.path.dirname(path) not in sys.path:
+        sys.path.insert(0, os.path.dirname(path))
+    name = os.path.splitext(os.path.basename(path))[0]
+    existing = sys.modules.get(name)
+    if existing is not None and os.path.abspath(getattr(existing, "__file__", None) or "") == path:
+        return existing
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    # registered before it runs (dataclasses and pickling look modules up), never over another module
+    sys.modules[name if existing is None else f"_tte_user_{name}"] = mod
     try:
-        mod = importlib.import_module(module_name)
+        spec.loader.exec_module(mod)
     except ImportError as e:
-        raise InputError(f"cannot import {module_name}: {e}", hint="run from the directory that holds the package") from e
+        raise InputError(f"cannot import {path}: {e}") from e
+    return mod
+
+
+def _load_factory(spec: str):
+    module_name, _, attr = spec.rpartition(":")
+    if module_name.endswith(".py"):
+        mod = _import_file(module_name)
+    else:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            mod = importlib.import_module(module_name)
+        except ImportError as e:
+            raise InputError(f"cannot import {module_name}: {e}",
+                             hint="run from the directory that holds the package") from e
     factory = getattr(mod, attr, None)
     if not callable(factory):
         raise InputError(f"{module_name} has no callable {attr}")

@@ -15,8 +15,6 @@ import time
 
 log = logging.getLogger("torchtpu_export")
 
-STAGES = ("capture", "decompose", "lower", "optimise", "write", "check")
-
 _active: "_Bar | None" = None
 
 

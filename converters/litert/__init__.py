@@ -15,8 +15,10 @@ from typing import Mapping
 import torch
 
 import torchtpu_export
-from torchtpu_export.capture import CapturedProgram
+from torchtpu_export.capture import CapturedProgram, kept_or_plain_core
+from torchtpu_export.core_ops import rewritten_core_ops
 from torchtpu_export.errors import InputError
+from torchtpu_export.litert_format import METADATA_NAME, LiteRTArtifact  # noqa: F401
 
 from . import ops_elementwise, ops_index, ops_misc, ops_nn, ops_quant, ops_reduction, ops_shape  # noqa: F401
 from .dims import symbol_ranges
@@ -24,7 +26,7 @@ from .lower import AtenProgram, check_supported  # noqa: F401
 from .passes import PIPELINE, REQUIRED, run_pipeline
 from .quantize import constant_bytes, graph_quants
 from .registry import BUILDERS, IO_DTYPES, NOT_SUPPORTED, builds  # noqa: F401
-from .writer import METADATA_NAME, serialize, write
+from .writer import serialize, write
 
 log = logging.getLogger("torchtpu_export")
 aten = torch.ops.aten
@@ -44,7 +46,7 @@ KEEP_WHOLE: list = [
     aten.scaled_dot_product_attention.default, aten.softmax.int, aten.log_softmax.int,
     aten.silu.default, aten.hardswish.default, aten.hardsigmoid.default, aten.relu6.default, aten.mish.default,
     aten.max_pool2d.default, aten.max_pool1d.default, aten.adaptive_avg_pool2d.default,
-    aten.adaptive_avg_pool1d.default, aten.dropout.default, aten.feature_dropout.default,
+    aten.dropout.default, aten.feature_dropout.default,
     aten.flatten.using_ints, aten.unflatten.int, aten.reshape.default, aten.transpose.int, aten.contiguous.default,
     aten.split.Tensor, aten.chunk.default, aten.unbind.int, aten.stack.default, aten.narrow.default,
     aten.expand_as.default, aten.type_as.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
@@ -53,19 +55,23 @@ KEEP_WHOLE: list = [
     aten.repeat_interleave.self_int, aten.index_copy.default, aten.embedding_bag.padding_idx,
     aten.pad.default, aten.square.default, aten.zeros_like.default, aten.ones_like.default, aten.roll.default,
     aten.logsumexp.default, aten.std.correction, aten.var_mean.correction, aten.baddbmm.default,
-    # core ops that torch's default decomposition table would still rewrite
-    aten.adaptive_avg_pool1d.default, aten.avg_pool1d.default, aten.fill.Scalar, aten.reflection_pad1d.default,
-    aten.reflection_pad2d.default, aten.reflection_pad3d.default, aten.replication_pad2d.default,
-    aten.replication_pad3d.default, aten.select_scatter.default, aten.squeeze.dim, aten.var.dim,
 ]
+# and the core ops torch's table would still rewrite that it has a builder for
+KEEP_WHOLE += [op for op in rewritten_core_ops() if op in BUILDERS and op not in KEEP_WHOLE]
 
 
-def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None, **options):
+# capture decomposes what torch's table would, except the ops kept whole
+lowerable = kept_or_plain_core(KEEP_WHOLE)
+
+
+def convert(captures: Mapping[str, CapturedProgram], *, quant_config=None, observer=None,
+            **options) -> LiteRTArtifact:
     """One flatbuffer with a subgraph and SignatureDef per captured program, weights stored once.
 
-    Returns the :class:`~torchtpu_export.edge.EdgeModel` holding it (its bytes are
-    ``model_content()``; each signature's I/O and pytree specs are also in the
-    flatbuffer's ``torchtpu_export`` metadata).
+    Returns the :class:`~torchtpu_export.litert_format.LiteRTArtifact` (its bytes, or a temporary
+    file for models past ``IN_MEMORY_LIMIT``; each signature's I/O and pytree specs are also in the
+    flatbuffer's ``torchtpu_export`` metadata). ``observer`` is the LiteRT runtime the int8 recipe
+    calibrates with (``runtimes.litert.TensorObserver``; converters do not import runtimes).
 
     Options: ``skip_passes=("fuse_activations", ...)`` leaves optional passes out;
     ``io_dtypes="web"`` makes every input and output float32, int32 or uint8 (what LiteRT.js
@@ -86,7 +92,7 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
     bad = [s for s in skip if s not in {p.__name__ for p in PIPELINE} or s in {p.__name__ for p in REQUIRED}]
     if bad:
         raise InputError(f"skip_passes names no optional pass: {', '.join(bad)}")
-    quants = graph_quants(quant_config, captures, io_dtypes)
+    quants = graph_quants(quant_config, captures, io_dtypes, observer)
     graphs, signatures = [], {}
     for name, cap in captures.items():
         g = run_pipeline(AtenProgram.from_capture(name, cap, io_dtypes, quants[name]), skip)
@@ -107,9 +113,9 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
         metadata["quantization"] = {"recipe": quantized[0].recipe,
                                     "float_weight_bytes": sum(float_constants.values()),
                                     "weight_bytes": sum(constant_bytes(graphs).values())}
-    from torchtpu_export.edge import EdgeModel  # the artifact's reader; it imports a runtime only to run
+    quantization = metadata.get("quantization")
     if _weight_bytes(graphs) < IN_MEMORY_LIMIT:
-        return EdgeModel(serialize(graphs, metadata), signatures, quantization=metadata.get("quantization"))
+        return LiteRTArtifact(serialize(graphs, metadata), signatures, quantization)
     # a large model goes straight to a file, weights streamed from the graph (no copy in memory)
     fd, path = tempfile.mkstemp(prefix="torchtpu_export.", suffix=".tflite")
     try:
@@ -118,8 +124,7 @@ def convert_programs(captures: Mapping[str, CapturedProgram], quant_config=None,
     except BaseException:
         os.unlink(path)
         raise
-    return EdgeModel.from_file(path, signatures=signatures, temporary=True,
-                               quantization=metadata.get("quantization"))
+    return LiteRTArtifact(None, signatures, quantization, path=path)
 
 
 # Models with more weight bytes than this are written to a temporary file as they convert.
@@ -136,5 +141,4 @@ def _dim_ranges(cap: CapturedProgram) -> dict[str, list]:
     return {**{k: list(v) for k, v in symbol_ranges(cap).items()}, **{k: list(v) for k, v in cap.dim_ranges.items()}}
 
 
-__all__ = ["KEEP_WHOLE", "convert_programs", "METADATA_NAME", "FORMAT", "PIPELINE",
-           "BUILDERS", "NOT_SUPPORTED"]
+__all__ = ["KEEP_WHOLE", "lowerable", "convert", "METADATA_NAME", "FORMAT", "PIPELINE", "BUILDERS", "NOT_SUPPORTED"]

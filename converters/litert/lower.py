@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections import Counter
 
 import numpy as np
 import torch
 from torch.fx.node import map_arg
 
-from torchtpu_export.capture import CapturedProgram, op_name, user_source_line
+from torchtpu_export.capture import CapturedProgram, op_name, require_rules, user_source_line
 from torchtpu_export.errors import ConversionError, TteError, UnsupportedOpError
 from torchtpu_export.safetensors_io import to_numpy
 
@@ -52,24 +51,10 @@ class AtenProgram:
 
 def check_supported(prog: AtenProgram) -> None:
     """Raises UnsupportedOpError naming the most used op of the graph that has no builder."""
-    missing: Counter = Counter()
-    first: dict = {}
-    for node in live_nodes(prog):
-        if node.op != "call_function" or node in prog.constants or node.target is operator.getitem:
-            continue
-        if node.target in _IGNORED or _is_symbolic(node):
-            continue
-        if node.target not in BUILDERS:
-            missing[node.target] += 1
-            first.setdefault(node.target, node)
-    if missing:
-        op, count = missing.most_common(1)[0]
-        others = sorted(op_name(o) for o in missing if o is not op)
-        reason = NOT_SUPPORTED.get(op, "no TFLite builder is registered for it")
-        if others:
-            reason += f" (also unsupported: {', '.join(others)})"
-        raise UnsupportedOpError(op_name(op), target="litert", reason=reason, count=count,
-                                 source=user_source_line(first[op]))
+    nodes = [n for n in live_nodes(prog) if n.op == "call_function" and n not in prog.constants
+             and n.target is not operator.getitem and n.target not in _IGNORED and not _is_symbolic(n)]
+    require_rules(nodes, lambda op: op in BUILDERS, target="litert", reasons=NOT_SUPPORTED,
+                  default_reason="no TFLite builder is registered for it")
 
 
 def live_nodes(prog: AtenProgram) -> list[torch.fx.Node]:

@@ -395,8 +395,8 @@ def isinf(ctx, x):
 
 # ---- comparisons and logic -----------------------------------------------------------------
 
-def _compare(op, code):
-    @builds(op)
+def _compare(ops, code):
+    @builds(*ops)
     def rule(ctx, a, b):
         dt = ctx.promoted_dtype()
         if dt == BOOL and code not in ("EQUAL", "NOT_EQUAL"):
@@ -405,10 +405,12 @@ def _compare(op, code):
     return rule
 
 
-for _name, _code in [("eq", "EQUAL"), ("ne", "NOT_EQUAL"), ("lt", "LESS"), ("le", "LESS_EQUAL"),
-                     ("gt", "GREATER"), ("ge", "GREATER_EQUAL")]:
-    _compare(getattr(aten, _name).Tensor, _code)
-    _compare(getattr(aten, _name).Scalar, _code)
+_compare([aten.eq.Tensor, aten.eq.Scalar], "EQUAL")
+_compare([aten.ne.Tensor, aten.ne.Scalar], "NOT_EQUAL")
+_compare([aten.lt.Tensor, aten.lt.Scalar], "LESS")
+_compare([aten.le.Tensor, aten.le.Scalar], "LESS_EQUAL")
+_compare([aten.gt.Tensor, aten.gt.Scalar], "GREATER")
+_compare([aten.ge.Tensor, aten.ge.Scalar], "GREATER_EQUAL")
 
 
 def _as_bool(ctx, x) -> Tensor:

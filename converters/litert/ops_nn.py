@@ -14,6 +14,8 @@ from fractions import Fraction
 import numpy as np
 import torch
 
+from torchtpu_export.torch_semantics import linear_resize_matrix
+
 from .dims import all_static, broadcast_shapes, is_static
 from .ir import Tensor
 from .registry import BOOL, I32, BuildContext, Missing, builds
@@ -563,23 +565,6 @@ def _depth_to_space_upscale(ctx, x, factor):
     return ctx.from_channels_last(y)
 
 
-def _linear_weights(n_in, n_out, align_corners, scale):
-    # (n_out, n_in) bilinear interpolation matrix with torch's coordinate rule.
-    m = np.zeros((n_out, n_in))
-    for i in range(n_out):
-        if align_corners:
-            src = i * (n_in - 1) / (n_out - 1) if n_out > 1 else 0.0
-        else:
-            s = (n_in / n_out) if scale is None else 1.0 / scale
-            src = max((i + 0.5) * s - 0.5, 0.0)
-        i0 = min(int(math.floor(src)), n_in - 1)
-        i1 = min(i0 + 1, n_in - 1)
-        f = src - i0
-        m[i, i0] += 1 - f
-        m[i, i1] += f
-    return m
-
-
 @builds(aten.upsample_bilinear2d.vec, aten.upsample_bilinear2d.default)
 def upsample_bilinear2d(ctx, x, output_size, align_corners, scale_factors=None, *rest):
     if isinstance(scale_factors, (int, float)) and rest:
@@ -598,7 +583,7 @@ def upsample_bilinear2d(ctx, x, output_size, align_corners, scale_factors=None, 
         return ctx.from_channels_last(y)
     y = x
     for i, axis in enumerate((2, 3)):
-        m = _linear_weights(x.shape[axis], size[i], align_corners, None if scales is None else scales[i])
+        m = linear_resize_matrix(x.shape[axis], size[i], align_corners, None if scales is None else scales[i])
         perm = list(range(4))
         perm[axis], perm[-1] = perm[-1], perm[axis]
         yt = ctx.transpose(y, perm)

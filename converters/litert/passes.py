@@ -153,13 +153,30 @@ def _perm(op: Op) -> tuple:
     return tuple(int(p) for p in op.inputs[1].data)
 
 
+def _drop_ops(g: Graph, fold) -> Graph:
+    """The walk of the passes that remove ops. Each op first reads its inputs through the replacements
+    made so far; then ``fold(op)`` returns None to keep it, a tensor that stands for its output from
+    now on (the op is dropped), or True to drop it because it moved its result elsewhere itself."""
+    alias: dict[int, Tensor] = {}
+    kept = []
+    for op in g.ops:
+        op.inputs = [alias.get(id(t), t) if t is not None else None for t in op.inputs]
+        replacement = fold(op)
+        if replacement is None:
+            kept.append(op)
+        elif replacement is not True:
+            alias[id(op.outputs[0])] = replacement
+    g.ops = kept
+    g.outputs = [alias.get(id(t), t) for t in g.outputs]
+    return g
+
+
 def compose_transposes(g: Graph) -> Graph:
     """A TRANSPOSE of a TRANSPOSE reads the first one's input; one that undoes the other vanishes."""
     producer: dict[int, Op] = {}
-    alias: dict[int, Tensor] = {}
     outputs = {id(t) for t in g.outputs}
-    for op in g.ops:
-        op.inputs = [alias.get(id(t), t) if t is not None else None for t in op.inputs]
+
+    def fold(op):
         if op.code == "TRANSPOSE" and op.inputs[1].is_const:
             src = producer.get(id(op.inputs[0]))
             if src is not None and src.code == "TRANSPOSE" and src.inputs[1].is_const:
@@ -167,13 +184,13 @@ def compose_transposes(g: Graph) -> Graph:
                 c = tuple(p1[k] for k in p2)
                 y = op.outputs[0]
                 if c == tuple(range(len(c))) and not y.channels_last and id(y) not in outputs:
-                    alias[id(y)] = src.inputs[0]
-                    continue
+                    return src.inputs[0]
                 op.inputs = [src.inputs[0], Tensor(op.inputs[1].name, (len(c),), np.int32, np.asarray(c, np.int32))]
         for t in op.outputs:
             producer[id(t)] = op
-    g.outputs = [alias.get(id(t), t) for t in g.outputs]
-    return eliminate_dead_code(g)
+        return None
+
+    return eliminate_dead_code(_drop_ops(g, fold))
 
 
 def simplify_moves(g: Graph) -> Graph:
@@ -210,10 +227,8 @@ def drop_kept_dims(g: Graph) -> Graph:
     producer = g.producers()
     users = g.consumers()
     outputs = {id(t) for t in g.outputs}
-    alias: dict[int, Tensor] = {}
-    kept = []
-    for op in g.ops:
-        op.inputs = [alias.get(id(t), t) if t is not None else None for t in op.inputs]
+
+    def fold(op):
         if op.code == "RESHAPE":
             red = producer.get(id(op.inputs[0]))
             if red is not None and red.code in REDUCERS and red.options.get("keepDims") and red.inputs[1].is_const \
@@ -224,10 +239,10 @@ def drop_kept_dims(g: Graph) -> Graph:
                 if dropped == op.outputs[0].shape:
                     red.options["keepDims"] = False
                     red.outputs = [op.outputs[0]]
-                    continue
-        kept.append(op)
-    g.ops = kept
-    return g
+                    return True
+        return None
+
+    return _drop_ops(g, fold)
 
 
 def _same_pads(n: int, k: int, s: int, d: int) -> tuple[int, int, int]:
@@ -314,10 +329,8 @@ def use_fully_connected(g: Graph) -> Graph:
     producer = g.producers()
     users = g.consumers()
     outputs = {id(t) for t in g.outputs}
-    alias: dict[int, Tensor] = {}
-    kept = []
-    for op in g.ops:
-        op.inputs = [alias.get(id(t), t) if t is not None else None for t in op.inputs]
+
+    def fold(op):
         if op.code == "ADD" and not op.options.get("fusedActivationFunction"):
             a, b = op.inputs
             fc = producer.get(id(a))
@@ -327,12 +340,10 @@ def use_fully_connected(g: Graph) -> Graph:
                     and op.outputs[0].shape == a.shape and not fc.options.get("fusedActivationFunction"):
                 bias = np.require(b.data.reshape(-1), requirements="C")
                 fc.inputs = fc.inputs[:2] + [Tensor(b.name, bias.shape, b.dtype, bias)]
-                alias[id(op.outputs[0])] = a
-                continue
-        kept.append(op)
-    g.ops = kept
-    g.outputs = [alias.get(id(t), t) for t in g.outputs]
-    return g
+                return a
+        return None
+
+    return _drop_ops(g, fold)
 
 
 def fold_affine_into_fully_connected(g: Graph) -> Graph:
@@ -388,26 +399,21 @@ _ACTIVATIONS = {"RELU": 1, "RELU_N1_TO_1": 2, "RELU6": 3}
 
 def fuse_activations(g: Graph) -> Graph:
     """RELU, RELU6, RELU_N1_TO_1 after an op that can fuse them become its fused activation."""
-    acts = _ACTIVATIONS
     producer = g.producers()
     users = g.consumers()
     outputs = {id(t) for t in g.outputs}
-    alias: dict[int, Tensor] = {}
-    kept = []
-    for op in g.ops:
-        op.inputs = [alias.get(id(t), t) if t is not None else None for t in op.inputs]
-        if op.code in acts and op.inputs[0].dtype == np.float32:
+
+    def fold(op):
+        if op.code in _ACTIVATIONS and op.inputs[0].dtype == np.float32:
             x = op.inputs[0]
             src = producer.get(id(x))
             if src is not None and src.code in _FUSIBLE and not src.options.get("fusedActivationFunction") \
                     and len(users.get(id(x), [])) == 1 and id(x) not in outputs and len(src.outputs) == 1:
-                src.options["fusedActivationFunction"] = acts[op.code]
-                alias[id(op.outputs[0])] = x
-                continue
-        kept.append(op)
-    g.ops = kept
-    g.outputs = [alias.get(id(t), t) for t in g.outputs]
-    return g
+                src.options["fusedActivationFunction"] = _ACTIVATIONS[op.code]
+                return x
+        return None
+
+    return _drop_ops(g, fold)
 
 
 # Ops whose results are never negative (fused activations by code: RELU 1, RELU6 3).

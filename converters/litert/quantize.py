@@ -27,7 +27,7 @@ import hashlib
 import numpy as np
 import torch
 
-from torchtpu_export.errors import ConversionError, InputError
+from torchtpu_export.errors import ArtifactError, ConversionError, InputError
 from torchtpu_export.quant import per_channel_int8
 from torchtpu_export.specs import coerce_input
 
@@ -60,9 +60,10 @@ class GraphQuant:
     integer_io: bool = False
     ranges: dict = dataclasses.field(default_factory=dict)
     float_constants: dict | None = None
+    observer: object = None  # int8: a runtime factory, flatbuffer bytes -> run(inputs) / tensor(index)
 
 
-def graph_quants(quant_config, captures: dict, io_dtypes: str) -> dict:
+def graph_quants(quant_config, captures: dict, io_dtypes: str, observer=None) -> dict:
     """Per signature, the GraphQuant of ``quant_config`` (None for float), its options checked.
 
     Options: ``int8`` takes ``calibration`` (an iterable of samples, each the positional arguments
@@ -122,7 +123,7 @@ def graph_quants(quant_config, captures: dict, io_dtypes: str) -> dict:
             flat.append(arrays)
         if not flat:
             raise InputError("calibration is empty; pass at least one sample (a few dozen are better)")
-        out[name] = GraphQuant("int8", flat, integer_io)
+        out[name] = GraphQuant("int8", flat, integer_io, observer=observer)
     return out
 
 
@@ -247,33 +248,29 @@ def calibrate_activations(g: Graph) -> Graph:
     q = _begin(g)
     if q is None or q.recipe != "int8":
         return g
-    # The calibrator runs the model as conversion's own step (TensorFlow's converter does the same):
-    # LiteRT keeps every intermediate tensor only without delegates.
-    from ai_edge_litert.interpreter import Interpreter, OpResolverType
-
+    # The calibrator runs the model as conversion's own step (TensorFlow's converter does the same),
+    # on LiteRT's reference kernels with every intermediate kept: the runtime is handed in (q.observer).
     from .writer import serialize
     tensors = list(g.tensors())
     index = {id(t): i for i, t in enumerate(tensors)}
     watch = [i for i, t in enumerate(tensors) if _is_activation(t)]
+    if q.observer is None:
+        raise ConversionError("the int8 recipe calibrates on LiteRT: convert through tte.convert, or pass "
+                              "observer= (runtimes.litert.TensorObserver)")
     try:
-        interp = Interpreter(model_content=serialize([g]), num_threads=1,
-                             experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
-                             experimental_preserve_all_tensors=True)
-        interp.allocate_tensors()
-    except (ValueError, RuntimeError) as e:
-        raise ConversionError(f"LiteRT cannot run the float graph to calibrate it: {str(e).strip()[:300]}") from e
+        observer = q.observer(serialize([g]))
+    except ArtifactError as e:
+        raise ConversionError(f"LiteRT cannot run the float graph to calibrate it: {e}") from e
     lo = np.full(len(tensors), np.inf)
     hi = np.full(len(tensors), -np.inf)
     masked = np.zeros(len(tensors), bool)
     for n, sample in enumerate(q.samples):
-        for t, a in zip(g.inputs, sample):
-            interp.set_tensor(index[id(t)], np.asarray(a, dtype=t.dtype, order="C"))  # 0-d stays 0-d
-        try:
-            interp.invoke()
-        except (ValueError, RuntimeError) as e:
-            raise InputError(f"calibration sample {n} does not run: {str(e).strip()[:300]}") from e
+        try:  # 0-d inputs stay 0-d
+            observer.run({index[id(t)]: np.asarray(a, dtype=t.dtype, order="C") for t, a in zip(g.inputs, sample)})
+        except InputError as e:
+            raise InputError(f"calibration sample {n} does not run: {e}") from e
         for i in watch:
-            v = interp.get_tensor(i)
+            v = observer.tensor(i)
             if not v.size:
                 continue
             big = ~np.isfinite(v) | (np.abs(v) >= MASK_MAGNITUDE)
@@ -595,5 +592,3 @@ def quantize_weights(g: Graph) -> Graph:
         _dynamic_int8(g)
     return g
 
-
-QUANT_PASSES = (fold_quantize_dequantize, calibrate_activations, quantize_activations, quantize_weights)

@@ -20,10 +20,8 @@ TENSOR_TYPE = {
     np.dtype(np.uint32): fb.TensorType.UINT32, np.dtype(np.uint16): fb.TensorType.UINT16,
     np.dtype(np.uint64): fb.TensorType.UINT64,
 }
-DTYPE_OF_TYPE = {v: k for k, v in TENSOR_TYPE.items()}
 
-# Fused activation codes (ActivationFunctionType) and padding codes.
-ACT = {"NONE": 0, "RELU": 1, "RELU_N1_TO_1": 2, "RELU6": 3, "TANH": 4}
+# Padding codes.
 SAME, VALID = fb.Padding.SAME, fb.Padding.VALID
 
 # builtin -> its options table (only ops whose options carry fields, or whose parser needs the table).
@@ -60,10 +58,6 @@ def options_table(code: str, options: dict):
     cls = getattr(fb, name + "T")
     obj = cls(**options)
     return getattr(fb.BuiltinOptions, name), obj
-
-
-def _types(tensors) -> list:
-    return [None if t is None else t.dtype for t in tensors]
 
 
 _I64, _I32, _BOOL, _I16, _I8 = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.bool_), np.dtype(np.int16),

@@ -17,14 +17,14 @@ import flatbuffers
 import numpy as np
 from ai_edge_litert import schema_py_generated as fb
 
-from torchtpu_export.edge import weights_digest
+from torchtpu_export import flatbuf
 from torchtpu_export.errors import ConversionError
+from torchtpu_export.litert_format import METADATA_NAME, weights_digest
 
 from . import schema
 from .dims import concrete, is_static
 from .ir import Graph
 
-METADATA_NAME = "torchtpu_export"
 _ALIGN = 16
 # flatbuffers cannot address more than 2 GB; keep room for everything but the weights
 EXTERNAL_THRESHOLD = 2**31 - 2**26
@@ -48,7 +48,7 @@ def _offset_vector(builder, offsets, start) -> int:
 def _reserved_vector(builder: flatbuffers.Builder, n: int) -> int:
     # a byte vector of length n whose bytes the builder skips (the writer fills them in the file)
     builder.StartVector(1, n, _ALIGN)
-    builder.head = builder.head - n
+    flatbuf.skip(builder, n)
     return builder.EndVector()
 
 
@@ -138,13 +138,13 @@ def _write_inline(f, parts) -> dict[int, int]:
     buffers = parts[2]
     probe = flatbuffers.Builder(65536)
     _build(probe, *parts, layout="probe")
-    size = len(probe.Bytes) - probe.Head() + sum(len(d) + 2 * _ALIGN + 8 for d in buffers.data) + 4096
+    size = len(flatbuf.memory(probe)) - probe.Head() + sum(len(d) + 2 * _ALIGN + 8 for d in buffers.data) + 4096
     with mmap.mmap(-1, size) as space:
         builder = flatbuffers.Builder(0)
-        builder.Bytes, builder.head = space, len(space)
+        flatbuf.use_memory(builder, space)
         vectors = _build(builder, *parts, layout="inline")
         # (had the estimate been short, the builder would have grown into a bytearray: still right)
-        out, head = builder.Bytes, builder.Head()
+        out, head = flatbuf.memory(builder), builder.Head()
         # each vector's data starts after its 4-byte length, at this position in the builder's buffer
         spans = sorted((len(out) - off + 4, i) for i, off in vectors.items())
         with memoryview(out) as view:
@@ -164,14 +164,14 @@ def _write_external(f, parts) -> dict[int, int]:
     buffers = parts[2]
     probe = flatbuffers.Builder(65536)
     _build(probe, *parts, layout=[1] * len(buffers.data))
-    offsets, pos = [0], _round_up(len(probe.Bytes) - probe.Head(), _ALIGN)
+    offsets, pos = [0], _round_up(len(flatbuf.memory(probe)) - probe.Head(), _ALIGN)
     for d in buffers.data[1:]:
         offsets.append(pos)
         pos = _round_up(pos + len(d), _ALIGN)
     builder = flatbuffers.Builder(65536)
     _build(builder, *parts, layout=offsets)
     head = builder.Output()
-    if len(head) != len(probe.Bytes) - probe.Head():
+    if len(head) != len(flatbuf.memory(probe)) - probe.Head():
         raise ConversionError("the flatbuffer changed size between passes; please report this")
     f.write(head)
     written = len(head)

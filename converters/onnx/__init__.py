@@ -13,7 +13,7 @@ from typing import Mapping
 
 import torch
 
-from torchtpu_export.capture import CapturedProgram
+from torchtpu_export.capture import CapturedProgram, kept_or_plain_core
 from torchtpu_export.errors import ConversionError, InputError, UnsupportedOpError
 from torchtpu_export.onnx_format import OnnxArtifact, with_metadata
 
@@ -24,7 +24,10 @@ KEEP_WHOLE: list = list(torch.export.default_decompositions())
 _OPTIONS = ("opset_version", "optimize")
 
 
-def convert_programs(captures: Mapping[str, CapturedProgram], **options) -> OnnxArtifact:
+lowerable = kept_or_plain_core(KEEP_WHOLE)
+
+
+def convert(captures: Mapping[str, CapturedProgram], **options) -> OnnxArtifact:
     """Exports one captured program to an ONNX model (ONNX has one graph per model)."""
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:

@@ -14,7 +14,7 @@ import torch
 import torchtpu_export
 from torchtpu_export import progress, tpu_compile, tpu_format
 from torchtpu_export.capture import CapturedProgram
-from torchtpu_export.core_ops import core_aten_ops
+from torchtpu_export.core_ops import core_aten_ops, rewritten_core_ops
 from torchtpu_export.errors import ConversionError, InputError, UnsupportedOpError
 from torchtpu_export.quant import parse as parse_quant
 
@@ -25,26 +25,16 @@ from . import (ops_backward, ops_composite, ops_distance, ops_elementwise, ops_e
                ops_shape, ops_special)
 from .fusion import fuse_hot_ops
 from .interpreter import check_supported, to_jax_function
-from .registry import LOWERINGS, NOT_SUPPORTED, LoweringContext, jax_dtype, lookup, lowers  # noqa: F401
+from .registry import LOWERINGS, PLATFORMS, LoweringContext, jax_dtype, lookup, lowers  # noqa: F401
 
 log = logging.getLogger("torchtpu_export")
 
-PLATFORMS = ("tpu", "cpu", "cuda", "rocm")
 KERNEL_MODES = ("auto", "pallas", "xla")
 
 # Composite ops this target lowers whole instead of letting torch decompose them.
 KEEP_WHOLE: list = [*ops_hot.KEEP_WHOLE]
-# Core ATen ops that torch.export's default table still decomposes; lowering them whole keeps
-# the program closer to the model (and col2im, the pads and the norm backwards smaller).
-_aten = torch.ops.aten
-KEEP_WHOLE += [
-    _aten.adaptive_avg_pool1d.default, _aten.avg_pool1d.default, _aten.col2im.default,
-    _aten.embedding_dense_backward.default, _aten.fill.Scalar, _aten.native_group_norm_backward.default,
-    _aten.native_layer_norm_backward.default, _aten.reflection_pad1d.default, _aten.reflection_pad2d.default,
-    _aten.reflection_pad3d.default, _aten.replication_pad2d.default, _aten.replication_pad3d.default,
-    _aten.select_scatter.default, _aten.squeeze.dim, _aten.var.dim,
-]
-# and every non-core op it has a rule for
+# the core ops torch's table would still rewrite that it has a rule for, and every non-core op it has a rule for
+KEEP_WHOLE += [op for op in rewritten_core_ops() if op in LOWERINGS]
 KEEP_WHOLE += [op for op in LOWERINGS if op not in core_aten_ops() and op not in KEEP_WHOLE]
 
 
@@ -92,7 +82,7 @@ def _merge_weights(captures: Mapping[str, CapturedProgram]):
     return merged, per_program
 
 
-def export_programs(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str] = ("tpu", "cpu"),
+def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str] = ("tpu", "cpu"),
                     kernels: str = "auto", narrow_64bit: bool = False, mesh=None,
                     sharding: str | None = None, quant_config=None, precompile=()) -> tpu_format.TpuArtifact:
     """Lowers each captured program for each platform and packs them as one ``.tpu`` artifact.

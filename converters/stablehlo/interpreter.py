@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 import operator
-from collections import Counter
 from typing import Callable
 
 import jax.numpy as jnp
@@ -11,10 +10,10 @@ import numpy as np
 import torch
 from torch.fx.node import map_arg
 
-from torchtpu_export.capture import CapturedProgram, op_name, user_source_line
+from torchtpu_export.capture import CapturedProgram, op_name, require_rules, user_source_line
 from torchtpu_export.errors import ConversionError, UnsupportedOpError
 
-from .registry import NOT_SUPPORTED, LoweringContext, Ragged, lookup
+from .registry import LoweringContext, Ragged, lookup
 
 # Python-level ops that appear in graphs with symbolic shapes.
 _PY_OPS = {
@@ -27,22 +26,10 @@ _PY_OPS = {
 
 def check_supported(captured: CapturedProgram, platform: str) -> None:
     """Raises UnsupportedOpError for the first op of the graph that has no lowering."""
-    missing: Counter = Counter()
-    first: dict = {}
-    for node in captured.graph.nodes:
-        if node.op != "call_function" or node.target in _PY_OPS or node.target is operator.getitem:
-            continue
-        if lookup(node.target, platform) is None:
-            missing[node.target] += 1
-            first.setdefault(node.target, node)
-    if missing:
-        op, count = missing.most_common(1)[0]
-        others = [op_name(o) for o in missing if o is not op]
-        reason = NOT_SUPPORTED.get(op, "no lowering is registered for it")
-        if others:
-            reason += f" (also unsupported: {', '.join(sorted(others))})"
-        raise UnsupportedOpError(op_name(op), target=f"stablehlo ({platform})", reason=reason, count=count,
-                                 source=user_source_line(first[op]))
+    nodes = [n for n in captured.graph.nodes
+             if n.op == "call_function" and n.target not in _PY_OPS and n.target is not operator.getitem]
+    require_rules(nodes, lambda op: lookup(op, platform) is not None, target=f"stablehlo ({platform})",
+                  default_reason="no lowering is registered for it")
 
 
 def _expected_dtype(ctx: LoweringContext, val):

@@ -10,6 +10,8 @@ from jax import lax
 
 import torch
 
+from torchtpu_export.torch_semantics import linear_resize_matrix
+
 from .registry import lowers
 
 aten = torch.ops.aten
@@ -309,26 +311,6 @@ def adaptive_avg_pool_nd(ctx, x, output_size):
 
 # ---- resampling ----------------------------------------------------------------------------
 
-def _source_scale(n_in, n_out, align_corners, scale):
-    if align_corners:
-        return (n_in - 1) / (n_out - 1) if n_out > 1 else 0.0
-    return 1.0 / scale if scale else n_in / n_out
-
-
-def linear_matrix(n_in, n_out, align_corners, scale=None) -> np.ndarray:
-    """(n_out, n_in) interpolation weights of torch's (bi)linear upsampling along one axis."""
-    r = _source_scale(n_in, n_out, align_corners, scale)
-    m = np.zeros((n_out, n_in), np.float64)
-    for i in range(n_out):
-        src = r * i if align_corners else max(r * (i + 0.5) - 0.5, 0.0)
-        i0 = min(int(math.floor(src)), n_in - 1)
-        i1 = min(i0 + 1, n_in - 1)
-        lam = src - i0
-        m[i, i0] += 1 - lam
-        m[i, i1] += lam
-    return m
-
-
 def _out_sizes(x, nd, output_size, scale_factors):
     if output_size is not None:
         return list(output_size), [None] * nd
@@ -342,7 +324,7 @@ def upsample_bilinear2d(ctx, x, output_size, align_corners, scale_factors=None):
     out = x.astype(_acc(x.dtype))
     for i, (n_out, s) in enumerate(zip(sizes, scales)):
         axis = x.ndim - 2 + i
-        m = jnp.asarray(linear_matrix(x.shape[axis], n_out, align_corners, s), out.dtype)
+        m = jnp.asarray(linear_resize_matrix(x.shape[axis], n_out, align_corners, s), out.dtype)
         out = jnp.moveaxis(jnp.tensordot(out, m, axes=[[axis], [1]]), -1, axis)
     return out.astype(x.dtype)
 

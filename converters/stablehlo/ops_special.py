@@ -172,15 +172,30 @@ def _shifted(kind):
     return fn
 
 
-for _name, _fn in [("chebyshev_polynomial_v", _chebyshev_v), ("chebyshev_polynomial_w", _chebyshev_w),
-                   ("legendre_polynomial_p", _legendre_p),
-                   ("shifted_chebyshev_polynomial_t", _shifted("t")), ("shifted_chebyshev_polynomial_u", _shifted("u")),
-                   ("shifted_chebyshev_polynomial_v", _shifted("v")), ("shifted_chebyshev_polynomial_w", _shifted("w")),
-                   ("chebyshev_polynomial_t", _chebyshev_t), ("chebyshev_polynomial_u", _chebyshev_u),
-                   ("hermite_polynomial_h", _hermite_h), ("hermite_polynomial_he", _hermite_he),
-                   ("laguerre_polynomial_l", _laguerre_l)]:
-    _packet = getattr(aten, "special_" + _name)
-    _polynomial([_packet.default, _packet.x_scalar, _packet.n_scalar], _fn)
+_polynomial([aten.special_chebyshev_polynomial_t.default, aten.special_chebyshev_polynomial_t.x_scalar,
+             aten.special_chebyshev_polynomial_t.n_scalar], _chebyshev_t)
+_polynomial([aten.special_chebyshev_polynomial_u.default, aten.special_chebyshev_polynomial_u.x_scalar,
+             aten.special_chebyshev_polynomial_u.n_scalar], _chebyshev_u)
+_polynomial([aten.special_chebyshev_polynomial_v.default, aten.special_chebyshev_polynomial_v.x_scalar,
+             aten.special_chebyshev_polynomial_v.n_scalar], _chebyshev_v)
+_polynomial([aten.special_chebyshev_polynomial_w.default, aten.special_chebyshev_polynomial_w.x_scalar,
+             aten.special_chebyshev_polynomial_w.n_scalar], _chebyshev_w)
+_polynomial([aten.special_legendre_polynomial_p.default, aten.special_legendre_polynomial_p.x_scalar,
+             aten.special_legendre_polynomial_p.n_scalar], _legendre_p)
+_polynomial([aten.special_shifted_chebyshev_polynomial_t.default, aten.special_shifted_chebyshev_polynomial_t.x_scalar,
+             aten.special_shifted_chebyshev_polynomial_t.n_scalar], _shifted("t"))
+_polynomial([aten.special_shifted_chebyshev_polynomial_u.default, aten.special_shifted_chebyshev_polynomial_u.x_scalar,
+             aten.special_shifted_chebyshev_polynomial_u.n_scalar], _shifted("u"))
+_polynomial([aten.special_shifted_chebyshev_polynomial_v.default, aten.special_shifted_chebyshev_polynomial_v.x_scalar,
+             aten.special_shifted_chebyshev_polynomial_v.n_scalar], _shifted("v"))
+_polynomial([aten.special_shifted_chebyshev_polynomial_w.default, aten.special_shifted_chebyshev_polynomial_w.x_scalar,
+             aten.special_shifted_chebyshev_polynomial_w.n_scalar], _shifted("w"))
+_polynomial([aten.special_hermite_polynomial_h.default, aten.special_hermite_polynomial_h.x_scalar,
+             aten.special_hermite_polynomial_h.n_scalar], _hermite_h)
+_polynomial([aten.special_hermite_polynomial_he.default, aten.special_hermite_polynomial_he.x_scalar,
+             aten.special_hermite_polynomial_he.n_scalar], _hermite_he)
+_polynomial([aten.special_laguerre_polynomial_l.default, aten.special_laguerre_polynomial_l.x_scalar,
+             aten.special_laguerre_polynomial_l.n_scalar], _laguerre_l)
 
 
 # ---- Bessel functions of the first and second kind, K0/K1: torch's Cephes kernels ---------------

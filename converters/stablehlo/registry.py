@@ -33,12 +33,16 @@ class Ragged:
     def __init__(self, values, count):
         self.values, self.count = values, count
 
-# Ops with no lowering, and why. Kept explicit so the coverage table can say so.
-NOT_SUPPORTED: dict[object, str] = {}
+PLATFORMS = ("tpu", "cpu", "cuda", "rocm")  # jax.export's platform names
 
 
 def lowers(*ops, platform: str | None = None):
     """Registers ``rule`` as the lowering of ``ops`` (on ``platform``, or on every platform)."""
+    if platform is not None and platform not in PLATFORMS:
+        raise ValueError(f"unknown platform {platform!r} for a lowering of {ops}; choose from {PLATFORMS}")
+    if not ops:
+        raise ValueError("lowers() names no op")
+
     def register(rule):
         for op in ops:
             LOWERINGS.setdefault(op, {})[platform] = rule

@@ -121,7 +121,10 @@ class Entry:
     uninitialised memory); ``rewrite`` puts the op into the captured graph for the few core
     ops that torch.export never emits (out= variants, symbolic-shape queries), replacing the
     node the module's call was captured as; ``compared`` names the outputs that are compared
-    when the others are implementation details.
+    when the others are implementation details. ``quantized_by`` names the LiteRT recipes
+    that quantize the op (its cells in the quantized columns); ``quant_samples`` gives those
+    columns layer-sized samples with constant weights where the table's are too small to
+    quantize (a recipe leaves weights under 1024 values float).
     """
 
     op: Any
@@ -135,6 +138,8 @@ class Entry:
     lowp_tol: float | None = None
     note: str = ""
     compared: tuple[int, ...] | None = None
+    quantized_by: tuple[str, ...] = ()
+    quant_samples: Callable[["Gen"], list[Sample]] | None = None
 
     @property
     def name(self) -> str:
@@ -228,4 +233,5 @@ def get(name: str) -> Entry:
 
 
 def _load() -> None:
-    from . import (_backward, _composite, _elementwise, _index, _misc, _nn, _reduction, _shape)  # noqa: F401
+    from . import _backward, _composite, _elementwise, _index, _misc, _nn, _reduction, _shape  # noqa: F401
+    from . import _quantized  # noqa: F401  (marks entries of the modules above)

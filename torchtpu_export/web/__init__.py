@@ -3,11 +3,13 @@
     torchtpu-export serve-web MODEL.tflite [MORE.tflite ...] [--inputs x.npy ...] [--port 8000]
     python -m torchtpu_export.web MODEL.tflite
 
-The page (``examples/web/``) loads LiteRT.js (``@litertjs/core``, WASM backend) through an
-import map. Everything is served from this process: the page, the models, and LiteRT.js's
-JavaScript and .wasm files out of ``examples/web/node_modules`` (``npm ci`` there, or
-``make web-deps``), so nothing is fetched from a CDN. The server binds 127.0.0.1 unless
-``--host`` says otherwise.
+The page (``page/``, installed with the package) loads LiteRT.js (``@litertjs/core``, WASM
+backend) through an import map. Everything is served from this process: the page, the models,
+and LiteRT.js's JavaScript and .wasm files, so nothing is fetched from a CDN at run time.
+LiteRT.js comes from ``--litertjs DIR`` (a ``node_modules`` folder), ``$TTE_LITERTJS``, a
+checkout's ``examples/web/node_modules`` (``make web-deps``), or else is fetched once with npm
+into the user cache (``~/.cache/torchtpu_export/litertjs-<version>``). The server binds
+127.0.0.1 unless ``--host`` says otherwise.
 
 URLs: ``/`` (runner page), ``/classify.html`` (image-classification demo), ``/models.json``,
 ``/models/NAME.tflite`` (``/model.tflite`` is the first model), ``/inputs.json`` and
@@ -30,60 +32,21 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from .cli import command
-from .errors import ArtifactError, InputError
+from ..errors import InputError
+from ..litert_format import signature_tensors
 
 log = logging.getLogger("torchtpu_export")
 
-WEB_DIR = Path(__file__).resolve().parent.parent / "examples" / "web"
+PAGE_DIR = Path(__file__).resolve().parent / "page"
+LITERTJS_VERSION = "2.5.3"  # examples/web/package.json pins the same
 # LiteRT.js 2.5 tensors are float32, int32 or uint8 (its DATATYPES table); anything else at the
 # model boundary makes loadAndCompile throw "Element type ... is not supported".
 WEB_DTYPES = ("float32", "int32", "uint8")
 # npm package -> the folders of it the page may load
 _VENDOR = {"@litertjs/core": ("dist", "wasm"), "@litertjs/wasm-utils": ("dist",)}
-# files of the web folder that are not part of the page
-_PRIVATE = {"package.json", "package-lock.json", "driver.mjs"}
 _MIME = {".js": "text/javascript", ".mjs": "text/javascript", ".wasm": "application/wasm",
          ".tflite": "application/octet-stream", ".npy": "application/octet-stream", ".json": "application/json",
          ".html": "text/html; charset=utf-8", ".css": "text/css", ".map": "application/json"}
-
-
-def describe_tflite(data: bytes, name: str = "model") -> dict:
-    """Signatures of a .tflite flatbuffer as ``{key: {"inputs": [...], "outputs": [...]}}``.
-
-    Each tensor is ``{"name", "shape", "dtype"}`` (-1 for a dynamic dim), in the SignatureDef's
-    order: the order LiteRT.js and CompiledModel use (the Python interpreter sorts names).
-    """
-    from ai_edge_litert import schema_py_generated as schema
-
-    if len(data) < 8 or data[4:8] != b"TFL3":
-        raise ArtifactError(f"{name} is not a valid .tflite flatbuffer (no TFL3 identifier)")
-    dtypes = {v: k.lower() for k, v in vars(schema.TensorType).items() if not k.startswith("_")}
-    try:
-        model = schema.Model.GetRootAs(data, 0)
-        out = {}
-        for i in range(model.SignatureDefsLength()):
-            sig = model.SignatureDefs(i)
-            graph = model.Subgraphs(sig.SubgraphIndex())
-            out[sig.SignatureKey().decode()] = {
-                "inputs": [_tensor_spec(graph, sig.Inputs(j), dtypes) for j in range(sig.InputsLength())],
-                "outputs": [_tensor_spec(graph, sig.Outputs(j), dtypes) for j in range(sig.OutputsLength())]}
-    except Exception as e:  # a damaged flatbuffer fails anywhere inside the generated readers
-        raise ArtifactError(f"{name} is not a valid .tflite flatbuffer: {type(e).__name__}: {e}") from None
-    if not out:
-        raise ArtifactError(f"{name} has no signatures; LiteRT.js runs models through their signatures",
-                            hint="convert it with torchtpu-export, which writes a serving_default signature")
-    return out
-
-
-def _tensor_spec(graph, tensor_map, dtypes: dict) -> dict:
-    t = graph.Tensors(tensor_map.TensorIndex())
-    if t.ShapeSignatureLength():
-        shape = t.ShapeSignatureAsNumpy()
-    else:
-        shape = t.ShapeAsNumpy() if t.ShapeLength() else []
-    return {"name": tensor_map.Name().decode(), "shape": [int(d) for d in shape],
-            "dtype": dtypes.get(t.Type(), str(t.Type()))}
 
 
 def check_web_dtypes(signatures: dict, name: str) -> None:
@@ -96,14 +59,61 @@ def check_web_dtypes(signatures: dict, name: str) -> None:
                          hint="reconvert for the web: tte.convert(..., io_dtypes=\"web\")")
 
 
-def _check_web_dir(web_dir: Path) -> None:
-    if not (web_dir / "index.html").is_file():
-        raise InputError(f"{web_dir} has no index.html: it is not the examples/web folder",
-                         hint="pass --web-dir PATH_TO/examples/web")
-    missing = [pkg for pkg in _VENDOR if not (web_dir / "node_modules" / pkg / "package.json").is_file()]
-    if missing:
-        raise InputError(f"{', '.join(missing)} not installed in {web_dir / 'node_modules'}",
-                         hint=f"run `npm ci` in {web_dir} (or `make web-deps`)")
+def _check_page_dir(page_dir: Path) -> None:
+    if not (page_dir / "index.html").is_file():
+        raise InputError(f"{page_dir} has no index.html: it is not a page folder",
+                         hint="leave --web-dir out to serve the page installed with torchtpu-export")
+
+
+def _has_litertjs(node_modules: Path) -> bool:
+    return all((node_modules / pkg / "package.json").is_file() for pkg in _VENDOR)
+
+
+def litertjs_dir(explicit: str | os.PathLike | None = None, *, fetch: bool = True) -> Path:
+    """The ``node_modules`` folder LiteRT.js is served from (see the module docstring for the order)."""
+    if explicit is not None or os.environ.get("TTE_LITERTJS"):
+        folder = Path(explicit if explicit is not None else os.environ["TTE_LITERTJS"])
+        if not _has_litertjs(folder):
+            raise InputError(f"{folder} does not hold {' and '.join(_VENDOR)}",
+                             hint=f"give the node_modules folder of `npm install @litertjs/core@{LITERTJS_VERSION} "
+                                  f"@litertjs/wasm-utils@{LITERTJS_VERSION}`")
+        return folder
+    checkout = PAGE_DIR.parents[2] / "examples" / "web" / "node_modules"
+    if _has_litertjs(checkout):
+        return checkout
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchtpu_export" / \
+        f"litertjs-{LITERTJS_VERSION}"
+    if not _has_litertjs(cache / "node_modules") and fetch:
+        _fetch_litertjs(cache)
+    return cache / "node_modules"
+
+
+def _fetch_litertjs(cache: Path) -> None:
+    """``npm install`` of LiteRT.js into a temporary folder beside ``cache``, renamed into place."""
+    import shutil
+    import subprocess
+    import tempfile
+    npm = shutil.which("npm")
+    if npm is None:
+        raise InputError("serve-web needs LiteRT.js, fetched with npm on first use, and npm is not installed",
+                         hint="install Node.js and npm, or pass --litertjs DIR (a node_modules folder with "
+                              f"@litertjs/core and @litertjs/wasm-utils {LITERTJS_VERSION})")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    print(f"fetching LiteRT.js {LITERTJS_VERSION} with npm into {cache} (once)", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(dir=cache.parent, prefix=".litertjs-") as tmp:
+        cmd = [npm, "install", "--no-audit", "--no-fund", "--loglevel=error", "--prefix", tmp,
+               f"@litertjs/core@{LITERTJS_VERSION}", f"@litertjs/wasm-utils@{LITERTJS_VERSION}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not _has_litertjs(Path(tmp) / "node_modules"):
+            raise InputError(f"npm could not fetch LiteRT.js: {(proc.stderr or proc.stdout).strip()[:300]}",
+                             hint="check the network and npm's registry, or pass --litertjs DIR")
+        try:
+            os.replace(tmp, cache)
+        except OSError:  # another process fetched it first
+            if not _has_litertjs(cache / "node_modules"):
+                raise
+        else:
+            os.mkdir(tmp)  # for TemporaryDirectory's cleanup
 
 
 def _load_inputs(paths: list[str], signature: dict) -> dict[str, bytes]:
@@ -153,9 +163,10 @@ class WebServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, models: dict[str, bytes], *, web_dir: Path, host: str, port: int,
+    def __init__(self, models: dict[str, bytes], *, page_dir: Path, vendor_dir: Path, host: str, port: int,
                  inputs: dict[str, bytes] | None = None, labels: list[str] | None = None):
-        self.models, self.web_dir, self.inputs, self.labels = dict(models), web_dir, inputs or {}, labels
+        self.models, self.inputs, self.labels = dict(models), inputs or {}, labels
+        self.page_dir, self.vendor_dir = page_dir, vendor_dir
         if ":" in host:
             self.address_family = socket.AF_INET6
         super().__init__((host, port), _Handler)
@@ -171,7 +182,7 @@ class WebServer(ThreadingHTTPServer):
     def route(self, path: str) -> tuple[bytes | Path, str] | None:
         """The body (bytes or a file) and content type for a URL path, or None for 404."""
         if path in ("/", "/index.html"):
-            return self.web_dir / "index.html", _MIME[".html"]
+            return self.page_dir / "index.html", _MIME[".html"]
         if path == "/models.json":
             listing = [{"name": n, "url": f"/models/{n}", "bytes": len(b)} for n, b in self.models.items()]
             return json.dumps(listing).encode(), _MIME[".json"]
@@ -188,8 +199,8 @@ class WebServer(ThreadingHTTPServer):
         if path.startswith("/vendor/"):
             return self._vendor_file(path[len("/vendor/"):])
         name = path.lstrip("/")
-        if "/" not in name and name not in _PRIVATE and not name.startswith("."):
-            return self._file(self.web_dir, name)
+        if "/" not in name and not name.startswith("."):
+            return self._file(self.page_dir, name)
         return None
 
     def _vendor_file(self, rest: str):
@@ -197,7 +208,7 @@ class WebServer(ThreadingHTTPServer):
             if rest.startswith(pkg + "/"):
                 sub = rest[len(pkg) + 1:]
                 if sub.split("/", 1)[0] in folders:
-                    return self._file(self.web_dir / "node_modules" / pkg, sub)
+                    return self._file(self.vendor_dir / pkg, sub)
         return None
 
     @staticmethod
@@ -242,15 +253,17 @@ class _Handler(SimpleHTTPRequestHandler):
 
 
 def start_server(models: list[str | os.PathLike] | dict[str, bytes], *, host: str = "127.0.0.1", port: int = 8000,
-                 web_dir: str | os.PathLike | None = None, inputs: list[str] | None = None,
-                 labels: str | os.PathLike | None = None, check_dtypes: bool = True) -> WebServer:
+                 web_dir: str | os.PathLike | None = None, litertjs: str | os.PathLike | None = None,
+                 inputs: list[str] | None = None, labels: str | os.PathLike | None = None,
+                 check_dtypes: bool = True) -> WebServer:
     """Binds the server (``port=0`` picks a free port) and serves it from a daemon thread.
 
     ``models`` are .tflite paths, or ``{file name: flatbuffer bytes}`` (``add_model`` serves more
-    later). Stop it with ``shutdown()`` then ``server_close()``.
+    later). ``web_dir`` replaces the installed page; ``litertjs`` names LiteRT.js's node_modules
+    folder (default: see the module docstring). Stop it with ``shutdown()`` then ``server_close()``.
     """
-    web_dir = Path(web_dir) if web_dir is not None else WEB_DIR
-    _check_web_dir(web_dir)
+    page_dir = Path(web_dir) if web_dir is not None else PAGE_DIR
+    _check_page_dir(page_dir)
     blobs = dict(models) if isinstance(models, dict) else _read_models(models)
     sigs = [_check_model(name, data, check_dtypes) for name, data in blobs.items()]
     if inputs and not sigs:
@@ -258,7 +271,8 @@ def start_server(models: list[str | os.PathLike] | dict[str, bytes], *, host: st
     served_inputs = _load_inputs(inputs, next(iter(sigs[0].values()))) if inputs else None
     label_list = _read_labels(labels) if labels is not None else None
     try:
-        server = WebServer(blobs, web_dir=web_dir, host=host, port=port, inputs=served_inputs, labels=label_list)
+        server = WebServer(blobs, page_dir=page_dir, vendor_dir=litertjs_dir(litertjs), host=host, port=port,
+                           inputs=served_inputs, labels=label_list)
     except OSError as e:
         raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}",
                          hint="pick another --port (0 takes any free one)") from None
@@ -269,7 +283,7 @@ def start_server(models: list[str | os.PathLike] | dict[str, bytes], *, host: st
 def _check_model(name: str, data: bytes, check_dtypes: bool) -> dict:
     if not name.endswith(".tflite") or "/" in name or name.startswith("."):
         raise InputError(f"model name {name!r} must be a file name ending in .tflite")
-    sigs = describe_tflite(data, name)
+    sigs = signature_tensors(data, name)
     if check_dtypes:
         check_web_dtypes(sigs, name)
     return sigs
@@ -307,20 +321,25 @@ def _read_labels(path) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def _serve_web_args(p: argparse.ArgumentParser) -> None:
+HELP = "serve a .tflite to a browser page that runs it with LiteRT.js"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("models", nargs="+", metavar="MODEL.tflite", help="converted model(s) to serve")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--inputs", nargs="+", default=None, metavar="FILE",
                    help=".npy files (one per input, in order) or an .npz keyed by input name; default: random")
     p.add_argument("--labels", default=None, help="class names for the classification demo (.txt lines or .json list)")
-    p.add_argument("--web-dir", default=None, help=f"the page's folder (default {WEB_DIR})")
+    p.add_argument("--web-dir", default=None, help="a page folder to serve instead of the installed one")
+    p.add_argument("--litertjs", default=None, metavar="DIR",
+                   help="node_modules folder holding @litertjs/core and @litertjs/wasm-utils "
+                        "(default: a checkout's examples/web, else fetched with npm into the user cache)")
 
 
-@command("serve-web", "serve a .tflite to a browser page that runs it with LiteRT.js")(_serve_web_args)
-def _serve_web(args) -> int:
-    server = start_server(args.models, host=args.host, port=args.port, web_dir=args.web_dir, inputs=args.inputs,
-                          labels=args.labels)
+def run_cli(args) -> int:
+    server = start_server(args.models, host=args.host, port=args.port, web_dir=args.web_dir,
+                          litertjs=args.litertjs, inputs=args.inputs, labels=args.labels)
     if not args.quiet:
         print(f"serving {', '.join(server.models)} at {server.url}  (image classification: {server.url}classify.html)"
               "\npress Ctrl-C to stop", flush=True)
@@ -335,5 +354,5 @@ def _serve_web(args) -> int:
 
 
 if __name__ == "__main__":
-    from .cli import main
+    from ..cli import main
     sys.exit(main(["serve-web", *sys.argv[1:]]))

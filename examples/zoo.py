@@ -2,7 +2,7 @@
 
 Every factory returns ``(module, sample_args)`` and works as a CLI model spec::
 
-    torchtpu-export torchtpu_export.zoo:resnet18 --target tpu --check
+    torchtpu-export examples/zoo.py:resnet18 --target tpu --check
 
 No downloads: architectures are written here, weights are random (seeded).
 """

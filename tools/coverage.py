@@ -1,0 +1,96 @@
+"""Regenerates the committed coverage files: ``make coverage`` (a repository tool, not installed code).
+
+    python tools/coverage.py                      # the whole table: docs/coverage.{json,md}, README totals,
+                                                  # tests/coverage_expected.json
+    python tools/coverage.py --ops 'aten.add.*'   # only these ops' rows, the rest kept as committed
+    python tools/coverage.py --opinfo             # PyTorch's OpInfo samples: docs/coverage_opinfo.{json.gz,md}
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from torchtpu_export import coverage  # noqa: E402
+from torchtpu_export.coverage import opinfo  # noqa: E402
+from torchtpu_export.fileio import write_bytes_atomic  # noqa: E402
+
+EXPECTED = os.path.join(REPO, "tests", "coverage_expected.json")
+DOCS_JSON = os.path.join(REPO, "docs", "coverage.json")
+DOCS_MD = os.path.join(REPO, "docs", "coverage.md")
+OPINFO_JSON = os.path.join(REPO, "docs", "coverage_opinfo.json.gz")
+OPINFO_MD = os.path.join(REPO, "docs", "coverage_opinfo.md")
+README = os.path.join(REPO, "README.md")
+BEGIN, END = "<!-- coverage-totals:begin -->", "<!-- coverage-totals:end -->"
+
+
+def _write(path: str, text: str) -> None:
+    write_bytes_atomic(path, text.encode())
+
+
+def table(pattern: str | None, jobs: int) -> None:
+    t0 = time.perf_counter()
+    ops = coverage.select_ops(pattern)
+    fresh = coverage.run_matrix(ops, list(coverage.RUNTIMES), jobs=jobs, progress=True)
+    if pattern:  # splice the new rows into the committed report
+        with open(DOCS_JSON) as f:
+            report = json.load(f)
+        rows = {r["op"]: r for r in fresh["ops"]}
+        names = coverage.select_ops(None)
+        old = {r["op"]: r for r in report["ops"]}
+        report["ops"] = [rows.get(n) or old[n] for n in names if n in rows or n in old]
+        report["runtimes"] = fresh["runtimes"]
+    else:
+        report = fresh
+    _write(DOCS_JSON, json.dumps(report, indent=1) + "\n")
+    _write(DOCS_MD, coverage.to_markdown(report))
+    _write(EXPECTED, json.dumps(coverage.expected(report), indent=1, sort_keys=True) + "\n")
+    _readme_totals(report)
+    print(f"coverage: {coverage.totals_line(report)} ({time.perf_counter() - t0:.0f} s with {jobs} workers)",
+          file=sys.stderr)
+
+
+def _readme_totals(report: dict) -> None:
+    with open(README) as f:
+        text = f.read()
+    if BEGIN not in text:
+        return
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    tot = coverage.totals(report)
+    n_core = sum(1 for r in report["ops"] if r["core"])
+    lines = [f"Op coverage ({n_core} core ATen overloads + {len(report['ops']) - n_core} non-core ops, "
+             f"torch {report['torch']}; details in [docs/coverage.md](docs/coverage.md)):", "",
+             "| runtime | " + " | ".join(coverage.STATUSES) + " |", "|---|" + "---|" * len(coverage.STATUSES)]
+    lines += [f"| {rt} | " + " | ".join(str(tot[rt][s]) for s in coverage.STATUSES) + " |" for rt in report["runtimes"]]
+    _write(README, head + BEGIN + "\n" + "\n".join(lines) + "\n" + END + tail)
+
+
+def opinfo_source(jobs: int) -> None:
+    report = opinfo.run(list(coverage.FLOAT_RUNTIMES), jobs=jobs, progress=True)
+    write_bytes_atomic(OPINFO_JSON, gzip.compress(opinfo.dump(report).encode(), mtime=0))
+    _write(OPINFO_MD, opinfo.to_markdown(report))
+    print(opinfo.summary(report), file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ops", default=None, metavar="PATTERN", help="regenerate only these ops' rows")
+    p.add_argument("--opinfo", action="store_true", help="the OpInfo report instead of the table (slow)")
+    p.add_argument("--jobs", type=int, default=2)
+    args = p.parse_args(argv)
+    if args.opinfo:
+        opinfo_source(args.jobs)
+    else:
+        table(args.ops, args.jobs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

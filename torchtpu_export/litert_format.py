@@ -1,0 +1,322 @@
+"""The ``.tflite`` artifact: reading LiteRT flatbuffers, and what the converter hands over.
+
+Converters write flatbuffers (``converters/litert/writer.py``); this module reads them for
+everyone else: the signatures' tensors, the ``torchtpu_export`` metadata (call structure and a
+digest of the weights), the operators, and the description ``inspect`` prints. It never runs
+a model: ``edge.EdgeModel`` does, through ``runtimes/litert.py``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import mmap
+import os
+import weakref
+
+from . import flatbuf
+from .errors import ArtifactError, InputError
+from .specs import TensorSpec
+
+
+@dataclasses.dataclass
+class LiteRTArtifact:
+    """A converted flatbuffer: its bytes, or (large models) a temporary file removed with the artifact.
+
+    ``signatures`` holds each signature's call metadata (``CapturedProgram.call_metadata`` and its
+    dynamic dims); ``quantization`` the recipe and weight sizes of a quantized model.
+    """
+
+    content: bytes | None
+    signatures: dict
+    quantization: dict | None = None
+    path: str | None = None
+
+    def __post_init__(self):
+        if self.path is not None:
+            weakref.finalize(self, _remove, self.path)
+
+    def save(self, path) -> None:
+        from .fileio import atomic_open, link_atomic, write_bytes_atomic
+        if self.content is not None:
+            write_bytes_atomic(path, self.content)
+            return
+        with contextlib.suppress(OSError):  # linked into place, not copied (unless on another filesystem)
+            link_atomic(self.path, path)
+            return
+        import shutil
+        with atomic_open(path) as f, open(self.path, "rb") as src:
+            shutil.copyfileobj(src, f, 8 << 20)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+METADATA_NAME = "torchtpu_export"
+
+
+def _schema():
+    from ai_edge_litert import schema_py_generated as fb
+    return fb
+
+
+def type_name(code: int) -> str:
+    """A TensorType code as our dtype name (``float32``, ``int8``, ``bfloat16``, ...)."""
+    for name, value in vars(_schema().TensorType).items():
+        if value == code and not name.startswith("_"):
+            return name.lower()
+    return str(code)
+
+
+def _is_8_bit(code: int) -> bool:
+    fb = _schema()
+    return code in (fb.TensorType.UINT8, fb.TensorType.INT8)
+
+
+def parse_model(content: bytes):
+    """The flatbuffer's root Model table; ArtifactError if it is not one."""
+    fb = _schema()
+    if len(content) < 8 or content[4:8] != b"TFL3":
+        raise ArtifactError("not a TFLite flatbuffer (no TFL3 identifier)")
+    try:
+        return fb.Model.GetRootAs(content, 0)
+    except Exception as e:
+        raise ArtifactError(f"cannot parse the TFLite flatbuffer ({type(e).__name__}: {e})") from e
+
+
+def weights_digest(chunks) -> str:
+    """blake2b of a model's constant buffers in order (each prefixed by its length)."""
+    h = hashlib.blake2b(digest_size=16)
+    for c in chunks:
+        h.update(len(c).to_bytes(8, "little"))
+        h.update(c)
+    return h.hexdigest()
+
+
+def damaged(e: Exception) -> ArtifactError:
+    return ArtifactError(f"the TFLite flatbuffer is truncated or damaged ({type(e).__name__}: {str(e)[:120]})",
+                         hint="convert or download the model again")
+
+
+def _verify_digest(model, content, skip: set, expected: str) -> None:
+    # blake2b as weights_digest computes it, over views of the content (no copies). A mapped
+    # file is hashed a chunk at a time and each chunk unmapped again: the check reads the whole
+    # file without keeping it in memory.
+    h = hashlib.blake2b(digest_size=16)
+    view = memoryview(content)
+    try:
+        for i in range(1, model.BuffersLength()):
+            if i in skip:
+                continue
+            start, size = _buffer_span(model, content, i)
+            h.update(size.to_bytes(8, "little"))
+            for a in range(start, start + size, _CHUNK):
+                b = min(a + _CHUNK, start + size)
+                h.update(view[a:b])
+                if isinstance(content, mmap.mmap):
+                    page = a - a % mmap.PAGESIZE
+                    content.madvise(mmap.MADV_DONTNEED, page, b - page)
+    finally:
+        view.release()
+    if h.hexdigest() != expected:
+        raise ArtifactError("the model's weights do not match the digest written with them",
+                            hint="the file was damaged after conversion: convert it again")
+
+
+_CHUNK = 64 << 20
+
+
+def _buffer_span(model, content, index: int) -> tuple[int, int]:
+    # (start, size) of a buffer's data in the content
+    buf = model.Buffers(index)
+    if buf.Offset() > 1:  # stored after the flatbuffer (models past 2 GB)
+        if buf.Offset() + buf.Size() > len(content):
+            raise ValueError(f"buffer {index} ends past the end of the file")
+        return buf.Offset(), buf.Size()
+    n = buf.DataLength()
+    return (flatbuf.vector_start(buf, 4), n) if n else (0, 0)
+
+
+def _buffer_bytes(model, content, index: int) -> bytes:
+    start, size = _buffer_span(model, content, index)
+    return bytes(content[start:start + size])
+
+
+def read_metadata(content: bytes, *, verify: bool = False) -> dict | None:
+    """The ``torchtpu_export`` metadata of a flatbuffer, or None for files made elsewhere.
+
+    With ``verify``, the constants are checked against the digest the metadata records.
+    """
+    model = parse_model(content)
+    try:
+        for i in range(model.MetadataLength()):
+            m = model.Metadata(i)
+            if m.Name() and m.Name().decode() == METADATA_NAME:
+                meta = json.loads(_buffer_bytes(model, content, m.Buffer()))
+                if verify and "weights_blake2b" in meta:
+                    _verify_digest(model, content, {m.Buffer()}, meta["weights_blake2b"])
+                return meta
+    except ArtifactError:
+        raise
+    except Exception as e:
+        raise damaged(e) from e
+    return None
+
+
+def signature_io(model) -> dict:
+    # Per signature: input and output TensorSpecs read from the SignatureDefs themselves.
+    out = {}
+    for i in range(model.SignatureDefsLength()):
+        sig = model.SignatureDefs(i)
+        sub = model.Subgraphs(sig.SubgraphIndex())
+
+        quant = {}
+
+        def specs(n, get):
+            res = []
+            for j in range(n):
+                tm = get(j)
+                t = sub.Tensors(tm.TensorIndex())
+                shape = tuple(int(d) for d in t.ShapeAsNumpy()) if t.ShapeLength() else ()
+                if t.ShapeSignatureLength():
+                    # -1 in shape_signature: a dynamic dim, named after its tensor and axis
+                    shape = tuple(f"{tm.Name().decode()}_{k}" if int(d) < 0 else n
+                                  for k, (d, n) in enumerate(zip(t.ShapeSignatureAsNumpy(), shape)))
+                res.append(TensorSpec(tm.Name().decode(), shape, type_name(t.Type())))
+                q = t.Quantization()
+                if q is not None and q.ScaleLength() == 1 and _is_8_bit(t.Type()):
+                    quant[tm.Name().decode()] = (float(q.Scale(0)), int(q.ZeroPoint(0)) if q.ZeroPointLength() else 0)
+            return res
+        out[sig.SignatureKey().decode()] = {"inputs": specs(sig.InputsLength(), sig.Inputs),
+                                            "outputs": specs(sig.OutputsLength(), sig.Outputs),
+                                            "subgraph": sig.SubgraphIndex(), "quant": quant}
+    return out
+
+
+_OP_NAMES: dict | None = None
+
+
+def _op_names() -> dict:
+    global _OP_NAMES
+    if _OP_NAMES is None:
+        fb = _schema()
+        _OP_NAMES = {v: k for k, v in vars(fb.BuiltinOperator).items() if not k.startswith("_")}
+    return _OP_NAMES
+
+
+def _opcode_names(model) -> list[str]:
+    # the operator name of each of the model's opcode entries (CUSTOM ones with their custom code)
+    names = _op_names()
+    codes = []
+    for i in range(model.OperatorCodesLength()):
+        oc = model.OperatorCodes(i)
+        code = max(oc.BuiltinCode(), oc.DeprecatedBuiltinCode())
+        codes.append(names.get(code, f"CUSTOM:{(oc.CustomCode() or b'').decode()}" if code == 32 else str(code)))
+    return codes
+
+
+def int8_ops(content: bytes) -> dict[str, int]:
+    """The operators of a flatbuffer that read an 8-bit integer tensor, by name: the kernels that run
+    quantized. DEQUANTIZE counts only for constant inputs (weights stored int8, dequantized at load);
+    QUANTIZE, which makes int8 values, never."""
+    model = parse_model(content)
+    codes = _opcode_names(model)
+    hist: dict[str, int] = {}
+    for k in range(model.SubgraphsLength()):
+        sub = model.Subgraphs(k)
+        for j in range(sub.OperatorsLength()):
+            op = sub.Operators(j)
+            name = codes[op.OpcodeIndex()]
+            if name == "QUANTIZE":
+                continue
+            ins = [sub.Tensors(i) for i in op.InputsAsNumpy() if i >= 0] if op.InputsLength() else []
+            eight_bit = [t for t in ins if _is_8_bit(t.Type())]
+            if name == "DEQUANTIZE":
+                eight_bit = [t for t in eight_bit if model.Buffers(t.Buffer()).DataLength()
+                             or model.Buffers(t.Buffer()).Size()]
+            if eight_bit:
+                hist[name] = hist.get(name, 0) + 1
+    return hist
+
+
+def describe(path: str) -> dict:
+    """What ``torchtpu-export inspect`` prints for a ``.tflite``: signatures, I/O, op histograms, sizes."""
+    try:
+        with open(path, "rb") as f:
+            content = f.read()
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror}") from e
+    try:
+        return _describe(path, content)
+    except ArtifactError:
+        raise
+    except Exception as e:
+        raise damaged(e) from e
+
+
+def _describe(path: str, content: bytes) -> dict:
+    model = parse_model(content)
+    codes = _opcode_names(model)
+    io = signature_io(model)
+    meta = read_metadata(content) or {}
+    programs = {}
+    transposes = 0
+    for sig, spec in io.items():
+        sub = model.Subgraphs(spec["subgraph"])
+        hist: dict[str, int] = {}
+        for j in range(sub.OperatorsLength()):
+            name = codes[sub.Operators(j).OpcodeIndex()]
+            hist[name] = hist.get(name, 0) + 1
+        transposes += hist.get("TRANSPOSE", 0)
+        sig_meta = meta.get("signatures", {}).get(sig)
+        programs[sig] = {
+            "inputs": [s.to_json() for s in spec["inputs"]], "outputs": [s.to_json() for s in spec["outputs"]],
+            "op_histogram": dict(sorted(hist.items())), "transposes": hist.get("TRANSPOSE", 0),
+            "torch_inputs": sig_meta["inputs"] if sig_meta else None,
+        }
+    weight_bytes, weight_count = 0, 0
+    meta_buffers = {model.Metadata(i).Buffer() for i in range(model.MetadataLength())}
+    for i in range(model.BuffersLength()):
+        if i in meta_buffers:
+            continue
+        b = model.Buffers(i)
+        n = b.Size() if b.Offset() > 1 else b.DataLength()
+        if n:
+            weight_count += 1
+            weight_bytes += n
+    versions = meta.get("versions", {})
+    extra = [f"TRANSPOSE ops: {transposes}",
+             "made by torchtpu-export" if meta else "not made by torchtpu-export (no pytree metadata)"]
+    quant = meta.get("quantization")
+    if quant:
+        extra.append(f"quantized: {quant['recipe']} (weights {quant['weight_bytes']:,} bytes; "
+                     f"{quant['float_weight_bytes']:,} in float)")
+    return {
+        "path": path, "kind": "litert", "size": os.path.getsize(path), "programs": programs,
+        "versions": versions, "schema_version": model.Version(),
+        "weights": {"count": weight_count, "bytes": weight_bytes},
+        "transposes": transposes, "quantization": quant,
+        "extra_lines": extra,
+    }
+
+
+def signature_tensors(content: bytes, name: str = "model") -> dict:
+    """Per signature, its inputs and outputs as ``{"name", "shape", "dtype"}`` in SignatureDef order
+    (the order LiteRT.js and CompiledModel use), -1 for a dynamic dim."""
+    try:
+        io = signature_io(parse_model(content))
+    except ArtifactError as e:
+        raise ArtifactError(f"{name} is not a valid .tflite flatbuffer: {e}") from None
+    except Exception as e:  # a damaged flatbuffer fails anywhere inside the generated readers
+        raise ArtifactError(f"{name} is not a valid .tflite flatbuffer: {type(e).__name__}: {e}") from None
+    if not io:
+        raise ArtifactError(f"{name} has no signatures; LiteRT.js runs models through their signatures",
+                            hint="convert it with torchtpu-export, which writes a serving_default signature")
+
+    def plain(spec):
+        return {"name": spec.name, "shape": [d if isinstance(d, int) else -1 for d in spec.shape], "dtype": spec.dtype}
+    return {key: {"inputs": [plain(s) for s in sig["inputs"]], "outputs": [plain(s) for s in sig["outputs"]]}
+            for key, sig in io.items()}
