@@ -14,7 +14,9 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -22,7 +24,8 @@ from typing import Callable
 
 from . import __version__, debugger, web
 from .coverage import cli as coverage_cli
-from .errors import EXIT_CODES, InputError, NumericsError, TteError
+from . import fileio
+from .errors import EXIT_CODES, InputError, NumericsError, Terminated, TteError
 
 log = logging.getLogger("torchtpu_export")
 
@@ -325,9 +328,20 @@ COMMANDS: dict[str, tuple[Callable, Callable, str]] = {
 }
 
 
+def _raise_terminated(signum, frame):
+    # raised where the program is; where Python swallows it (a gc callback, a __del__), the flag
+    # still stops the output from being renamed into place
+    fileio.STOP_SIGNAL[0] = signum
+    raise Terminated(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, _raise_terminated)
     try:
         if argv and argv[0] in COMMANDS:
             add_arguments, run, help_text = COMMANDS[argv[0]]
@@ -351,12 +365,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; no output file was written", file=sys.stderr)
         return 130
+    except Terminated as e:
+        print(f"terminated ({e}); no output file was written", file=sys.stderr)
+        return 128 + e.signum
     except Exception as e:  # an internal error: short by default, full with --debug
         if debug:
             traceback.print_exc()
         print(f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
               "  hint: this is a bug in torchtpu-export; rerun with --debug and report it", file=sys.stderr)
         return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

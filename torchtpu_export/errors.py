@@ -86,6 +86,15 @@ class ConversionError(TteError):
     exit_code = 8
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP during a command: unwinds like Ctrl-C, so temporary files are removed."""
+
+    def __init__(self, signum: int):
+        import signal
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 # Exit codes, as documented in the README and `torchtpu-export --help`.
 EXIT_CODES = {
     0: "success",
@@ -97,5 +106,7 @@ EXIT_CODES = {
     NumericsError.exit_code: "--check: the artifact disagrees with torch eager",
     OutputError.exit_code: "the output path cannot be written",
     ConversionError.exit_code: "the converter failed on a supported op",
+    129: "hung up (SIGHUP); no output file was left behind",
     130: "interrupted (Ctrl-C); no output file was left behind",
+    143: "terminated (SIGTERM); no output file was left behind",
 }

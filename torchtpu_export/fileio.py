@@ -7,21 +7,44 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 
-from .errors import OutputError
+from .errors import OutputError, Terminated
+
+# The signal the CLI was asked to stop with (SIGTERM, SIGHUP), if any: no output is renamed into place
+# after it, even where the exception the signal handler raised was swallowed on the way.
+STOP_SIGNAL: list = [None]
 
 
 def check_writable(path: str | os.PathLike) -> str:
+    """``path`` if an artifact may be written there: a new file, or an existing regular file (never a
+    directory, FIFO, device, socket or symlink, which the atomic rename would replace)."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise OutputError(f"output path {path} is a directory", hint="give a file name, e.g. model.tpu")
+    _check_not_special(path)
     if not os.path.isdir(directory):
         raise OutputError(f"output directory {directory} does not exist", hint="create it first, or choose another -o")
     if not os.access(directory, os.W_OK):
         raise OutputError(f"output directory {directory} is not writable", hint="choose another -o")
     return path
+
+
+def _check_not_special(path: str) -> None:
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise OutputError(f"cannot check output path {path}: {e.strerror}") from e
+    if not stat.S_ISREG(mode):
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else \
+            "not a regular file"
+        raise OutputError(f"output path {path} is {kind}; torchtpu-export only writes new or regular files",
+                          hint="choose another -o")
 
 
 @contextlib.contextmanager
@@ -45,6 +68,9 @@ def _replacing(tmp: str, path: str):
     try:
         yield
         os.chmod(tmp, 0o644)
+        _check_not_special(path)  # again: it may have appeared while the file was written
+        if STOP_SIGNAL[0] is not None:
+            raise Terminated(STOP_SIGNAL[0])
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

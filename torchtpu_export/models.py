@@ -5,8 +5,10 @@ Arbitrary pickles (``torch.save(module)``) are refused unless the user passes
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import pickle
 import re
 import sys
 import zipfile
@@ -74,7 +76,10 @@ def load_model(spec: str, *, trust_pickle: bool = False, sample_inputs: Sequence
     if kind == "pt2":
         from torch.ao.quantization.fx import _decomposed  # noqa: F401 (the quantize ops of pt2e-quantized models)
         try:
-            ep = torch.export.load(spec)
+            with contextlib.nullcontext() if trust_pickle else _no_unpickling(spec):
+                ep = torch.export.load(spec)
+        except UnsafeInputError:
+            raise
         except Exception as e:
             raise ArtifactError(f"cannot read {spec} as a .pt2 file ({type(e).__name__}: {str(e)[:200]})",
                                 hint="the file is truncated or was written by an incompatible torch: export it again")
@@ -98,6 +103,48 @@ def load_model(spec: str, *, trust_pickle: bool = False, sample_inputs: Sequence
         return model, (), {}
     raise InputError(f"{spec} is a {kind} artifact, not a model to convert",
                      hint="use `torchtpu-export inspect` or `torchtpu-export run` on artifacts")
+
+
+@contextlib.contextmanager
+def _no_unpickling(path: str):
+    """torch.export.load with every pickle it would open read by torch's weights-only unpickler
+    (tensors, containers, numbers: nothing runs), and pickled Python objects refused.
+
+    torch.export.load unpickles parts of a .pt2: the sample inputs (weights-only first, then a
+    plain-pickle fallback), and pickled weights, constants and opaque objects with plain pickle.
+    Those calls are routed here for the duration of the load.
+    """
+    from unittest import mock
+
+    from torch.export.pt2_archive import _package
+
+    def refuse(what):
+        def raiser(*args, **kwargs):
+            raise UnsafeInputError(
+                f"{path} holds {what}, which would have to be unpickled to load it (that runs code from the file)",
+                hint="pass --trust-pickle if you trust the file, or export it again from the model")
+        return raiser
+
+    real_load = torch.load
+
+    def weights_only_load(f, *args, **kwargs):
+        kwargs["weights_only"] = True
+        try:
+            return real_load(f, *args, **kwargs)
+        except pickle.UnpicklingError as e:
+            # torch's message is long; its "Unsupported global: GLOBAL module.name" line says what was refused
+            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+            what = f" (it names {found.group(1)})" if found else ""
+            raise UnsafeInputError(
+                f"{path} holds a pickled object that is not plain tensors and containers{what}; loading it would "
+                "run code from the file",
+                hint="pass --trust-pickle if you trust the file, or export it again from the model") from None
+
+    fake_pickle = mock.Mock(loads=refuse("a pickled Python object"), load=refuse("a pickled Python object"))
+    with mock.patch.object(torch, "load", weights_only_load), \
+            mock.patch.object(_package, "pickle", fake_pickle), \
+            mock.patch.object(torch._C, "_pickle_load_obj", refuse("a pickled TorchScript object")):
+        yield
 
 
 def _import_file(path: str):

@@ -14,6 +14,7 @@ producer did not give.
 """
 from __future__ import annotations
 
+from collections import deque
 
 import numpy as np
 
@@ -141,33 +142,70 @@ class _Cut:
             self.edge(v, 1, -k)
 
     def solve(self) -> list[bool]:
-        """Per node, whether it is on the sink side of the minimum cut closest to the sink (scipy's
-        max flow): where costs tie, label 0 wins."""
-        import scipy.sparse as sp
-        from scipy.sparse.csgraph import breadth_first_order, maximum_flow
-        forward = [e for e in range(0, len(self.to), 2)]  # odd entries are the residual twins
-        rows = np.array([self.to[e ^ 1] for e in forward], np.int64)
-        cols = np.array([self.to[e] for e in forward], np.int64)
-        caps = np.array([self.cap[e] for e in forward], np.int64)
-        # scipy's max flow counts in int32: costs too large for it are scaled down (rounded up, so
-        # no edge becomes free); models of ordinary size are solved exactly
-        total = int(caps.sum()) if caps.size else 0
-        if total >= _FLOW_LIMIT:
-            caps = -(-caps // -(-total // _FLOW_LIMIT))
-        graph = sp.csr_array((caps.astype(np.int32), (rows, cols)), shape=(self.n, self.n))
-        graph.sum_duplicates()
-        flow = maximum_flow(graph, 0, 1).flow
-        residual = (graph - flow).tocsr()
-        residual.data = (residual.data > 0).astype(np.int8)
-        residual.eliminate_zeros()
-        reach = breadth_first_order(residual.T.tocsr(), 1, directed=True, return_predecessors=False)
+        """Dinic's max flow; returns, per node, whether it is on the sink side of a min cut (the smallest one).
+
+        Written here rather than scipy.sparse.csgraph.maximum_flow: scipy counts capacities in int32
+        (int64 ones silently give a zero flow), and these costs are lexicographic 64-bit integers
+        (transposes x 2**40 + elements moved); scaled into int32 they lose the tie-break, which
+        changes layouts (a pt2e model's first conv stops being int8: tests/test_quant_litert.py)."""
+        to, cap, adj = self.to, self.cap, self.adj
+        while True:
+            level = [-1] * self.n
+            level[0] = 0
+            q = deque([0])
+            while q:
+                u = q.popleft()
+                for e in adj[u]:
+                    if cap[e] > 0 and level[to[e]] < 0:
+                        level[to[e]] = level[u] + 1
+                        q.append(to[e])
+            if level[1] < 0:
+                break
+            it = [0] * self.n
+            while self._push(level, it):
+                pass
+        # the sink side: nodes with a residual path to the sink (so where costs tie, label 0 wins)
         sink_side = [False] * self.n
-        for v in reach:
-            sink_side[int(v)] = True
+        sink_side[1] = True
+        q = deque([1])
+        while q:
+            v = q.popleft()
+            for e in adj[v]:
+                u = to[e]
+                if cap[e ^ 1] > 0 and not sink_side[u]:
+                    sink_side[u] = True
+                    q.append(u)
         return sink_side
 
-
-_FLOW_LIMIT = 2 ** 30
+    def _push(self, level, it) -> bool:
+        # one augmenting path in the level graph, found iteratively
+        to, cap, adj = self.to, self.cap, self.adj
+        path: list[int] = []
+        u = 0
+        while True:
+            if u == 1:
+                f = min(cap[e] for e in path)
+                for e in path:
+                    cap[e] -= f
+                    cap[e ^ 1] += f
+                return True
+            advanced = False
+            while it[u] < len(adj[u]):
+                e = adj[u][it[u]]
+                v = to[e]
+                if cap[e] > 0 and level[v] == level[u] + 1:
+                    path.append(e)
+                    u = v
+                    advanced = True
+                    break
+                it[u] += 1
+            if not advanced:
+                if u == 0:
+                    return False
+                level[u] = -1  # dead end
+                e = path.pop()
+                u = to[e ^ 1]
+                it[u] += 1
 
 
 # ---- the pass ------------------------------------------------------------------------------

@@ -351,8 +351,3 @@ def run_cli(args) -> int:
         server.shutdown()
         server.server_close()
     return 0
-
-
-if __name__ == "__main__":
-    from ..cli import main
-    sys.exit(main(["serve-web", *sys.argv[1:]]))
