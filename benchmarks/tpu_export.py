@@ -34,23 +34,13 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _median_ms(fn, warmup=2, runs=15) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times)
-
-
 def worker(tool: str, model_name: str, platforms: str) -> dict:
     sys.path.insert(0, REPO)
     sys.path.insert(0, os.path.join(REPO, "examples"))  # zoo
     import torch
 
     import zoo
+    from common import median_ms  # examples/common.py: warm-ups, then the median of timed calls
     model, args = zoo.ZOO[model_name]()
     base_rss = _rss_mb()
     result = {"tool": tool, "model": model_name, "platforms": platforms}
@@ -61,7 +51,7 @@ def worker(tool: str, model_name: str, platforms: str) -> dict:
             # torch's spinning OpenMP threads make multi-threaded eager times 10-20x worse under load
             torch.set_num_threads(1)
             with torch.no_grad():
-                result["eager_ms"] = _median_ms(lambda: model(*args))
+                result["eager_ms"] = median_ms(lambda: model(*args), runs=15, warmup=2)
             base_rss = _rss_mb()
         t = time.perf_counter()
         prog = tte.export(model, args, target="tpu", platforms=tuple(platforms.split(",")))
@@ -71,7 +61,7 @@ def worker(tool: str, model_name: str, platforms: str) -> dict:
         if "cpu" in platforms:
             runner = prog.runner()
             flat = [a.numpy() for a in args]
-            result["xla_cpu_ms"] = _median_ms(lambda: runner.run(flat))
+            result["xla_cpu_ms"] = median_ms(lambda: runner.run(flat), runs=15, warmup=2)
     else:
         sys.path.insert(0, HERE)
         import torchax_shim  # noqa: F401

@@ -32,8 +32,10 @@ class Row:
     ok: bool
 
 
-def _median_ms(fn, runs=10) -> float:
-    fn()
+def median_ms(fn, runs=10, warmup=1) -> float:
+    """Median wall time of ``fn()`` in ms, over ``runs`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(runs):
         t = time.perf_counter()
@@ -65,7 +67,7 @@ def convert_both(name: str, make: Callable[[str], object], run: Callable[[object
         convert_s = time.perf_counter() - t0
         loaded = tte.load(path)
         ok, text = check(loaded, target)
-        latency = _median_ms(lambda: run(loaded, target))
+        latency = median_ms(lambda: run(loaded, target))
         rows.append(Row(target, os.path.relpath(path), os.path.getsize(path), convert_s, latency, text, ok))
     return rows
 

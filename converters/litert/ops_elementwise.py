@@ -29,33 +29,32 @@ def _is_float(dtype) -> bool:
 
 # ---- arithmetic ----------------------------------------------------------------------------
 
+def _times(ctx, x, alpha, dt):
+    """``x * alpha`` (the alpha of add/sub/rsub); x itself when alpha is 1."""
+    return x if alpha == 1 else ctx.op("MUL", [x, ctx.const(np.asarray(alpha, dt))], shape=x.shape, dtype=dt)
+
+
 @builds(aten.add.Tensor, aten.add.Scalar)
 def add(ctx, a, b, alpha=1):
     dt = ctx.promoted_dtype()
     a, b = operand(ctx, a, dt), operand(ctx, b, dt)
     if dt == BOOL:
         return ctx.op("LOGICAL_OR", [a, b], dtype=BOOL)
-    if alpha != 1:
-        b = ctx.op("MUL", [b, ctx.const(np.asarray(alpha, dt))], shape=b.shape, dtype=dt)
-    return ctx.op("ADD", [a, b], dtype=dt)
+    return ctx.op("ADD", [a, _times(ctx, b, alpha, dt)], dtype=dt)
 
 
 @builds(aten.sub.Tensor, aten.sub.Scalar)
 def sub(ctx, a, b, alpha=1):
     dt = ctx.promoted_dtype()
     a, b = operand(ctx, a, dt), operand(ctx, b, dt)
-    if alpha != 1:
-        b = ctx.op("MUL", [b, ctx.const(np.asarray(alpha, dt))], shape=b.shape, dtype=dt)
-    return ctx.op("SUB", [a, b], dtype=dt)
+    return ctx.op("SUB", [a, _times(ctx, b, alpha, dt)], dtype=dt)
 
 
 @builds(aten.rsub.Scalar, aten.rsub.Tensor)
 def rsub(ctx, a, b, alpha=1):
     dt = ctx.promoted_dtype()
     a, b = operand(ctx, a, dt), operand(ctx, b, dt)
-    if alpha != 1:
-        a = ctx.op("MUL", [a, ctx.const(np.asarray(alpha, dt))], shape=a.shape, dtype=dt)
-    return ctx.op("SUB", [b, a], dtype=dt)
+    return ctx.op("SUB", [b, _times(ctx, a, alpha, dt)], dtype=dt)
 
 
 @builds(aten.mul.Tensor, aten.mul.Scalar)

@@ -720,9 +720,10 @@ def batch_norm_inference(ctx, x, w, b, mean, var, momentum, eps):
     return _affine_norm(ctx, x, w, b, mean, var, eps), empty, empty
 
 
-def _batch_stats(ctx, x, eps):
-    axes = np.asarray([0] + list(range(2, x.rank)), np.int32)
-    stat_shape = (1, x.shape[1]) + (1,) * (x.rank - 2)
+def _moments(ctx, x, axes, eps):
+    """(x - mean, mean, 1 / sqrt(var + eps)) over ``axes`` (kept as size-1 dims): the norms' statistics."""
+    axes = np.asarray(axes, np.int32)
+    stat_shape = tuple(1 if i in set(axes.tolist()) else n for i, n in enumerate(x.shape))
     mean = ctx.op("MEAN", [x, axes], shape=stat_shape, dtype=x.dtype, keepDims=True)
     d = ctx.op("SUB", [x, mean], shape=x.shape, dtype=x.dtype)
     var = ctx.op("MEAN", [ctx.op("MUL", [d, d], shape=x.shape, dtype=x.dtype), axes], shape=stat_shape,
@@ -741,7 +742,7 @@ def batch_norm_training(ctx, x, w, b, *rest):
             return _affine_norm(ctx, x, w, b, running_mean, running_var, eps), empty, empty
     else:
         training, momentum, eps = rest
-    d, mean, rstd = _batch_stats(ctx, x, eps)
+    d, mean, rstd = _moments(ctx, x, [0] + list(range(2, x.rank)), eps)
     y = ctx.op("MUL", [d, rstd], shape=x.shape, dtype=x.dtype)
     shape = (x.shape[1],) + (1,) * (x.rank - 2)
     if w is not None:
@@ -760,14 +761,7 @@ def batch_norm(ctx, x, w, b, running_mean, running_var, training, momentum, eps,
 
 
 def layer_norm_tensor(ctx, x, ndims: int, w, b, eps):
-    axes = np.arange(x.rank - ndims, x.rank, dtype=np.int32)
-    stat_shape = x.shape[:x.rank - ndims] + (1,) * ndims
-    mean = ctx.op("MEAN", [x, axes], shape=stat_shape, dtype=x.dtype, keepDims=True)
-    d = ctx.op("SUB", [x, mean], shape=x.shape, dtype=x.dtype)
-    var = ctx.op("MEAN", [ctx.op("MUL", [d, d], shape=x.shape, dtype=x.dtype), axes], shape=stat_shape,
-                 dtype=x.dtype, keepDims=True)
-    rstd = ctx.op("RSQRT", [ctx.op("ADD", [var, ctx.const(np.asarray(eps, x.dtype))], shape=stat_shape,
-                                   dtype=x.dtype)], shape=stat_shape, dtype=x.dtype)
+    d, mean, rstd = _moments(ctx, x, range(x.rank - ndims, x.rank), eps)
     y = ctx.op("MUL", [d, rstd], shape=x.shape, dtype=x.dtype)
     if w is not None:
         y = ctx.op("MUL", [y, w], shape=x.shape, dtype=x.dtype)
