@@ -240,6 +240,8 @@ def _export(module, args, kwargs, dynamic_shapes, strict) -> ExportedProgram:
         if detail:
             first_line += f" {detail}"
         hint = "make the control flow independent of tensor values (torch.cond), or try strict_export='auto'"
+        if not re.search(r"data.dependent|GuardOnDataDependent|guard|control flow|Dynamo|symbolic", str(e)):
+            hint = "check that the sample inputs fit the model (their shapes and dtypes are what forward expects)"
         if "specialized it to be a constant (0)" in first_line or "specialized it to be a constant (1)" in first_line:
             hint = "torch.export specialises dims whose sample size is 0 or 1: give sample inputs of size >= 2 " \
                    "in every dynamic dim"

@@ -25,7 +25,7 @@ from typing import Callable
 from . import __version__, debugger, web
 from .coverage import cli as coverage_cli
 from . import fileio
-from .errors import EXIT_CODES, InputError, NumericsError, Terminated, TteError
+from .errors import EXIT_CODES, CaptureError, InputError, NumericsError, Terminated, TteError
 
 log = logging.getLogger("torchtpu_export")
 
@@ -120,6 +120,7 @@ def _convert(args) -> int:
     sample = parse_inputs(args.inputs) if args.inputs else None
     t0 = time.perf_counter()
     model, margs, mkwargs = load_model(args.model, trust_pickle=args.trust_pickle, sample_inputs=sample)
+    own_args = margs
     if sample is not None:
         margs, mkwargs = tuple(sample), {}
     if not margs and not mkwargs:
@@ -142,7 +143,14 @@ def _convert(args) -> int:
             _out(args, "int8: activation scales calibrated on the sample inputs only")
     if isinstance(model, torch.export.ExportedProgram) and sample is not None:
         _check_inputs_match(model, sample)
-    artifact = api.export(model, margs, mkwargs, target=args.target, strict_export=strict, **options)
+    try:
+        artifact = api.export(model, margs, mkwargs, target=args.target, strict_export=strict, **options)
+    except CaptureError as e:
+        if sample is None or not own_args:
+            raise
+        raise CaptureError(f"the model does not run on --inputs {describe_inputs(margs)}: {e}".replace(
+            "torch.export could not capture the model: ", ""),
+            hint=f"the model's own sample inputs are {describe_inputs(own_args)}: give --inputs like them") from e
     artifact.save(output)
     dt = time.perf_counter() - t0
     _out(args, f"wrote {output} ({_human(os.path.getsize(output))}) in {dt:.1f} s "
@@ -278,7 +286,12 @@ def _run(args) -> int:
     specs = art.inputs(args.signature)
     if args.inputs:
         inputs = parse_inputs(args.inputs)
-    else:
+    else:  # random inputs of the artifact's own shapes: a size the machine cannot hold is the file's
+        from .errors import ArtifactError
+        from .specs import numpy_dtype, require_memory
+        for s in specs:
+            if all(isinstance(d, int) for d in s.shape):
+                require_memory(s.shape, numpy_dtype(s.dtype), f"{args.artifact}'s input {s.name}", ArtifactError)
         inputs = parse_inputs([_spec_text(s) for s in specs])
     t0 = time.perf_counter()
     outs = art.run_flat(inputs, args.signature)
@@ -310,7 +323,8 @@ def _setup_logging(args) -> None:
     log.setLevel(level)
     if args.verbose < 2:  # torch and jax chatter is not for our users
         import torch
-        torch._logging.set_logs(all=logging.ERROR)
+        # torch logs the failures it then raises (fake-tensor tracebacks): the raised error is reported once
+        torch._logging.set_logs(all=logging.CRITICAL)
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         warnings.filterwarnings("ignore", category=UserWarning, module="torch")

@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from .errors import ArtifactError, InputError
 from .fileio import atomic_open, write_bytes_atomic
-from .litert_format import LiteRTArtifact, damaged, parse_model, read_metadata, signature_io
+from .litert_format import LiteRTArtifact, damaged, read_metadata, signature_io, validate
 from .specs import TensorSpec, as_numpy, bind_dims, check_dims, numpy_dtype
 
 def _quantize_input(x, scale_zero: tuple, dtype: str) -> np.ndarray:
@@ -43,7 +43,7 @@ class EdgeModel:
         self._content = bytes(content) if not isinstance(content, mmap.mmap) else content
         self._path: str | None = None  # the file the content maps, which runtimes then load themselves
         self._artifact: LiteRTArtifact | None = None  # what conversion made (it may own a temporary file)
-        model = parse_model(self._content)
+        model = validate(self._content)  # before LiteRT ever sees it
         try:
             self._io = signature_io(model)
         except Exception as e:
@@ -56,6 +56,12 @@ class EdgeModel:
         if not self._io:
             raise ArtifactError("the flatbuffer has no SignatureDef; LiteRT runs models through signatures",
                                 hint="convert it with a tool that writes signatures (e.g. torchtpu-export)")
+        for sig, spec in self._meta.items():  # the metadata must describe these very signatures
+            io = self._io.get(sig)
+            if io is None or any(sorted(s["name"] for s in spec[side]) != sorted(t.name for t in io[side])
+                                 for side in ("inputs", "outputs")):
+                raise ArtifactError(f"the flatbuffer's metadata does not match its signature {sig!r}",
+                                    hint="the file was damaged after conversion: convert it again")
         self._runners: dict = {}
         self._interpreters: dict = {}
 
@@ -75,7 +81,10 @@ class EdgeModel:
         try:
             model = cls(content, signatures, quantization)
         except BaseException:
-            content.close()
+            try:
+                content.close()
+            except BufferError:  # views into it still live (in the error's traceback): freed with them
+                pass
             raise
         model._path = path
         return model

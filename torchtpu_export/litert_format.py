@@ -87,6 +87,98 @@ def parse_model(content: bytes):
         raise ArtifactError(f"cannot parse the TFLite flatbuffer ({type(e).__name__}: {e})") from e
 
 
+# bytes per element of the tensor types whose data has a fixed size (others, e.g. STRING, are not checked)
+_ITEMSIZE = {"float32": 4, "float16": 2, "int32": 4, "uint8": 1, "int64": 8, "bool": 1, "int16": 2,
+             "complex64": 8, "int8": 1, "float64": 8, "complex128": 16, "uint64": 8, "uint32": 4, "uint16": 2,
+             "bfloat16": 2}
+_MAX_ELEMENTS = 2 ** 48
+
+
+def validate(content) -> object:
+    """The Model of a flatbuffer whose every index and span has been checked, before anything (LiteRT
+    included) reads it: buffers inside the file, tensors' buffers, opcodes and tensor indices in
+    range, shapes non-negative, constant data exactly the size its tensor's shape and type say.
+    ArtifactError (exit 5) names the first problem."""
+    model = parse_model(content)
+    size = len(content)
+    try:
+        n_buffers, n_codes, n_subgraphs = model.BuffersLength(), model.OperatorCodesLength(), model.SubgraphsLength()
+        data = [_checked_span(model.Buffers(i), i, size) for i in range(n_buffers)]
+        for k in range(n_subgraphs):
+            sub = model.Subgraphs(k)
+            n_tensors = sub.TensorsLength()
+            for j in range(n_tensors):
+                _check_tensor(sub.Tensors(j), f"subgraph {k} tensor {j}", n_buffers, data)
+            for j in range(sub.OperatorsLength()):
+                op = sub.Operators(j)
+                if not 0 <= op.OpcodeIndex() < n_codes:
+                    raise ValueError(f"subgraph {k} operator {j} has opcode index {op.OpcodeIndex()} of {n_codes}")
+                for field in ("Inputs", "Outputs", "Intermediates"):
+                    _check_indices(getattr(op, field + "AsNumpy")() if getattr(op, field + "Length")() else [],
+                                   n_tensors, f"subgraph {k} operator {j} {field.lower()}", allow_absent=True)
+            for field in ("Inputs", "Outputs"):
+                _check_indices(getattr(sub, field + "AsNumpy")() if getattr(sub, field + "Length")() else [],
+                               n_tensors, f"subgraph {k} {field.lower()}", allow_absent=False)
+        for i in range(model.SignatureDefsLength()):
+            sig = model.SignatureDefs(i)
+            k = sig.SubgraphIndex()
+            if not 0 <= k < n_subgraphs:
+                raise ValueError(f"signature {i} names subgraph {k} of {n_subgraphs}")
+            n_tensors = model.Subgraphs(k).TensorsLength()
+            maps = [sig.Inputs(j) for j in range(sig.InputsLength())] + \
+                [sig.Outputs(j) for j in range(sig.OutputsLength())]
+            _check_indices([m.TensorIndex() for m in maps], n_tensors, f"signature {i}", allow_absent=False)
+        for i in range(model.MetadataLength()):
+            if not 0 <= model.Metadata(i).Buffer() < n_buffers:
+                raise ValueError(f"metadata {i} names buffer {model.Metadata(i).Buffer()} of {n_buffers}")
+    except ArtifactError:
+        raise
+    except Exception as e:  # a damaged table fails anywhere inside the generated readers
+        raise ArtifactError(f"the TFLite flatbuffer is invalid: {type(e).__name__}: {str(e)[:200]}",
+                            hint="convert or download the model again") from None
+    return model
+
+
+def _checked_span(buf, index: int, size: int) -> int:
+    """The byte count of a buffer, after checking that it lies inside the file."""
+    offset, n = buf.Offset(), buf.Size()
+    if offset > 1:
+        if offset + n > size:
+            raise ValueError(f"buffer {index} spans bytes {offset}..{offset + n}, past the file's {size}")
+        return n
+    n = buf.DataLength()
+    if n and flatbuf.vector_start(buf, 4) + n > size:
+        raise ValueError(f"buffer {index} runs past the end of the file")
+    return n
+
+
+def _check_tensor(t, where: str, n_buffers: int, data: list) -> None:
+    if not 0 <= t.Buffer() < n_buffers:
+        raise ValueError(f"{where} names buffer {t.Buffer()} of {n_buffers}")
+    shape = [int(d) for d in t.ShapeAsNumpy()] if t.ShapeLength() else []
+    if any(d < 0 for d in shape):
+        raise ValueError(f"{where} has a negative dim in its shape {shape}")
+    if t.ShapeSignatureLength() and any(int(d) < -1 for d in t.ShapeSignatureAsNumpy()):
+        raise ValueError(f"{where} has a dim below -1 in its shape signature")
+    count = 1
+    for d in shape:
+        count *= d
+    if count > _MAX_ELEMENTS:
+        raise ValueError(f"{where} has {count:,} elements")
+    itemsize = _ITEMSIZE.get(type_name(t.Type()))
+    stored = data[t.Buffer()]
+    if stored and itemsize and t.Sparsity() is None and stored != count * itemsize:
+        raise ValueError(f"{where} holds {stored:,} bytes of data; its shape {shape} and type "
+                         f"{type_name(t.Type())} make {count * itemsize:,}")
+
+
+def _check_indices(indices, n: int, where: str, allow_absent: bool) -> None:
+    low = -1 if allow_absent else 0
+    for i in indices:
+        if not low <= int(i) < n:
+            raise ValueError(f"{where} names tensor {int(i)} of {n}")
+
+
 def weights_digest(chunks) -> str:
     """blake2b of a model's constant buffers in order (each prefixed by its length)."""
     h = hashlib.blake2b(digest_size=16)
@@ -156,6 +248,10 @@ def read_metadata(content: bytes, *, verify: bool = False) -> dict | None:
             m = model.Metadata(i)
             if m.Name() and m.Name().decode() == METADATA_NAME:
                 meta = json.loads(_buffer_bytes(model, content, m.Buffer()))
+                problem = _metadata_problem(meta)
+                if problem:
+                    raise ArtifactError(f"the flatbuffer's {METADATA_NAME} metadata is malformed: {problem}",
+                                        hint="convert the model again")
                 if verify and "weights_blake2b" in meta:
                     _verify_digest(model, content, {m.Buffer()}, meta["weights_blake2b"])
                 return meta
@@ -163,6 +259,24 @@ def read_metadata(content: bytes, *, verify: bool = False) -> dict | None:
         raise
     except Exception as e:
         raise damaged(e) from e
+    return None
+
+
+def _metadata_problem(meta) -> str | None:
+    from .specs import call_metadata_problem
+    if not isinstance(meta, dict):
+        return "it is not a JSON object"
+    sigs = meta.get("signatures", {})
+    if not isinstance(sigs, dict):
+        return "its signatures are not a JSON object"
+    for name, sig in sigs.items():
+        problem = call_metadata_problem(sig)
+        if not problem and not isinstance(sig.get("dims", {}), dict):
+            problem = "its dims are malformed"
+        if problem:
+            return f"signature {name!r}: {problem}"
+    if not isinstance(meta.get("weights_blake2b", ""), str):
+        return "its weights digest is not a string"
     return None
 
 
@@ -258,7 +372,7 @@ def describe(path: str) -> dict:
 
 
 def _describe(path: str, content: bytes) -> dict:
-    model = parse_model(content)
+    model = validate(content)
     codes = _opcode_names(model)
     io = signature_io(model)
     meta = read_metadata(content) or {}
@@ -307,7 +421,7 @@ def signature_tensors(content: bytes, name: str = "model") -> dict:
     """Per signature, its inputs and outputs as ``{"name", "shape", "dtype"}`` in SignatureDef order
     (the order LiteRT.js and CompiledModel use), -1 for a dynamic dim."""
     try:
-        io = signature_io(parse_model(content))
+        io = signature_io(validate(content))
     except ArtifactError as e:
         raise ArtifactError(f"{name} is not a valid .tflite flatbuffer: {e}") from None
     except Exception as e:  # a damaged flatbuffer fails anywhere inside the generated readers

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .errors import ArtifactError, InputError, UnsafeInputError
-from .specs import numpy_dtype
+from .specs import numpy_dtype, require_memory
 
 _SPEC_RE = re.compile(r"^(?P<shape>scalar|\d+(?:x\d+)*):(?P<dtype>[a-z0-9]+)(?::(?P<low>-?\d+):(?P<high>-?\d+))?$")
 
@@ -42,7 +42,7 @@ def sniff_model(path: str) -> str:
         try:
             with zipfile.ZipFile(path) as zf:
                 names = zf.namelist()
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as e:
             raise ArtifactError(f"{path} is a damaged zip archive ({e})",
                                 hint="the file is truncated or corrupt: save or export it again") from e
         if "manifest.json" in names:
@@ -230,6 +230,7 @@ def parse_inputs(specs: Sequence[str], seed: int = 0) -> list:
                                   "or a .npy/.npz file")
         shape = () if m["shape"] == "scalar" else tuple(int(d) for d in m["shape"].split("x"))
         dtype = numpy_dtype(m["dtype"])
+        require_memory(shape, dtype, f"--inputs {spec}")
         if dtype.kind == "f":
             a = rng.standard_normal(shape).astype(dtype)
         elif dtype.kind in "iu":

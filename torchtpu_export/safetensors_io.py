@@ -8,6 +8,7 @@ one at a time, without building the whole blob in memory.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from typing import BinaryIO, Iterable, Mapping
 
@@ -65,7 +66,11 @@ def write(f: BinaryIO, tensors: Mapping[str, object], metadata: Mapping[str, str
 
 
 def read(buf) -> dict[str, np.ndarray]:
-    """Parses safetensors bytes (bytes, memoryview or mmap); arrays are views into ``buf``."""
+    """Parses safetensors bytes (bytes, memoryview or mmap); arrays are views into ``buf``.
+
+    Nothing in the header is trusted: sizes, offsets and shapes are checked against the data
+    before any view is made (ValueError when they do not add up).
+    """
     mv = memoryview(buf)
     if len(mv) < 8:
         raise ValueError("safetensors data is truncated")
@@ -73,17 +78,31 @@ def read(buf) -> dict[str, np.ndarray]:
     if n > len(mv) - 8:
         raise ValueError("safetensors header is truncated")
     header = json.loads(bytes(mv[8:8 + n]))
+    if not isinstance(header, dict):
+        raise ValueError("safetensors header is not a JSON object")
     base = 8 + n
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        if not isinstance(info, dict) or info.get("dtype") not in _DTYPES:
+            raise ValueError(f"safetensors entry {name!r} has no known dtype")
         dtype = np.dtype(_DTYPES[info["dtype"]])
-        start, end = info["data_offsets"]
-        if base + end > len(mv) or end < start:
-            raise ValueError(f"safetensors entry {name} points past the end of the data")
-        count = (end - start) // dtype.itemsize
-        if count != int(np.prod(info["shape"], dtype=np.int64)):
-            raise ValueError(f"safetensors entry {name} has a size that does not match its shape")
-        out[name] = np.frombuffer(mv[base + start:base + end], dtype=dtype, count=count).reshape(info["shape"])
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not (isinstance(shape, list) and all(_count(d) for d in shape)):
+            raise ValueError(f"safetensors entry {name!r} has a malformed shape")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)):
+            raise ValueError(f"safetensors entry {name!r} has malformed data_offsets")
+        start, end = offsets
+        if end < start or base + end > len(mv):
+            raise ValueError(f"safetensors entry {name!r} points outside the data")
+        count = math.prod(shape)
+        if count * dtype.itemsize != end - start:
+            raise ValueError(f"safetensors entry {name!r} has a size that does not match its shape")
+        out[name] = np.frombuffer(mv[base + start:base + end], dtype=dtype, count=count).reshape(shape)
     return out
+
+
+def _count(x) -> bool:
+    """A non-negative int (not a bool) that an array size may be."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2 ** 62

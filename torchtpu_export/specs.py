@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import ml_dtypes
 import numpy as np
@@ -48,6 +49,61 @@ class TensorSpec:
 
     def __str__(self) -> str:
         return f"{self.name}: {self.dtype}[{', '.join(str(d) for d in self.shape)}]"
+
+
+def call_metadata_problem(meta) -> str | None:
+    """What is wrong with an artifact's call metadata (``CapturedProgram.call_metadata``), or None:
+    the fields and types its readers rely on, checked before they are used."""
+    from . import treespec
+    from .errors import ArtifactError
+    if not isinstance(meta, dict):
+        return "it is not a JSON object"
+    for key in ("inputs", "outputs"):
+        items = meta.get(key)
+        if not (isinstance(items, list) and all(
+                isinstance(d, dict) and isinstance(d.get("name"), str) and d.get("dtype") in _NP_DTYPES
+                and isinstance(d.get("shape"), list)
+                and all((isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2 ** 62) or isinstance(x, str)
+                        for x in d["shape"]) for d in items)):
+            return f"its {key} are malformed"
+    if not isinstance(meta.get("constant_inputs", {}), dict):
+        return "its constant_inputs are malformed"
+    for key in ("in_spec", "out_spec"):
+        if not isinstance(meta.get(key), str):
+            return f"its {key} is missing"
+        try:
+            treespec.loads(meta[key])
+        except ArtifactError:
+            return f"its {key} is not a valid pytree spec"
+    return None
+
+
+def available_memory() -> int:
+    """Bytes of memory this machine can still give (Linux's MemAvailable; else physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return 1 << 62
+
+
+def require_memory(shape, dtype, what: str, error=None) -> None:
+    """Raises ``error`` (default InputError) when an array of ``shape`` and ``dtype`` cannot fit in memory."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    need = n * np.dtype(dtype).itemsize
+    have = available_memory()
+    if need > have:
+        raise (error or InputError)(
+            f"{what} needs {need / 2**30:,.1f} GiB ({'x'.join(map(str, shape))} {np.dtype(dtype).name}); "
+            f"this machine has {have / 2**30:,.1f} GiB available")
 
 
 def jsonable(v):

@@ -12,12 +12,18 @@ Entries::
                                            and chips, with its sha256 and the compiler's stats)
 
 Weights are arguments of every program, never constants inside it. The
-manifest names the files, so readers never guess paths. Writing is
-deterministic: the same artifact gives the same bytes.
+manifest names the files, so readers never guess paths, and holds the sha256
+of every other entry (format version 2); it is written last, after them.
+Writing is deterministic: the same artifact gives the same bytes.
+
+Reading trusts nothing: every entry must be stored (never compressed) and lie
+inside the file, no name twice, the manifest at most ``MAX_MANIFEST_BYTES``;
+every digest is checked before anything is deserialized, in bounded memory.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import mmap
 import os
@@ -33,7 +39,8 @@ from .errors import ArtifactError, InputError
 from .fileio import atomic_open
 
 FORMAT = "torchtpu-export.tpu"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: digests of every entry in the manifest (1: none; still read)
+MAX_MANIFEST_BYTES = 64 << 20
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
@@ -74,14 +81,29 @@ class TpuArtifact:
                 files[self.mlir_path(prog, p)] = text.encode()
         self.manifest["weights"] = {"file": WEIGHTS, "count": len(self.weights),
                                     "bytes": int(sum(w.nbytes for w in self.weights.values()))}
-        manifest = json.dumps(self.manifest, indent=1, sort_keys=True).encode()
-        with progress.stage("write"), atomic_open(path) as f, zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-            _write_entry(zf, MANIFEST, manifest)
+        self.manifest["format_version"] = FORMAT_VERSION
+        digests = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+        with progress.stage("write"), atomic_open(path) as f, \
+                zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
             for name in sorted(files):
                 _write_entry(zf, name, files[name])
-            info = _zipinfo(WEIGHTS)
-            with zf.open(info, "w", force_zip64=True) as w:
-                safetensors_io.write(w, self.weights)
+            with zf.open(_zipinfo(WEIGHTS), "w", force_zip64=True) as w:
+                hashing = _Hashing(w)
+                safetensors_io.write(hashing, self.weights)
+            digests[WEIGHTS] = hashing.sha256.hexdigest()
+            self.manifest["digests"] = dict(sorted(digests.items()))
+            _write_entry(zf, MANIFEST, json.dumps(self.manifest, indent=1, sort_keys=True).encode())
+
+
+class _Hashing:
+    """A file-like writer that hashes what goes through it."""
+
+    def __init__(self, f):
+        self.f, self.sha256 = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self.f.write(data)
 
 
 def _zipinfo(name: str) -> zipfile.ZipInfo:
@@ -106,7 +128,7 @@ def _entry_offset(f, info: zipfile.ZipInfo) -> int:
 
 
 def read(path) -> TpuArtifact:
-    """Opens a ``.tpu`` file, checking its format and version; weights are mmap'd, not copied."""
+    """Opens a ``.tpu`` file, checking its format, version, entries and digests; weights are mmap'd."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise InputError(f"{path} does not exist")
@@ -117,14 +139,30 @@ def read(path) -> TpuArtifact:
     except OSError as e:
         raise InputError(f"cannot open {path}: {e.strerror}") from e
     with f:
+        size = os.fstat(f.fileno()).st_size
         try:
             zf = zipfile.ZipFile(f)
+            infos = _check_entries(zf, f, size, path)
+            if MANIFEST not in infos:
+                raise ArtifactError(f"{path} is not a .tpu artifact (it has no {MANIFEST})")
+            if infos[MANIFEST].file_size > MAX_MANIFEST_BYTES:
+                raise ArtifactError(f"{path}: its manifest is {infos[MANIFEST].file_size:,} bytes (at most "
+                                    f"{MAX_MANIFEST_BYTES:,})")
             manifest = json.loads(zf.read(MANIFEST))
+        except ArtifactError:
+            raise
         except (zipfile.BadZipFile, KeyError, json.JSONDecodeError, UnicodeDecodeError, OSError, EOFError,
-                zipfile.LargeZipFile, ValueError, NotImplementedError) as e:
-            raise ArtifactError(f"{path} is not a valid .tpu artifact ({type(e).__name__}: {e})",
+                zipfile.LargeZipFile, ValueError, NotImplementedError, RecursionError) as e:
+            raise ArtifactError(f"{path} is not a valid .tpu artifact ({type(e).__name__}: {str(e)[:200]})",
                                 hint="the file is corrupt or truncated: export it again") from e
         check_manifest(manifest, path)
+        names = _named_entries(manifest)
+        unknown = sorted(set(names) - set(infos))
+        if unknown:
+            raise ArtifactError(f"{path} is corrupt: entries {unknown[:3]} named in the manifest are missing")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        if manifest["format_version"] >= 2:
+            _check_digests(manifest, infos, f, mm, path)
         try:
             programs, mlir = {}, {}
             for prog, spec in manifest["programs"].items():
@@ -136,19 +174,14 @@ def read(path) -> TpuArtifact:
                     exe = entry.get("executable")
                     if exe:
                         executables.setdefault(topology, {})[prog] = zf.read(exe["file"])
-            info = zf.getinfo(manifest["weights"]["file"])
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise ArtifactError(f"{path}: weights are compressed; .tpu weights must be stored")
+            info = infos[manifest["weights"]["file"]]
             start = _entry_offset(f, info)
-            if start + info.file_size > os.path.getsize(path):
-                raise ArtifactError(f"{path}: the weights entry is truncated")
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if info.file_size else None
-            weights = safetensors_io.read(memoryview(mm)[start:start + info.file_size]) if mm else {}
+            weights = safetensors_io.read(memoryview(mm)[start:start + info.file_size]) if info.file_size else {}
         except ArtifactError:
             raise
         except (zipfile.BadZipFile, KeyError, ValueError, TypeError, OSError, EOFError, UnicodeDecodeError,
-                zlib.error) as e:
-            raise ArtifactError(f"{path} is corrupt ({type(e).__name__}: {e})",
+                zlib.error, RecursionError) as e:
+            raise ArtifactError(f"{path} is corrupt ({type(e).__name__}: {str(e)[:200]})",
                                 hint="export the model again") from e
     missing = [w for prog in manifest["programs"].values() for w in prog["weights"] if w not in weights]
     if missing:
@@ -156,11 +189,60 @@ def read(path) -> TpuArtifact:
     return TpuArtifact(manifest, programs, mlir, weights, mm, executables)
 
 
+def _check_entries(zf: zipfile.ZipFile, f, size: int, path: str) -> dict[str, zipfile.ZipInfo]:
+    """Every entry stored (a .tpu is never compressed, so nothing can expand), inside the file, named once."""
+    infos: dict[str, zipfile.ZipInfo] = {}
+    for info in zf.infolist():
+        if info.filename in infos:
+            raise ArtifactError(f"{path} is corrupt: entry {info.filename!r} appears twice")
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise ArtifactError(f"{path}: entry {info.filename!r} is compressed; .tpu entries are stored",
+                                hint="a .tpu written by torchtpu-export is never compressed: export it again")
+        if _entry_offset(f, info) + info.file_size > size:
+            raise ArtifactError(f"{path} is truncated: entry {info.filename!r} ends past the end of the file",
+                                hint="export the model again")
+        infos[info.filename] = info
+    return infos
+
+
+def _named_entries(manifest: dict) -> list[str]:
+    names = [manifest["weights"]["file"]]
+    for spec in manifest["programs"].values():
+        names += list(spec["files"].values()) + list(spec.get("stablehlo", {}).values())
+    for per_program in manifest.get("compiled", {}).values():
+        names += [e["executable"]["file"] for e in per_program.values() if e.get("executable")]
+    return names
+
+
+_CHUNK = 16 << 20
+
+
+def _check_digests(manifest: dict, infos: dict, f, mm, path: str) -> None:
+    """Each entry's sha256 against the manifest's, a chunk at a time (the pages read are released)."""
+    digests = manifest.get("digests")
+    entries = set(infos) - {MANIFEST}
+    if not isinstance(digests, dict) or set(digests) != entries:
+        raise ArtifactError(f"{path} is corrupt: the manifest's digests do not list its entries",
+                            hint="export the model again")
+    for name in sorted(entries):
+        info = infos[name]
+        start = _entry_offset(f, info)
+        h = hashlib.sha256()
+        for a in range(start, start + info.file_size, _CHUNK):
+            b = min(a + _CHUNK, start + info.file_size)
+            h.update(mm[a:b])
+            page = a - a % mmap.PAGESIZE
+            mm.madvise(mmap.MADV_DONTNEED, page, b - page)
+        if h.hexdigest() != digests[name]:
+            raise ArtifactError(f"{path} is corrupt: entry {name} does not match its sha256 in the manifest",
+                                hint="the file was damaged after export: export it again")
+
+
 def check_manifest(manifest, path: str = "artifact") -> None:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtifactError(f"{path} is not a torchtpu-export .tpu artifact (manifest format is missing)")
     version = manifest.get("format_version")
-    if not isinstance(version, int):
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise ArtifactError(f"{path}: manifest has no format_version")
     if version > FORMAT_VERSION:
         raise ArtifactError(
@@ -173,7 +255,7 @@ def check_manifest(manifest, path: str = "artifact") -> None:
         if not isinstance(spec, dict) or not isinstance(spec.get("files"), dict) or "weights" not in spec:
             raise ArtifactError(f"{path}: manifest entry for program {name!r} is incomplete")
         _check_program(spec, f"{path}: program {name!r}")
-    if not isinstance(manifest.get("weights"), dict) or "file" not in manifest["weights"]:
+    if not isinstance(manifest.get("weights"), dict) or not isinstance(manifest["weights"].get("file"), str):
         raise ArtifactError(f"{path}: manifest has no weights entry")
     _check_compiled(manifest.get("compiled", {}), programs, path)
 
@@ -194,20 +276,12 @@ def _check_compiled(compiled, programs: dict, path: str) -> None:
 
 def _check_program(spec: dict, where: str) -> None:
     """The fields a program entry must have, with the types readers rely on."""
-    from . import treespec
+    from .specs import call_metadata_problem
     ok = (isinstance(spec.get("weights"), list) and all(isinstance(w, str) for w in spec["weights"])
-          and all(isinstance(f, str) for f in spec["files"].values()))
-    for key in ("inputs", "outputs"):
-        items = spec.get(key)
-        ok = ok and isinstance(items, list) and all(
-            isinstance(d, dict) and isinstance(d.get("name"), str) and isinstance(d.get("dtype"), str)
-            and isinstance(d.get("shape"), list) and all(isinstance(x, (int, str)) for x in d["shape"])
-            for d in items)
-    if not ok:
-        raise ArtifactError(f"{where} has malformed fields in the manifest", hint="export the model again")
-    for key in ("in_spec", "out_spec"):
-        try:
-            treespec.loads(spec[key])
-        except (ArtifactError, KeyError, TypeError) as e:
-            raise ArtifactError(f"{where}: the manifest's {key} is not a valid pytree spec ({type(e).__name__})",
-                                hint="export the model again") from e
+          and all(isinstance(f, str) for f in spec["files"].values())
+          and isinstance(spec.get("stablehlo", {}), dict)
+          and all(isinstance(f, str) for f in spec.get("stablehlo", {}).values()))
+    problem = None if ok else "malformed fields"
+    problem = problem or call_metadata_problem(spec)
+    if problem:
+        raise ArtifactError(f"{where} is corrupt: in the manifest, {problem}", hint="export the model again")

@@ -4,6 +4,7 @@ Importing this package registers every lowering (one module per op family).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Mapping, Sequence
 
@@ -145,7 +146,7 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
                                   sharded=bool(mesh_axes),
                                   kernel_topologies=kernel_topologies if platform == "tpu" else ())
             fn = to_jax_function(cap, ctx, renames, dequantize)
-            with jax.enable_x64(uses_x64), progress.stage(f"lower ({platform})"):
+            with jax.enable_x64(uses_x64), _no_source_paths(), progress.stage(f"lower ({platform})"):
                 ispecs = _symbolic_specs(cap, narrow_64bit)
                 try:
                     exp = jax.export.export(jax.jit(fn, **jit_kwargs), platforms=[platform])(wspecs, *ispecs)
@@ -185,6 +186,15 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
         with progress.stage(f"compile ({topology})"):
             tpu_compile.compile_artifact(artifact, topology)
     return artifact
+
+
+def _no_source_paths():
+    """Lowering without Python tracebacks in the StableHLO locations: the same model gives the same
+    bytes from any caller, and no path of the exporting machine ends up in the artifact (the
+    locations keep the op names)."""
+    from jax._src import config as jax_config
+    limit = getattr(jax_config, "traceback_in_locations_limit", None)
+    return limit(0) if limit is not None else contextlib.nullcontext()
 
 
 def _kernel_topologies(precompile: Sequence[str]) -> tuple[str, ...]:

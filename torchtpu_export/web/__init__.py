@@ -38,6 +38,7 @@ from ..litert_format import signature_tensors
 log = logging.getLogger("torchtpu_export")
 
 PAGE_DIR = Path(__file__).resolve().parent / "page"
+MAX_PATH = 2048  # longer request paths are refused (400) before they reach the filesystem
 LITERTJS_VERSION = "2.5.3"  # examples/web/package.json pins the same
 # LiteRT.js 2.5 tensors are float32, int32 or uint8 (its DATATYPES table); anything else at the
 # model boundary makes loadAndCompile throw "Element type ... is not supported".
@@ -173,6 +174,17 @@ class WebServer(ThreadingHTTPServer):
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.server_address[1]}/"
 
+    def host_allowed(self, host: str | None) -> bool:
+        """Whether a request's Host header names this server: its bound address or localhost (any
+        Host when bound to every interface, which the user asked for with --host)."""
+        bound = self.server_address[0]
+        if bound in ("0.0.0.0", "::", ""):
+            return True
+        if not host:
+            return False
+        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        return name.strip("[]").lower() in {bound.lower(), "localhost", "127.0.0.1", "::1"}
+
     def add_model(self, name: str, data: bytes, *, check_dtypes: bool = True) -> str:
         """Serves one more model at ``/models/NAME``; returns that URL path."""
         _check_model(name, data, check_dtypes)
@@ -230,13 +242,26 @@ class _Handler(SimpleHTTPRequestHandler):
         self._respond(send_body=False)
 
     def _respond(self, send_body: bool):
-        path = unquote(urlsplit(self.path).path)
-        found = self.server.route(path) if ".." not in path.split("/") else None
-        if found is None:
-            self.send_error(HTTPStatus.NOT_FOUND, f"{path} is not served here")
+        if not self.server.host_allowed(self.headers.get("Host")):
+            # a page of another site reaching this server through DNS rebinding names its own host
+            self.send_error(HTTPStatus.MISDIRECTED_REQUEST, "this server answers to its own address only")
             return
-        body, mime = found
-        data = body.read_bytes() if isinstance(body, Path) else body
+        try:
+            path = unquote(urlsplit(self.path).path, errors="strict") if len(self.path) <= MAX_PATH else None
+        except ValueError:  # percent-escapes that are not UTF-8
+            path = None
+        if path is None or "\0" in path:
+            self.send_error(HTTPStatus.BAD_REQUEST, "malformed path")
+            return
+        try:
+            found = self.server.route(path) if ".." not in path.split("/") else None
+            body, mime = found if found is not None else (None, None)
+            data = body.read_bytes() if isinstance(body, Path) else body
+        except (OSError, ValueError):  # a name the filesystem refuses is a name not served here
+            found = None
+        if found is None:
+            self.send_error(HTTPStatus.NOT_FOUND, "not served here")
+            return
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", mime)
         self.send_header("Content-Length", str(len(data)))
