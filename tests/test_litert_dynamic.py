@@ -42,7 +42,7 @@ def test_cnn_dynamic_batch(tmp_path):
     (spec,) = edge.inputs()
     assert isinstance(spec.shape[0], str) and spec.shape[1:] == (3, 32, 32)
     assert list(edge.dim_ranges().values()) == [(1, 16)]
-    assert _signature_of(edge, "x") == ([2, 3, 32, 32], [-1, 3, 32, 32])
+    assert _signature_of(edge, "args_0") == ([2, 3, 32, 32], [-1, 3, 32, 32])
     for n in (1, 5, 16, 2):
         _agree(model, edge, (torch.randn(n, 3, 32, 32),))
     for runtime in RUNTIMES:

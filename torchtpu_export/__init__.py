@@ -10,13 +10,14 @@ from . import tpu_compile as _tpu_compile  # noqa: E402
 
 _tpu_compile.prepare_environment()  # before jax loads libtpu on a host without TPU chips
 
-from .api import SignatureSet, TpuProgram, convert, export, load, signature  # noqa: E402
+from .api import SignatureSet, TpuProgram, convert, export, load, signature, to_channel_last_io  # noqa: E402
 from .debugger import DebugReport, debug  # noqa: E402
 from .errors import (ArtifactError, CaptureError, ConversionError, InputError, NumericsError,  # noqa: E402
                      OutputError, TteError, UnsafeInputError, UnsupportedOpError)
 
 __all__ = [
-    "convert", "export", "load", "signature", "SignatureSet", "TpuProgram", "debug", "DebugReport",
+    "convert", "export", "load", "signature", "to_channel_last_io", "SignatureSet", "TpuProgram", "debug",
+    "DebugReport",
     "TteError", "InputError", "UnsafeInputError", "CaptureError", "UnsupportedOpError", "ArtifactError",
     "NumericsError", "OutputError", "ConversionError",
 ]

@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 
 from . import converters, onnx_format, tpu_format, treespec
 from .capture import CapturedProgram, capture, flatten_call_args
+from .edge import DEFAULT_SIGNATURE
 from .errors import InputError
 from .specs import TensorSpec
 
@@ -247,38 +248,93 @@ def export(module, sample_args: Sequence = (), sample_kwargs: dict | None = None
         caps = captures([("main", module, sample_args, sample_kwargs, None)], "onnx", strict_export, dynamic_shapes)
         return build("onnx", caps, **options)
     if options:
-        raise InputError(f"unknown option(s) for the tpu target: {', '.join(sorted(options))}")
+        raise TypeError(f"export() got an unexpected keyword argument {sorted(options)[0]!r} for the tpu target")
     caps = captures([("main", module, sample_args, sample_kwargs, None)], "tpu", strict_export, dynamic_shapes)
     return build("tpu", caps, platforms=platforms, kernels=kernels, narrow_64bit=narrow_64bit,
                  quant_config=quant_config, mesh=mesh, sharding=sharding, precompile=precompile)
 
 
-class ChannelsLast(torch.nn.Module):
-    """``module`` with its 4-D floating inputs and outputs in NHWC (as camera frames and canvases give them)."""
+def _to_channel_last(x):
+    """(N, C, ...) -> (N, ..., C)."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 3:
+        raise InputError("to_channel_last_io needs a tensor of rank >= 3 in layout (N, C, ...)")
+    return x.permute(0, *range(2, x.dim()), 1)
 
-    def __init__(self, module):
+
+def _to_channel_first(x):
+    """(N, ..., C) -> (N, C, ...)."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 3:
+        raise InputError("to_channel_last_io needs a tensor of rank >= 3 in layout (N, ..., C)")
+    return x.permute(0, x.dim() - 1, *range(1, x.dim() - 1))
+
+
+class ChannelLastIO(torch.nn.Module):
+    """``module`` taking the positional inputs ``args`` (indices) channel-last, (N, ..., C), and giving
+    the outputs ``outputs`` (indices into its output tuple, or 0 for a single one) channel-last. The
+    permutes are part of the captured program, where the layout pass absorbs them into the model's
+    NHWC ops: the converted file takes and gives those tensors with no TRANSPOSE at its boundary.
+    With ``args``/``outputs`` ``"images"``: every 4-D float tensor, wherever it is (``channels_last_io=True``).
+    """
+
+    def __init__(self, module, args=None, outputs=None):
         super().__init__()
-        self.module = module
+        self.module, self.args, self.outputs = module, args or [], outputs or []
 
     def forward(self, *args, **kwargs):
-        to_nchw = lambda t: t.permute(0, 3, 1, 2) if _image_like(t) else t  # noqa: E731
-        out = self.module(*pytree.tree_map(to_nchw, args), **pytree.tree_map(to_nchw, kwargs))
-        return pytree.tree_map(lambda t: t.permute(0, 2, 3, 1) if _image_like(t) else t, out)
+        if self.args == "images":
+            args, kwargs = pytree.tree_map(_image_to_first, (args, kwargs))
+        else:
+            args = list(args)
+            for i in self.args:
+                args[i] = _to_channel_first(args[i])
+        out = self.module(*args, **kwargs)
+        if self.outputs == "images":
+            return pytree.tree_map(lambda t: _to_channel_last(t) if _image_like(t) else t, out)
+        single = not isinstance(out, (list, tuple))
+        items = [out] if single else list(out)
+        for i in self.outputs:
+            items[i] = _to_channel_last(items[i])
+        return items[0] if single else type(out)(items)
 
 
 def _image_like(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()
 
 
+def _image_to_first(t):
+    return _to_channel_first(t) if _image_like(t) else t
+
+
+def to_channel_last_io(module, args=None, outputs=None) -> ChannelLastIO:
+    """litert-torch's wrapper: ``module`` with the positional inputs ``args`` (indices) taken as
+    (N, ..., C) and the outputs ``outputs`` (indices) given as (N, ..., C), any rank >= 3. Wrap before
+    ``convert``; wrappers chain."""
+    return ChannelLastIO(module, args=list(args or []), outputs=list(outputs or []))
+
+
 def channels_last(module, sample_args: Sequence, sample_kwargs: dict | None = None):
-    """The module wrapped to take and give NHWC images, and its sample inputs transposed to match."""
+    """``channels_last_io=True``: every 4-D float input and output NHWC; the sample inputs transposed to match."""
     from .capture import to_torch
-    to_nhwc = lambda t: t.permute(0, 2, 3, 1).contiguous() if _image_like(t) else t  # noqa: E731
+    to_nhwc = lambda t: _to_channel_last(t).contiguous() if _image_like(t) else t  # noqa: E731
     args = pytree.tree_map(to_nhwc, pytree.tree_map(to_torch, tuple(sample_args)))
     kwargs = pytree.tree_map(to_nhwc, pytree.tree_map(to_torch, dict(sample_kwargs or {})))
     if not any(_image_like(t) for t in pytree.tree_leaves((args, kwargs))):
         raise InputError("channels_last_io=True needs a 4-D floating input (an NCHW image)")
-    return ChannelsLast(module), args, kwargs
+    return ChannelLastIO(module, args="images", outputs="images"), args, kwargs
+
+
+# Keyword options of the litert target (litert-torch's lightweight_conversion is accepted and changes
+# nothing: conversion here always streams weights instead of holding copies).
+LITERT_OPTIONS = ("io_dtypes", "skip_passes")
+_NO_OPS = ("lightweight_conversion",)
+
+
+def _litert_options(where: str, options: dict) -> dict:
+    unknown = sorted(set(options) - set(LITERT_OPTIONS) - set(_NO_OPS))
+    if unknown:
+        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}"
+                        + (f" (and {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""))
+    return {k: v for k, v in options.items() if k not in _NO_OPS}
 
 
 def convert(module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *, dynamic_shapes=None,
@@ -300,7 +356,8 @@ def convert(module, sample_args: Sequence = (), sample_kwargs: dict | None = Non
                 dict(zip(("args", "kwargs"), channels_last(module, *_sample_parts(c))[1:]))
                 for c in quant_config["calibration"]])
         module, sample_args, sample_kwargs = channels_last(module, sample_args, sample_kwargs)
-    caps = captures([("serving_default", module, sample_args, sample_kwargs, None)], "litert", strict_export,
+    options = _litert_options("convert", options)
+    caps = captures([(DEFAULT_SIGNATURE, module, sample_args, sample_kwargs, None)], "litert", strict_export,
                     dynamic_shapes)
     return build("litert", caps, quant_config=quant_config, **options)
 
@@ -325,8 +382,19 @@ class SignatureSet:
                              else (sample_args,), sample_kwargs, dynamic_shapes))
         return self
 
-    def convert(self, *, quant_config=None, strict_export: bool | str = False, **options):
-        return build("litert", captures(self.entries, "litert", strict_export), quant_config=quant_config, **options)
+    def convert(self, module=None, sample_args: Sequence = (), sample_kwargs: dict | None = None, *,
+                quant_config=None, strict_export: bool | str = False, dynamic_shapes=None, **options):
+        """One ``.tflite`` with every signature, weights stored once. ``module`` (with its sample
+        inputs) adds the default signature, ``serving_default``: what a call without
+        ``signature_name`` runs, as in litert-torch."""
+        options = _litert_options("convert", options)
+        entries = list(self.entries)
+        if module is not None:
+            if any(e[0] == DEFAULT_SIGNATURE for e in entries):
+                raise InputError(f"signature {DEFAULT_SIGNATURE!r} is given twice")
+            entries.append((DEFAULT_SIGNATURE, module, tuple(sample_args) if isinstance(sample_args, (tuple, list))
+                            else (sample_args,), sample_kwargs, dynamic_shapes))
+        return build("litert", captures(entries, "litert", strict_export), quant_config=quant_config, **options)
 
     def export(self, *, target: str = "tpu", strict_export: bool | str = False, **options):
         if target == "litert":

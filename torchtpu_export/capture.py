@@ -290,14 +290,40 @@ def capture(module, sample_args: Sequence = (), sample_kwargs: dict | None = Non
     return _flatten(ep, tuple(sample_args or ()), dict(sample_kwargs or {}))
 
 
+def _drop_input_mutations(ep: ExportedProgram) -> ExportedProgram:
+    """The program without the outputs torch.export adds for inputs the model changes in place.
+
+    torch.export functionalises ``x.add_(1)``: the new value is computed like any other and what
+    reads it reads that value; the extra output only says "write this back into the caller's
+    tensor". An artifact does not write into its caller's arrays (litert-torch's neither), so the
+    outputs are the user's."""
+    sig = ep.graph_signature
+    if not any(o.kind == OutputKind.USER_INPUT_MUTATION for o in sig.output_specs):
+        return ep
+    import copy
+    import warnings
+    with warnings.catch_warnings():  # torch's own pytree types warn about themselves when copied
+        warnings.simplefilter("ignore", FutureWarning)
+        gm = copy.deepcopy(ep.graph_module)
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    keep = [i for i, o in enumerate(sig.output_specs) if o.kind != OutputKind.USER_INPUT_MUTATION]
+    out_node.args = (tuple(out_node.args[0][i] for i in keep),)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    new_sig = copy.copy(sig)
+    new_sig.output_specs = [sig.output_specs[i] for i in keep]
+    return ep._update(gm, new_sig)
+
+
 def _flatten(ep: ExportedProgram, sample_args, sample_kwargs) -> CapturedProgram:
+    ep = _drop_input_mutations(ep)
     sig = ep.graph_signature
     mutated = [o for o in sig.output_specs if o.kind not in (OutputKind.USER_OUTPUT,)]
     if mutated:
         raise CaptureError(
-            f"the model mutates state during forward ({', '.join(str(o.target or o.arg.name) for o in mutated)}); "
+            f"the model changes state in place during forward ({', '.join(str(o.target or o.arg.name) for o in mutated)}); "
             "only stateless inference programs can be exported",
-            hint="pass state such as KV caches as explicit inputs and return the updated values as outputs")
+            hint="pass state such as buffers and KV caches as explicit inputs and return the updated values as outputs")
     placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
     weights: dict[str, torch.Tensor] = {}
     weight_placeholders: dict[str, str] = {}

@@ -31,6 +31,27 @@ def _quantize_input(x, scale_zero: tuple, dtype: str) -> np.ndarray:
     return np.clip(np.rint(a.astype(np.float64) / scale) + zero, info.min, info.max).astype(numpy_dtype(dtype))
 
 
+DEFAULT_SIGNATURE = "serving_default"
+
+
+class NamedOutputs(dict):
+    """A dict of outputs in the module's structure that also answers its flat output names."""
+
+    def __init__(self, tree: dict, flat: dict):
+        super().__init__(tree)
+        self._flat = flat
+
+    def __missing__(self, key):
+        if key in self._flat:
+            return self._flat[key]
+        raise KeyError(key)
+
+
+# flattened like the dict it is (a pytree leaf otherwise)
+pytree.register_pytree_node(NamedOutputs, lambda d: (list(d.values()), list(d.keys())),
+                            lambda values, keys: dict(zip(keys, values)))
+
+
 class EdgeModel:
     """A LiteRT flatbuffer: ``edge(*args)`` runs it; ``edge.export(path)`` writes it.
 
@@ -106,10 +127,13 @@ class EdgeModel:
         return list(self._io)
 
     def _signature(self, signature_name: str | None) -> str:
-        if signature_name is None:
-            if len(self._io) != 1:
-                raise InputError(f"this model has several signatures {self.signatures}: pass signature_name=")
-            return self.signatures[0]
+        if signature_name is None:  # the only signature, else the default one, as litert-torch picks
+            if len(self._io) == 1:
+                return self.signatures[0]
+            if DEFAULT_SIGNATURE in self._io:
+                return DEFAULT_SIGNATURE
+            raise InputError(f"this model has several signatures {self.signatures} and no "
+                             f"{DEFAULT_SIGNATURE!r}: pass signature_name=")
         if signature_name not in self._io:
             raise InputError(f"no signature {signature_name!r}; this model has {self.signatures}")
         return signature_name
@@ -218,18 +242,37 @@ class EdgeModel:
         return result
 
     def __call__(self, *args, signature_name: str | None = None, **kwargs):
+        """Runs one signature on the module's own arguments (its pytree structure), or on its
+        inputs by signature name as litert-torch calls them (``edge(args_0=x, z_data_1=w)``;
+        positional ones are ``args_<i>``). Outputs come back in the module's structure; a dict
+        also answers its flat output names (``out["y_data_1"]``)."""
         sig = self._signature(signature_name)
         meta = self._meta.get(sig)
+        flat = self._by_name(sig, args, kwargs)
         if meta is None:
-            if kwargs:
-                raise InputError("this .tflite was not made by torchtpu-export: pass inputs positionally")
-            outs = self.run_flat(list(args), sig)
+            if flat is None and kwargs:
+                raise InputError(f"pass the inputs positionally or by their signature names "
+                                 f"{[s.name for s in self.inputs(sig)]}")
+            outs = self.run_flat(list(args) if flat is None else flat, sig)
             return outs[0] if len(outs) == 1 else tuple(outs)
         from . import treespec
         from .capture import flatten_call_args
-        flat = flatten_call_args(meta["in_spec"], meta.get("constant_inputs", {}), args, kwargs)
+        if flat is None:
+            flat = flatten_call_args(meta["in_spec"], meta.get("constant_inputs", {}), args, kwargs)
         outs = self.run_flat(flat, sig)
-        return pytree.tree_unflatten(outs, treespec.loads(meta["out_spec"]))
+        tree = pytree.tree_unflatten(outs, treespec.loads(meta["out_spec"]))
+        if isinstance(tree, dict):
+            return NamedOutputs(tree, {s.name: o for s, o in zip(self.outputs(sig), outs)})
+        return tree
+
+    def _by_name(self, sig: str, args, kwargs) -> list | None:
+        """The inputs in signature order when the call names exactly the signature's inputs."""
+        names = [s.name for s in self.inputs(sig)]
+        given = {f"args_{i}": a for i, a in enumerate(args)}
+        if not kwargs or set(kwargs) & set(given):
+            return None
+        given.update(kwargs)
+        return [given[n] for n in names] if set(given) == set(names) else None
 
     def __repr__(self) -> str:
         return f"EdgeModel(signatures={self.signatures}, {len(self._content):,} bytes)"

@@ -1,5 +1,9 @@
 """Every error a user can see, one class each, with the exit code the CLI uses.
 
+Each also subclasses the matching built-in, so callers catch what Python users expect: bad
+input and corrupt artifacts are ValueErrors, unsupported ops NotImplementedErrors, unwritable
+outputs OSErrors, capture and converter failures RuntimeErrors.
+
 Messages say what is wrong and what to do about it. The CLI prints
 ``str(error)`` on one line (plus the hint) and exits with ``exit_code``;
 a traceback is shown only with ``--debug``.
@@ -23,7 +27,7 @@ class TteError(Exception):
         return f"{msg}\n  hint: {self.hint}" if self.hint else msg
 
 
-class InputError(TteError):
+class InputError(TteError, ValueError):
     """A file, flag or input given by the user is missing or malformed."""
 
     exit_code = 2
@@ -35,13 +39,13 @@ class UnsafeInputError(InputError):
     exit_code = 2
 
 
-class CaptureError(TteError):
+class CaptureError(TteError, RuntimeError):
     """torch.export could not capture the model."""
 
     exit_code = 3
 
 
-class UnsupportedOpError(TteError):
+class UnsupportedOpError(TteError, NotImplementedError):
     """A target cannot express an op of the model.
 
     ``op`` is the ATen overload name, ``count`` how many nodes use it, and
@@ -62,25 +66,25 @@ class UnsupportedOpError(TteError):
         super().__init__(msg, hint=hint)
 
 
-class ArtifactError(TteError):
+class ArtifactError(TteError, ValueError):
     """An artifact (.tpu, .tflite, .onnx, .pt2) is corrupt, truncated or of an unknown version."""
 
     exit_code = 5
 
 
-class NumericsError(TteError):
+class NumericsError(TteError, ValueError):
     """A converted model disagrees with torch eager beyond tolerance."""
 
     exit_code = 6
 
 
-class OutputError(TteError):
+class OutputError(TteError, OSError):
     """The output path cannot be written."""
 
     exit_code = 7
 
 
-class ConversionError(TteError):
+class ConversionError(TteError, RuntimeError):
     """A converter failed on a supported op (a bug of ours: please report it)."""
 
     exit_code = 8

@@ -7,6 +7,7 @@ op family) emit TFLite ops into a small graph IR, the passes in
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import tempfile
@@ -15,6 +16,7 @@ from typing import Mapping
 import torch
 
 import torchtpu_export
+from torchtpu_export import treespec
 from torchtpu_export.capture import CapturedProgram, kept_or_plain_core
 from torchtpu_export.core_ops import rewritten_core_ops
 from torchtpu_export.errors import InputError
@@ -88,10 +90,11 @@ def convert(captures: Mapping[str, CapturedProgram], *, quant_config=None, obser
         raise InputError(f"io_dtypes must be one of {', '.join(IO_DTYPES)}, not {io_dtypes!r}")
     unknown = sorted(set(options))
     if unknown:
-        raise InputError(f"unknown option(s) for the litert target: {', '.join(unknown)}")
+        raise TypeError(f"unknown option(s) for the litert target: {', '.join(unknown)}")
     bad = [s for s in skip if s not in {p.__name__ for p in PIPELINE} or s in {p.__name__ for p in REQUIRED}]
     if bad:
         raise InputError(f"skip_passes names no optional pass: {', '.join(bad)}")
+    captures = {name: _signature_names(cap) for name, cap in captures.items()}
     quants = graph_quants(quant_config, captures, io_dtypes, observer)
     graphs, signatures = [], {}
     for name, cap in captures.items():
@@ -129,6 +132,20 @@ def convert(captures: Mapping[str, CapturedProgram], *, quant_config=None, obser
 
 # Models with more weight bytes than this are written to a temporary file as they convert.
 IN_MEMORY_LIMIT = 64 << 20
+
+
+def _signature_names(cap: CapturedProgram) -> CapturedProgram:
+    """The captured program with its inputs and outputs named as litert-torch names them in a
+    SignatureDef (``treespec.input_names``/``output_names``): what Android, iOS and LiteRT.js code
+    passes and reads by name, so a file from either tool is called the same way."""
+    names = treespec.unique(treespec.input_names(cap.in_spec))
+    tensor_names = [n for i, n in enumerate(names) if i not in cap.constant_inputs]
+    out_names = treespec.unique(treespec.output_names(cap.out_spec))
+    if len(tensor_names) != len(cap.inputs) or len(out_names) != len(cap.outputs):
+        return cap  # a structure the names cannot follow: the capture's own names stay
+    return dataclasses.replace(
+        cap, inputs=[dataclasses.replace(s, name=n) for s, n in zip(cap.inputs, tensor_names)],
+        outputs=[dataclasses.replace(s, name=n) for s, n in zip(cap.outputs, out_names)])
 
 
 def _weight_bytes(graphs) -> int:

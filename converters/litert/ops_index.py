@@ -310,7 +310,10 @@ def _static_scatter(ctx, x, src, dim, positions: np.ndarray):
 def slice_scatter(ctx, x, src, dim=0, start=None, end=None, step=1):
     dim = dim % x.rank
     start, end, step = slice(start, end, step).indices(x.shape[dim])
-    return _static_scatter(ctx, x, src, dim, np.arange(start, end, step)[:src.shape[dim]])
+    positions = np.arange(start, end, step)[:src.shape[dim]]
+    if not len(positions):  # an empty slice writes nothing (a GATHER from an empty src would read past it)
+        return ctx.cast(x, ctx.out_dtype()) if x.dtype != ctx.out_dtype() else x
+    return _static_scatter(ctx, x, src, dim, positions)
 
 
 @builds(aten.select_scatter.default)

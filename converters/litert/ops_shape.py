@@ -32,7 +32,7 @@ def unflatten(ctx, x, dim, sizes):
     return ctx.reshape(x, ctx.out_shape())
 
 
-@builds(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default)
+@builds(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default, aten.squeeze_copy.default)
 def squeeze(ctx, x, *dims):
     return ctx.reshape(x, ctx.out_shape())
 
@@ -180,14 +180,15 @@ def select(ctx, x, dim, index):
     return ctx.reshape(y, x.shape[:dim] + x.shape[dim + 1:])
 
 
-@builds(aten.narrow.default)
+@builds(aten.narrow.default, aten.narrow_copy.default)
 def narrow(ctx, x, dim, start, length):
     dim = dim % x.rank
     start = _wrap(ctx, start, x.shape[dim])
     return _strided_slice(ctx, x, {dim: (start, start + length, 1)})
 
 
-@builds(aten.split_with_sizes.default, aten.split.Tensor, aten.split_with_sizes_copy.default, aten.split.sizes)
+@builds(aten.split_with_sizes.default, aten.split.Tensor, aten.split_with_sizes_copy.default, aten.split.sizes,
+        aten.split_copy.Tensor)
 def split(ctx, x, sizes, dim=0):
     dim = dim % x.rank
     n = x.shape[dim]
@@ -200,6 +201,24 @@ def split(ctx, x, sizes, dim=0):
         outs.append(_strided_slice(ctx, x, {dim: (pos, pos + s, 1)}))
         pos += s
     return outs
+
+
+@builds(aten.unfold.default, aten.unfold_copy.default)
+def unfold(ctx, x, dim, size, step):
+    """Windows of ``size`` every ``step`` along ``dim``, as a new last dim: one GATHER of constant
+    indices (window w, element k reads w * step + k), then the element axis moved last."""
+    dim = dim % x.rank if x.rank else 0
+    n = ctx.static(x.shape[dim] if x.rank else 1, "its windows are counted at conversion")
+    windows = (n - size) // step + 1
+    if x.rank == 0:  # a 0-d tensor unfolds to one window of itself
+        return ctx.reshape(x, (1,))
+    index = (np.arange(windows)[:, None] * step + np.arange(size)[None, :]).astype(np.int32)
+    g = ctx.op("GATHER", [x, ctx.const(index)], shape=x.shape[:dim] + (windows, size) + x.shape[dim + 1:],
+               dtype=x.dtype, axis=dim)
+    if dim == x.rank - 1:
+        return g
+    perm = list(range(dim + 1)) + list(range(dim + 2, x.rank + 1)) + [dim + 1]
+    return ctx.transpose(g, perm)
 
 
 @builds(aten.unbind.int, aten.unbind_copy.int)

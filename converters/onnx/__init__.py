@@ -31,7 +31,7 @@ def convert(captures: Mapping[str, CapturedProgram], **options) -> OnnxArtifact:
     """Exports one captured program to an ONNX model (ONNX has one graph per model)."""
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
-        raise InputError(f"unknown option(s) for the onnx target: {', '.join(unknown)}")
+        raise TypeError(f"unknown option(s) for the onnx target: {', '.join(unknown)}")
     if len(captures) != 1:
         raise InputError(f"an ONNX model holds one graph; got {len(captures)} signatures ({', '.join(captures)})",
                          hint="export each signature to its own .onnx file")

@@ -13,7 +13,7 @@ import torch
 from torchtpu_export.capture import op_name, user_source_line
 from torchtpu_export.errors import UnsupportedOpError
 
-from .registry import lowers
+from .registry import lookup, lowers
 
 aten = torch.ops.aten
 
@@ -259,8 +259,34 @@ def unfold(ctx, x, dimension, size, step):
 
 # ---- the *_copy variants of views: without aliasing, a view and its copy are the same value -----
 
+def _as(view_op):
+    """The rule of ``view_op``, wherever it is registered (looked up when the copy is lowered)."""
+    def rule(ctx, *args, **kwargs):
+        return lookup(view_op, ctx.platform)(ctx, *args, **kwargs)
+    return rule
+
+
 lowers(aten.view_copy.default)(view)
 lowers(aten.permute_copy.default)(permute)
+for _copy, _view in ((aten.select_copy.int, aten.select.int), (aten.slice_copy.Tensor, aten.slice.Tensor),
+                     (aten.split_copy.Tensor, aten.split.Tensor),
+                     (aten.split_with_sizes_copy.default, aten.split_with_sizes.default),
+                     (aten.squeeze_copy.dim, aten.squeeze.dim), (aten.squeeze_copy.dims, aten.squeeze.dims),
+                     (aten.t_copy.default, aten.t.default), (aten.transpose_copy.int, aten.transpose.int),
+                     (aten.unsqueeze_copy.default, aten.unsqueeze.default), (aten.expand_copy.default, aten.expand.default),
+                     (aten.diagonal_copy.default, aten.diagonal.default), (aten.alias_copy.default, aten.alias.default),
+                     (aten.unfold_copy.default, aten.unfold.default)):
+    lowers(_copy)(_as(_view))
+
+
+@lowers(aten.squeeze.default, aten.squeeze_copy.default)
+def squeeze_all(ctx, x):
+    return jnp.reshape(x, tuple(d for d in x.shape if d != 1))
+
+
+@lowers(aten.detach.default, aten.detach_copy.default)
+def detach(ctx, x):
+    return x
 
 
 @lowers(aten.narrow_copy.default)
