@@ -253,3 +253,11 @@ def test_unknown_keyword_options_are_type_errors_naming_them():
 def test_lightweight_conversion_is_accepted():
     edge = litert_torch.convert(Scale(), (torch.randn(2, 4),), lightweight_conversion=True)
     np.testing.assert_allclose(edge(torch.ones(2, 4)), np.full((2, 4), 3.0), rtol=1e-6)
+
+
+def test_litert_torch_names_and_options(tmp_path):
+    conv = litert_torch.Converter().add_signature("a", Scale(), (torch.randn(2, 4),))
+    out = tmp_path / "m.tflite"
+    edge = conv.convert(output_file_path=str(out))
+    assert isinstance(edge, litert_torch.Model) and out.is_file()
+    assert isinstance(litert_torch.load(str(out)), litert_torch.Model)

@@ -325,7 +325,7 @@ def channels_last(module, sample_args: Sequence, sample_kwargs: dict | None = No
 
 # Keyword options of the litert target (litert-torch's lightweight_conversion is accepted and changes
 # nothing: conversion here always streams weights instead of holding copies).
-LITERT_OPTIONS = ("io_dtypes", "skip_passes")
+LITERT_OPTIONS = ("io_dtypes", "skip_passes", "output_file_path")
 _NO_OPS = ("lightweight_conversion",)
 
 
@@ -359,7 +359,15 @@ def convert(module, sample_args: Sequence = (), sample_kwargs: dict | None = Non
     options = _litert_options("convert", options)
     caps = captures([(DEFAULT_SIGNATURE, module, sample_args, sample_kwargs, None)], "litert", strict_export,
                     dynamic_shapes)
-    return build("litert", caps, quant_config=quant_config, **options)
+    return _built_litert(caps, quant_config, options)
+
+
+def _built_litert(caps, quant_config, options):
+    output_file_path = options.pop("output_file_path", None)  # litert-torch's: also write the file
+    edge = build("litert", caps, quant_config=quant_config, **options)
+    if output_file_path is not None:
+        edge.export(output_file_path)
+    return edge
 
 
 def _sample_parts(sample) -> tuple:
@@ -376,11 +384,14 @@ class SignatureSet:
 
     def signature(self, name: str, module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *,
                   dynamic_shapes=None) -> "SignatureSet":
+        """Adds a named entry point (``add_signature`` is litert-torch's name for it)."""
         if any(e[0] == name for e in self.entries):
             raise InputError(f"signature {name!r} is given twice")
         self.entries.append((name, module, tuple(sample_args) if isinstance(sample_args, (tuple, list))
                              else (sample_args,), sample_kwargs, dynamic_shapes))
         return self
+
+    add_signature = signature
 
     def convert(self, module=None, sample_args: Sequence = (), sample_kwargs: dict | None = None, *,
                 quant_config=None, strict_export: bool | str = False, dynamic_shapes=None, **options):
@@ -394,7 +405,7 @@ class SignatureSet:
                 raise InputError(f"signature {DEFAULT_SIGNATURE!r} is given twice")
             entries.append((DEFAULT_SIGNATURE, module, tuple(sample_args) if isinstance(sample_args, (tuple, list))
                             else (sample_args,), sample_kwargs, dynamic_shapes))
-        return build("litert", captures(entries, "litert", strict_export), quant_config=quant_config, **options)
+        return _built_litert(captures(entries, "litert", strict_export), quant_config, options)
 
     def export(self, *, target: str = "tpu", strict_export: bool | str = False, **options):
         if target == "litert":
