@@ -315,8 +315,22 @@ def _drop_input_mutations(ep: ExportedProgram) -> ExportedProgram:
     return ep._update(gm, new_sig)
 
 
+def _drop_effect_tokens(ep: ExportedProgram) -> ExportedProgram:
+    """The program without the effect tokens torch.export threads through side-effecting calls.
+
+    The only ones core ATen graphs get are linalg's error checks (``_linalg_check_errors``: raise
+    if a matrix was singular), which a compiled program cannot raise; they become plain calls that
+    the targets lower to nothing, as they do ``_assert_async``."""
+    sig = ep.graph_signature
+    if not any(s.kind == InputKind.TOKEN for s in sig.input_specs) and \
+            not any(s.kind == OutputKind.TOKEN for s in sig.output_specs):
+        return ep
+    from torch.export._remove_effect_tokens_pass import _remove_effect_tokens
+    return _remove_effect_tokens(ep)
+
+
 def _flatten(ep: ExportedProgram, sample_args, sample_kwargs) -> CapturedProgram:
-    ep = _drop_input_mutations(ep)
+    ep = _drop_input_mutations(_drop_effect_tokens(ep))
     sig = ep.graph_signature
     mutated = [o for o in sig.output_specs if o.kind not in (OutputKind.USER_OUTPUT,)]
     if mutated:

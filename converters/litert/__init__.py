@@ -22,7 +22,7 @@ from torchtpu_export.core_ops import rewritten_core_ops
 from torchtpu_export.errors import InputError
 from torchtpu_export.litert_format import METADATA_NAME, LiteRTArtifact  # noqa: F401
 
-from . import ops_elementwise, ops_index, ops_misc, ops_nn, ops_quant, ops_reduction, ops_shape  # noqa: F401
+from . import ops_composite, ops_elementwise, ops_index, ops_linalg, ops_misc, ops_nn, ops_quant, ops_reduction, ops_shape  # noqa: F401
 from .dims import symbol_ranges
 from .lower import AtenProgram, check_supported  # noqa: F401
 from .passes import PIPELINE, REQUIRED, run_pipeline

@@ -92,4 +92,4 @@ not_supported("a backward (training) op: export inference code", aten.convolutio
               aten.embedding_dense_backward.default, aten.max_pool2d_with_indices_backward.default,
               aten.avg_pool2d_backward.default, aten._adaptive_avg_pool2d_backward.default)
 not_supported("TFLite has no such operator", aten.randperm.default, aten.resize_.default,
-              aten._fft_r2c.default, aten._fft_c2r.default, aten.col2im.default)
+              aten.col2im.default)

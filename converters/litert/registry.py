@@ -41,6 +41,28 @@ def builds(*ops):
     return register
 
 
+def composite(*ops):
+    """Registers a torch function as the TFLite builder of ``ops``: for each node it is traced on the
+    node's (static) shapes into core ATen, and the other builders lower that graph in place.
+
+    For ops TFLite has no builtin for, written once in torch ops TFLite has (a scan unrolled, a
+    series, a fixed-iteration solver)::
+
+        @composite(aten.cumprod.default)
+        def cumprod(x, dim, dtype=None): ...
+    """
+    def register(fn):
+        def rule(ctx, *args, **kwargs):
+            from .lower import inline
+            return inline(ctx, fn, args, kwargs)
+        rule.__name__ = rule.__qualname__ = fn.__name__
+        rule.composite = fn
+        for op in ops:
+            BUILDERS[op] = rule
+        return fn
+    return register
+
+
 def not_supported(reason: str, *ops) -> None:
     for op in ops:
         NOT_SUPPORTED[op] = reason

@@ -69,6 +69,6 @@ def randperm(ctx, n, **kwargs):
 # Runtime checks that torch.export leaves in the graph: the shapes and dtypes they check are
 # fixed at export, and data-dependent ones cannot stop a compiled program, so they lower to nothing.
 @lowers(aten._assert_tensor_metadata.default, aten._assert_scalar.default, aten._assert_async.msg,
-        aten.sym_constrain_range_for_size.default, aten.sym_constrain_range.default)
+        aten.sym_constrain_range_for_size.default, aten.sym_constrain_range.default, aten._linalg_check_errors.default)
 def assertion(ctx, *args, **kwargs):
     return None

@@ -1,0 +1,742 @@
+"""Ops TFLite has no builtin for, written in torch ops it has (see :func:`.registry.composite`).
+
+Each function is traced on the node's static shapes; loops below run at trace time and unroll.
+Scans are log-depth (Hillis-Steele: ceil(log2 n) whole-tensor steps), series are evaluated by
+Horner's rule, and special functions use the recurrences and expansions of Cephes / Numerical
+Recipes that reach float32's precision over the whole domain.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .registry import builds, composite, not_supported
+
+aten = torch.ops.aten
+_PI = math.pi
+
+
+# ---- scans -----------------------------------------------------------------------------------
+
+def _shifted(x: torch.Tensor, dim: int, k: int, fill) -> torch.Tensor:
+    """``x`` moved ``k`` places along ``dim`` (toward higher indices), the first ``k`` filled with ``fill``."""
+    n = x.shape[dim]
+    head = torch.full_like(x.narrow(dim, 0, k), fill)
+    return torch.cat([head, x.narrow(dim, 0, n - k)], dim)
+
+
+def _scan(x: torch.Tensor, dim: int, combine, fill) -> torch.Tensor:
+    dim = dim % max(x.dim(), 1)
+    if x.dim() == 0:
+        return x
+    k, n = 1, x.shape[dim]
+    while k < n:
+        x = combine(_shifted(x, dim, k, fill), x)
+        k *= 2
+    return x
+
+
+@composite(aten.cumprod.default)
+def cumprod(x, dim, dtype=None):
+    if dtype is not None:
+        x = x.to(dtype)
+    return _scan(x, dim, torch.mul, 1)
+
+
+@composite(aten.logcumsumexp.default)
+def logcumsumexp(x, dim):
+    def logaddexp(a, b):
+        m = torch.maximum(a, b)
+        finite = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        return finite + torch.log(torch.exp(a - finite) + torch.exp(b - finite))
+    return _scan(x, dim, logaddexp, -math.inf)
+
+
+def _cum_extreme(x, dim, better):
+    if x.dim() == 0:
+        return x, torch.zeros((), dtype=torch.int64)
+    d = dim % x.dim()
+    shape = [1] * x.dim()
+    shape[d] = x.shape[d]
+    idx = torch.arange(x.shape[d]).reshape(shape).expand(x.shape).contiguous()
+    k, n = 1, x.shape[d]
+    floating = x.is_floating_point()
+    while k < n:
+        pv, pi = _shifted(x, d, k, 0), _shifted(idx, d, k, -1)
+        # the later value wins when it is at least as good, or NaN (torch's sequential rule);
+        # the filled head (index -1) never wins
+        take = better(x, pv) | (pi < 0)
+        if floating:
+            take = take | torch.isnan(x)
+        x, idx = torch.where(take, x, pv), torch.where(take, idx, pi)
+        k *= 2
+    return x, idx
+
+
+@composite(aten.cummax.default)
+def cummax(x, dim):
+    return _cum_extreme(x, dim, torch.ge)
+
+
+@composite(aten.cummin.default)
+def cummin(x, dim):
+    return _cum_extreme(x, dim, torch.le)
+
+
+# ---- elementwise special functions -------------------------------------------------------------
+
+def _horner(x, coeffs):
+    out = torch.full_like(x, coeffs[0])
+    for c in coeffs[1:]:
+        out = out * x + c
+    return out
+
+
+@composite(aten.exp2.default)
+def exp2(x):
+    return torch.pow(2.0, x.float() if not x.is_floating_point() else x)
+
+
+@composite(aten.erfc.default)
+def erfc(x):
+    return 1.0 - torch.erf(x)
+
+
+@composite(aten.erfinv.default)
+def erfinv(y):
+    # Giles (2010), "Approximating the erfinv function", single precision, then one Newton step
+    w = -torch.log((1.0 - y) * (1.0 + y))
+    small = w < 5.0
+    ws = w - 2.5
+    ps = _horner(ws, [2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087,
+                      -0.00125372503, -0.00417768164, 0.246640727, 1.50140941])
+    wl = torch.sqrt(torch.where(small, torch.full_like(w, 5.0), w)) - 3.0
+    pl = _horner(wl, [-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773,
+                      -0.0076224613, 0.00943887047, 1.00167406, 2.83297682])
+    x = torch.where(small, ps, pl) * y
+    x = x - (torch.erf(x) - y) / (2.0 / math.sqrt(_PI) * torch.exp(-x * x))
+    x = torch.where(y.abs() == 1.0, y * math.inf, x)
+    return torch.where(y.abs() > 1.0, torch.full_like(y, math.nan), x)
+
+
+_LANCZOS_G = 7.0
+_LANCZOS = [0.99999999999980993, 676.5203681218851, -1259.1392167224028, 771.32342877765313,
+            -176.61502916214059, 12.507343278686905, -0.13857109526572012, 9.9843695780195716e-6,
+            1.5056327351493116e-7]
+
+
+def _lgamma_positive(x):
+    # x >= 0.5: Lanczos (g = 7, n = 9) on x - 1
+    z = x - 1.0
+    s = torch.full_like(x, _LANCZOS[0])
+    for i, c in enumerate(_LANCZOS[1:], start=1):
+        s = s + c / (z + i)
+    t = z + _LANCZOS_G + 0.5
+    return 0.5 * math.log(2 * _PI) + (z + 0.5) * torch.log(t) - t + torch.log(s)
+
+
+def _sin_pi(x):
+    # sin(pi x) with the argument reduced first: exact zeros at the integers
+    r = x - 2.0 * torch.floor(x * 0.5)   # [0, 2)
+    return torch.sin(_PI * torch.where(r > 1.0, r - 2.0, r))
+
+
+@composite(aten.lgamma.default)
+def lgamma(x):
+    x = x.float() if not x.is_floating_point() else x
+    reflect = x < 0.5
+    xr = torch.where(reflect, 1.0 - x, x)
+    big = xr > 1e6   # Stirling, where the series' terms would lose their precision
+    stirling = xr * (torch.log(xr) - 1.0) - 0.5 * torch.log(xr) + 0.5 * math.log(2 * _PI)
+    pos = torch.where(big, stirling, _lgamma_positive(torch.where(big, torch.ones_like(xr), xr)))
+    s = _sin_pi(x).abs()
+    neg = math.log(_PI) - torch.log(s) - pos
+    out = torch.where(reflect, neg, pos)
+    # the poles (0, -1, -2, ...) are +inf; +inf stays inf, nan stays nan
+    return torch.where(reflect & (s == 0.0), torch.full_like(x, math.inf), out)
+
+
+_SHIFT = 8   # recurrence steps before the asymptotic expansions (their error is below 1e-8 from x = 8)
+
+
+@composite(aten.digamma.default)
+def digamma(x):
+    x = x.float() if not x.is_floating_point() else x
+    reflect = x < 0.5
+    xr = torch.where(reflect, 1.0 - x, x)
+    acc = torch.zeros_like(xr)
+    for _ in range(_SHIFT):
+        acc = acc - 1.0 / xr
+        xr = xr + 1.0
+    inv2 = 1.0 / (xr * xr)
+    series = inv2 * _horner(inv2, [-1.0 / 240, 1.0 / 252, -1.0 / 120, 1.0 / 12])
+    psi = torch.log(xr) - 0.5 / xr - series + acc
+    out = torch.where(reflect, psi - _PI / torch.tan(_PI * _reduce_half(x)), psi)
+    # torch: -inf at 0 (+inf at -0), nan at the negative integers
+    pole = reflect & (torch.frac(x) == 0.0)
+    out = torch.where(pole, torch.full_like(x, math.nan), out)
+    return torch.where(x == 0.0, torch.where(torch.signbit(x), math.inf, -math.inf), out)
+
+
+def _reduce_half(x):
+    # x - round(x): tan(pi x) has period 1, and the reduced argument keeps its precision
+    return x - torch.round(x)
+
+
+def _hurwitz_zeta(s: int, q):
+    """zeta(s, q) = sum_k (q + k)^-s for an integer s >= 2: direct terms, then Euler-Maclaurin."""
+    acc = torch.zeros_like(q)
+    a = q
+    for _ in range(_SHIFT):
+        acc = acc + torch.pow(a, -float(s))
+        a = a + 1.0
+    # tail from a: a^(1-s)/(s-1) + a^-s/2 + sum_j B2j/(2j)! s(s+1)..(s+2j-2) a^(-s-2j+1)
+    tail = torch.pow(a, 1.0 - s) / (s - 1) + 0.5 * torch.pow(a, -float(s))
+    bernoulli = [1.0 / 6, -1.0 / 30, 1.0 / 42, -1.0 / 30, 5.0 / 66, -691.0 / 2730, 7.0 / 6]
+    fact, rising = 1.0, float(s)
+    term_pow = torch.pow(a, -float(s) - 1.0)
+    inv2 = 1.0 / (a * a)
+    for j, b in enumerate(bernoulli, start=1):
+        fact *= (2 * j - 1) * (2 * j) if j > 1 else 2
+        tail = tail + (b / fact * rising) * term_pow
+        rising *= (s + 2 * j - 1) * (s + 2 * j)
+        term_pow = term_pow * inv2
+    out = acc + tail
+    # poles at q = 0, -1, -2, ...
+    return torch.where((q <= 0) & (torch.frac(q) == 0.0), torch.full_like(q, math.inf), out)
+
+
+@composite(aten.polygamma.default)
+def polygamma(n, x):
+    x = x.float() if not x.is_floating_point() else x
+    if n == 0:
+        return digamma(x)
+    sign = 1.0 if n % 2 == 1 else -1.0
+    return sign * math.factorial(n) * _hurwitz_zeta(n + 1, x)
+
+
+@builds(aten.signbit.default)
+def signbit(ctx, x):
+    if x.dtype.kind != "f":
+        return ctx.op("LESS", [x, ctx.scalar_like(0, x)], dtype=np.dtype(np.bool_))
+    # the sign bit itself (-0.0 and -nan included): the float's bits as an int32
+    bits = ctx.op("BITCAST", [ctx.cast(x, np.float32)], shape=x.shape, dtype=np.int32)
+    return ctx.op("LESS", [bits, ctx.const(np.int32(0))], dtype=np.dtype(np.bool_))
+
+
+@composite(aten.copysign.Tensor, aten.copysign.Scalar)
+def copysign(a, b):
+    a = a.float() if not a.is_floating_point() else a
+    negative = torch.signbit(b) if isinstance(b, torch.Tensor) else torch.full_like(a, math.copysign(1.0, b)) < 0
+    return torch.where(negative, -a.abs(), a.abs())
+
+
+@composite(aten.ldexp.Tensor)
+def ldexp(x, e):
+    x = x.float() if not x.is_floating_point() else x
+    return x * torch.pow(2.0, e.to(x.dtype))
+
+
+@builds(aten.nextafter.default)
+def nextafter(ctx, x, y):
+    # one step of the float's bits toward y: +1 away from zero, -1 toward it
+    i32, f32, b = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.bool_)
+    x, y = ctx.cast(x, f32), ctx.cast(y, f32)
+    shape = ctx.out_shape()
+    x, y = ctx.broadcast_to(x, shape), ctx.broadcast_to(y, shape)
+    bits = ctx.op("BITCAST", [x], shape=shape, dtype=i32)
+    up = ctx.op("GREATER", [y, x], shape=shape, dtype=b)
+    positive = ctx.op("GREATER", [x, ctx.const(np.float32(0))], shape=shape, dtype=b)
+    away = ctx.op("EQUAL", [up, positive], shape=shape, dtype=b)
+    step = ctx.op("SELECT_V2", [away, ctx.const(np.int32(1)), ctx.const(np.int32(-1))], shape=shape, dtype=i32)
+    moved = ctx.op("BITCAST", [ctx.op("ADD", [bits, step], shape=shape, dtype=i32)], shape=shape, dtype=f32)
+    # from zero: the smallest subnormal with y's sign
+    tiny = ctx.op("SELECT_V2", [up, ctx.const(np.float32(1.4e-45)), ctx.const(np.float32(-1.4e-45))],
+                  shape=shape, dtype=f32)
+    zero = ctx.op("EQUAL", [x, ctx.const(np.float32(0))], shape=shape, dtype=b)
+    moved = ctx.op("SELECT_V2", [zero, tiny, moved], shape=shape, dtype=f32)
+    same = ctx.op("EQUAL", [x, y], shape=shape, dtype=b)
+    out = ctx.op("SELECT_V2", [same, y, moved], shape=shape, dtype=f32)
+    # NaN in, NaN out (x + y is NaN exactly when either is)
+    nan = ctx.op("NOT_EQUAL", [ctx.op("ADD", [x, y], shape=shape, dtype=f32)] * 2, shape=shape, dtype=b)
+    out = ctx.op("SELECT_V2", [nan, ctx.const(np.float32(np.nan)), out], shape=shape, dtype=f32)
+    return ctx.cast(out, ctx.out_dtype())
+
+
+@composite(aten.angle.default)
+def angle(x):
+    x = x.float() if not x.is_floating_point() else x
+    out = torch.where(x < 0, torch.full_like(x, _PI), torch.zeros_like(x))
+    return torch.where(torch.isnan(x), x, out)
+
+
+@composite(aten.dist.default)
+def dist(a, b, p=2):
+    return torch.linalg.vector_norm(a - b, p)
+
+
+def _gcd(a, b):
+    a, b = a.abs(), b.abs()
+    a, b = torch.broadcast_tensors(a, b)
+    for _ in range(46):   # Euclid's steps for any pair of int32 values (the Fibonacci bound)
+        zero = b == 0
+        safe = torch.where(zero, torch.ones_like(b), b)
+        a, b = torch.where(zero, a, b), torch.where(zero, b, torch.remainder(a, safe))
+    return a
+
+
+@composite(aten.gcd.default)
+def gcd(a, b):
+    return _gcd(a, b)
+
+
+@composite(aten.lcm.default)
+def lcm(a, b):
+    g = _gcd(a, b)
+    safe = torch.where(g == 0, torch.ones_like(g), g)
+    return torch.where(g == 0, torch.zeros_like(g), (a // safe * b).abs())
+
+
+# ---- sorting and searching --------------------------------------------------------------------
+
+def _search(boundaries, values, right: bool):
+    """For each value, how many boundaries (sorted along the last dim) lie below it (or at it, ``right``)."""
+    if boundaries.dim() == 1:
+        b = boundaries.reshape((1,) * values.dim() + (-1,))
+        v = values.unsqueeze(-1)
+    else:
+        b = boundaries.unsqueeze(-2)
+        v = values.unsqueeze(-1)
+    below = (b <= v) if right else (b < v)
+    return below.sum(-1)
+
+
+@composite(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
+def searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=None, sorter=None):
+    if sorter is not None:
+        sorted_sequence = torch.gather(sorted_sequence, -1, sorter)
+    if not isinstance(values, torch.Tensor):
+        values = torch.full((), values, dtype=sorted_sequence.dtype)
+    out = _search(sorted_sequence, values, right or side == "right")
+    return out.to(torch.int32 if out_int32 else torch.int64)
+
+
+@composite(aten.bucketize.Tensor, aten.bucketize.Scalar)
+def bucketize(values, boundaries, *, out_int32=False, right=False):
+    if not isinstance(values, torch.Tensor):
+        values = torch.full((), values, dtype=boundaries.dtype)
+    out = _search(boundaries, values, right)
+    return out.to(torch.int32 if out_int32 else torch.int64)
+
+
+def _kth(x, k: int, dim: int, keepdim: bool):
+    if x.dim() == 0:
+        return x, torch.zeros((), dtype=torch.int64)
+    d = dim % x.dim()
+    values, indices = torch.sort(x, dim=d, stable=True)
+    v, i = values.narrow(d, k, 1), indices.narrow(d, k, 1)
+    return (v, i) if keepdim else (v.squeeze(d), i.squeeze(d))
+
+
+@composite(aten.kthvalue.default)
+def kthvalue(x, k, dim=-1, keepdim=False):
+    return _kth(x, k - 1, dim, keepdim)
+
+
+def _median_dim(x, dim, keepdim, ignore_nan: bool):
+    if x.dim() == 0:
+        return x, torch.zeros((), dtype=torch.int64)
+    d = dim % x.dim()
+    n = x.shape[d]
+    nan = torch.isnan(x)
+    # NaNs sort last (as +inf, after the real infinities: a stable sort keeps their order)
+    key = torch.where(nan, torch.full_like(x, math.inf), x)
+    values, indices = torch.sort(key, dim=d, stable=True)
+    if ignore_nan:
+        count = (~nan).sum(d, keepdim=True)
+        k = torch.clamp((count - 1) // 2, min=0)
+        v, i = torch.gather(values, d, k), torch.gather(indices, d, k)
+        v = torch.where(count == 0, torch.full_like(v, math.nan), v)
+    else:
+        k = (n - 1) // 2
+        v, i = values.narrow(d, k, 1), indices.narrow(d, k, 1)
+        # any NaN: the median is NaN, at the first NaN
+        has_nan = nan.any(d, keepdim=True)
+        first_nan = torch.argmax(nan.to(torch.int32), d, keepdim=True)
+        v = torch.where(has_nan, torch.full_like(v, math.nan), v)
+        i = torch.where(has_nan, first_nan, i)
+    return (v, i) if keepdim else (v.squeeze(d), i.squeeze(d))
+
+
+@composite(aten.median.dim)
+def median_dim(x, dim=0, keepdim=False):
+    return _median_dim(x, dim, keepdim, False)
+
+
+@composite(aten.median.default)
+def median(x):
+    return _median_dim(x.reshape(-1), 0, False, False)[0]
+
+
+@composite(aten.nanmedian.dim)
+def nanmedian_dim(x, dim=0, keepdim=False):
+    return _median_dim(x, dim, keepdim, True)
+
+
+@composite(aten.nanmedian.default)
+def nanmedian(x):
+    return _median_dim(x.reshape(-1), 0, False, True)[0]
+
+
+# ---- indexing --------------------------------------------------------------------------------
+
+@composite(aten.index_reduce.default)
+def index_reduce(x, dim, index, source, reduce, include_self=True):
+    scalar = x.dim() == 0
+    if scalar:
+        x, source = x.reshape(1), source.reshape(1)
+    d = dim % x.dim()
+    xm, sm = x.movedim(d, 0), source.movedim(d, 0)
+    n, m = xm.shape[0], sm.shape[0]
+    rest = (1,) * (xm.dim() - 1)
+    hits = index.reshape(1, m) == torch.arange(n).reshape(n, 1)     # (n, m): source row j goes to row i
+    mask = hits.reshape((n, m) + rest)
+    vals = sm.unsqueeze(0)
+    hit = hits.any(1).reshape((n,) + rest)
+    if reduce == "prod":
+        red = torch.where(mask, vals, torch.ones_like(vals)).prod(1)
+        red = red * xm if include_self else red
+    elif reduce in ("amax", "amin"):
+        fill = -math.inf if reduce == "amax" else math.inf
+        if not xm.is_floating_point():
+            info = torch.iinfo(xm.dtype)
+            fill = info.min if reduce == "amax" else info.max
+        masked = torch.where(mask, vals, torch.full_like(vals, fill))
+        red = masked.amax(1) if reduce == "amax" else masked.amin(1)
+        if include_self:
+            red = torch.maximum(red, xm) if reduce == "amax" else torch.minimum(red, xm)
+    elif reduce == "mean":
+        total = torch.where(mask, vals, torch.zeros_like(vals)).sum(1)
+        count = hits.sum(1).reshape((n,) + rest).to(xm.dtype)
+        if include_self:
+            total, count = total + xm, count + 1
+        red = total / count if xm.is_floating_point() else torch.div(total, count, rounding_mode="floor")
+    else:
+        raise NotImplementedError(f"index_reduce {reduce!r}")
+    out = torch.where(hit, red.to(xm.dtype), xm).movedim(0, d)
+    return out.reshape(()) if scalar else out
+
+
+@composite(aten.diagonal_scatter.default)
+def diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
+    d1, d2 = dim1 % x.dim(), dim2 % x.dim()
+    xm = x.movedim((d1, d2), (-2, -1))
+    a, b = xm.shape[-2], xm.shape[-1]
+    i = torch.arange(a).reshape(a, 1)
+    j = torch.arange(b).reshape(1, b)
+    on = (j - i) == offset
+    k = (i if offset >= 0 else j).expand(a, b)
+    length = src.shape[-1]
+    if length == 0:
+        return x.clone()
+    k = torch.clamp(k, max=length - 1)
+    spread = src.index_select(-1, k.reshape(-1)).reshape(src.shape[:-1] + (a, b))
+    return torch.where(on, spread, xm).movedim((-2, -1), (d1, d2))
+
+
+@composite(aten.as_strided_scatter.default)
+def as_strided_scatter(x, src, size, stride, storage_offset=None):
+    flat = x.reshape(-1)
+    pos = np.full(tuple(size), int(storage_offset or 0), np.int64)
+    for d, (n, s) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[d] = n
+        pos = pos + (np.arange(n) * s).reshape(shape)
+    if pos.size == 0:
+        return x.clone()
+    index = torch.from_numpy(pos.reshape(-1).copy())
+    return flat.index_put((index,), src.reshape(-1)).reshape(x.shape)
+
+
+@composite(aten.put.default)
+def put(x, index, source, accumulate=False):
+    flat = x.reshape(-1)
+    idx = index.reshape(-1)
+    idx = torch.where(idx < 0, idx + flat.shape[0], idx)
+    return flat.index_put((idx,), source.reshape(-1), accumulate=accumulate).reshape(x.shape)
+
+
+@composite(aten.nonzero_static.default)
+def nonzero_static(x, *, size, fill_value=-1):
+    flat = (x != 0).reshape(-1)
+    n = flat.shape[0]
+    coords = np.stack(np.unravel_index(np.arange(n), x.shape), -1) if x.dim() else np.zeros((n, 0), np.int64)
+    coords = torch.from_numpy(coords.astype(np.int64))
+    rank = torch.cumsum(flat.to(torch.int64), 0) - 1
+    pick = flat.reshape(1, n) & (rank.reshape(1, n) == torch.arange(size).reshape(size, 1))   # (size, n)
+    found = pick.any(1, keepdim=True)
+    rows = (pick.to(torch.int64).unsqueeze(-1) * coords.unsqueeze(0)).sum(1)
+    return torch.where(found, rows, torch.full_like(rows, fill_value))
+
+
+@composite(aten.resize.default)
+def resize(x, size, memory_format=None):
+    need = math.prod(size)
+    flat = x.reshape(-1)
+    if need > flat.shape[0]:   # torch leaves the new elements uninitialised: zeros here
+        flat = torch.cat([flat, flat.new_zeros(need - flat.shape[0])])
+    return flat[:need].reshape(size)
+
+
+@composite(aten._trilinear.default)
+def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    for d in sorted(expand1):
+        i1 = i1.unsqueeze(d)
+    for d in sorted(expand2):
+        i2 = i2.unsqueeze(d)
+    for d in sorted(expand3):
+        i3 = i3.unsqueeze(d)
+    out = i1 * i2 * i3
+    return out.sum(list(sumdim)) if sumdim else out
+
+
+@composite(aten.segment_reduce.default)
+def segment_reduce(data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False, initial=None):
+    if lengths is None and offsets is None:
+        raise NotImplementedError("segment_reduce without lengths or offsets")
+    if lengths is not None:
+        ends = torch.cumsum(lengths, -1)
+        starts = ends - lengths
+    else:
+        starts, ends = offsets[..., :-1], offsets[..., 1:]
+    d = axis % data.dim()
+    if lengths is not None and lengths.dim() > 1 or offsets is not None and offsets.dim() > 1:
+        raise NotImplementedError("segment_reduce over batched lengths")
+    dm = data.movedim(d, 0)                       # (n, ...)
+    n, s = dm.shape[0], starts.shape[0]
+    pos = torch.arange(n).reshape(1, n)
+    member = (pos >= starts.reshape(s, 1)) & (pos < ends.reshape(s, 1))      # (s, n)
+    mask = member.reshape((s, n) + (1,) * (dm.dim() - 1))
+    vals = dm.unsqueeze(0)
+    count = member.sum(1).reshape((s,) + (1,) * (dm.dim() - 1))
+    empty = count == 0
+    init = math.nan if initial is None else float(initial)
+    if reduce in ("max", "min"):
+        fill = -math.inf if reduce == "max" else math.inf
+        masked = torch.where(mask, vals, torch.full_like(vals, fill))
+        red = masked.amax(1) if reduce == "max" else masked.amin(1)
+        # NaN in a segment makes its result NaN
+        has_nan = (torch.isnan(vals) & mask).any(1)
+        red = torch.where(has_nan, torch.full_like(red, math.nan), red)
+        if initial is not None:
+            red = torch.maximum(red, torch.full_like(red, init)) if reduce == "max" else \
+                torch.minimum(red, torch.full_like(red, init))
+    elif reduce in ("sum", "mean"):
+        red = torch.where(mask, vals, torch.zeros_like(vals)).sum(1)
+        if initial is not None:
+            red = red + init
+        if reduce == "mean":
+            red = red / torch.clamp(count, min=1).to(red.dtype)
+    elif reduce == "prod":
+        red = torch.where(mask, vals, torch.ones_like(vals)).prod(1)
+        if initial is not None:
+            red = red * init
+    else:
+        raise NotImplementedError(f"segment_reduce {reduce!r}")
+    red = torch.where(empty, torch.full_like(red, init if reduce != "sum" or initial is not None else 0.0), red)
+    return red.movedim(0, d)
+
+
+def _adaptive_windows(n: int, out: int):
+    return [(i * n // out, -(-(i + 1) * n // out)) for i in range(out)]
+
+
+@composite(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
+def adaptive_max_pool(x, output_size):
+    k = len(output_size)
+    spatial = x.shape[-k:]
+    windows = [_adaptive_windows(n, o) for n, o in zip(spatial, output_size)]
+    strides = [math.prod(spatial[i + 1:]) for i in range(k)]
+    values, indices = [], []
+    for starts in np.ndindex(*output_size):
+        bounds = [windows[a][starts[a]] for a in range(k)]
+        win = x
+        for a, (lo, hi) in enumerate(bounds):
+            win = win.narrow(x.dim() - k + a, lo, hi - lo)
+        sizes = [hi - lo for lo, hi in bounds]
+        flat = win.reshape(win.shape[:-k] + (-1,))
+        v, local = torch.max(flat, -1)
+        # NaN wins (torch's max pools propagate it)
+        isnan = torch.isnan(flat)
+        has_nan = isnan.any(-1)
+        local = torch.where(has_nan, torch.argmax(isnan.to(torch.int32), -1), local)
+        v = torch.where(has_nan, torch.full_like(v, math.nan), v)
+        glob = torch.zeros_like(local)
+        rest = local
+        for a in reversed(range(k)):
+            coord = torch.remainder(rest, sizes[a]) + bounds[a][0]
+            rest = torch.div(rest, sizes[a], rounding_mode="floor")
+            glob = glob + coord * strides[a]
+        values.append(v)
+        indices.append(glob)
+    shape = x.shape[:-k] + tuple(output_size)
+    return torch.stack(values, -1).reshape(shape), torch.stack(indices, -1).reshape(shape)
+
+
+def _shift(ctx, a, b, left: bool):
+    # TFLite shifts by the amount modulo the width; torch gives 0 (left) or the sign (right) past it
+    i32, bdt = np.dtype(np.int32), np.dtype(np.bool_)
+    shape = ctx.out_shape()
+    a = ctx.broadcast_to(ctx.cast(a if not np.isscalar(a) else ctx.const(a), i32), shape)
+    b = ctx.broadcast_to(ctx.cast(b if not np.isscalar(b) else ctx.const(b), i32), shape)
+    inside = ctx.op("LOGICAL_AND", [ctx.op("GREATER_EQUAL", [b, ctx.const(np.int32(0))], shape=shape, dtype=bdt),
+                                    ctx.op("LESS", [b, ctx.const(np.int32(32))], shape=shape, dtype=bdt)],
+                    shape=shape, dtype=bdt)
+    amount = ctx.op("SELECT_V2", [inside, b, ctx.const(np.int32(0))], shape=shape, dtype=i32)
+    shifted = ctx.op("STABLEHLO_SHIFT_LEFT" if left else "RIGHT_SHIFT", [a, amount], shape=shape, dtype=i32)
+    if left:
+        past = ctx.const(np.int32(0))
+    else:
+        past = ctx.op("SELECT_V2", [ctx.op("LESS", [a, ctx.const(np.int32(0))], shape=shape, dtype=bdt),
+                                    ctx.const(np.int32(-1)), ctx.const(np.int32(0))], shape=shape, dtype=i32)
+    out = ctx.op("SELECT_V2", [inside, shifted, past], shape=shape, dtype=i32)
+    return ctx.cast(out, ctx.out_dtype())
+
+
+@builds(aten.bitwise_left_shift.Tensor, aten.bitwise_left_shift.Tensor_Scalar, aten.bitwise_left_shift.Scalar_Tensor,
+        aten.__lshift__.Tensor, aten.__lshift__.Scalar)
+def left_shift(ctx, a, b):
+    return _shift(ctx, a, b, True)
+
+
+@builds(aten.bitwise_right_shift.Tensor, aten.bitwise_right_shift.Tensor_Scalar,
+        aten.bitwise_right_shift.Scalar_Tensor, aten.__rshift__.Tensor, aten.__rshift__.Scalar)
+def right_shift(ctx, a, b):
+    return _shift(ctx, a, b, False)
+
+
+# ---- complex numbers and FFTs ------------------------------------------------------------------
+# TFLite's complex64 tensors hold (real, imaginary) float32 pairs: BITCAST views them as a trailing
+# dim of 2 and back. Arithmetic runs on the float parts (TFLite's ADD has no complex kernel).
+
+@builds(aten.view_as_real.default)
+def view_as_real(ctx, x):
+    return ctx.op("BITCAST", [x], shape=x.shape + (2,), dtype=np.float32)
+
+
+@builds(aten.view_as_complex.default)
+def view_as_complex(ctx, x):
+    return ctx.op("BITCAST", [ctx.cast(x, np.float32)], shape=x.shape[:-1], dtype=np.complex64)
+
+
+def _parts(x):
+    if x.is_complex():
+        r = torch.view_as_real(x)
+        return r[..., 0], r[..., 1]
+    return x, None
+
+
+def _complex(re, im):
+    return torch.view_as_complex(torch.stack([re, im], -1))
+
+
+@composite(aten.complex.default)
+def complex_(re, im):
+    re, im = torch.broadcast_tensors(re.float(), im.float())
+    return _complex(re, im)
+
+
+@composite(aten.polar.default)
+def polar(r, theta):
+    r, theta = torch.broadcast_tensors(r.float(), theta.float())
+    return _complex(r * torch.cos(theta), r * torch.sin(theta))
+
+
+@composite(aten._conj.default, aten.conj_physical.default, aten._conj_physical.default)
+def conj(x):
+    if not x.is_complex():
+        return x.clone()
+    re, im = _parts(x)
+    return _complex(re, -im)
+
+
+def _angles(n_in: int, n_out: int, n: int) -> np.ndarray:
+    # 2 pi j k / n for j < n_in (input position), k < n_out (frequency), with j k reduced mod n
+    jk = (np.arange(n_in).reshape(-1, 1) * np.arange(n_out).reshape(1, -1)) % n
+    return 2.0 * np.pi * jk / n
+
+
+def _matmul_last(x, m: np.ndarray):
+    return torch.matmul(x, torch.from_numpy(m.astype(np.float32)))
+
+
+def _dft(re, im, dim: int, sign: float):
+    """The complex DFT along ``dim`` of (re, im) (im None: real), e^{sign 2 pi i jk/n}."""
+    re = re.movedim(dim, -1)
+    im = im.movedim(dim, -1) if im is not None else None
+    n = re.shape[-1]
+    theta = _angles(n, n, n)
+    c, s = np.cos(theta), sign * np.sin(theta)
+    out_re = _matmul_last(re, c)
+    out_im = _matmul_last(re, s)
+    if im is not None:
+        out_re = out_re - _matmul_last(im, s)
+        out_im = out_im + _matmul_last(im, c)
+    return out_re.movedim(-1, dim), out_im.movedim(-1, dim)
+
+
+def _normalize(re, im, normalization: int, n: int):
+    scale = {0: 1.0, 1: 1.0 / math.sqrt(n), 2: 1.0 / n}[int(normalization)]
+    if scale == 1.0:
+        return re, im
+    return re * scale, (im * scale if im is not None else None)
+
+
+@composite(aten._fft_c2c.default)
+def fft_c2c(x, dim, normalization, forward):
+    re, im = _parts(x)
+    for d in dim:
+        re, im = _dft(re, im, d, -1.0 if forward else 1.0)
+    re, im = _normalize(re, im, normalization, math.prod(x.shape[d] for d in dim))
+    return _complex(re, im)
+
+
+@composite(aten._fft_r2c.default)
+def fft_r2c(x, dim, normalization, onesided):
+    x = x.float()
+    last = dim[-1] % x.dim()
+    n = x.shape[last]
+    keep = n // 2 + 1 if onesided else n
+    xm = x.movedim(last, -1)
+    theta = _angles(n, keep, n)
+    re = _matmul_last(xm, np.cos(theta)).movedim(-1, last)
+    im = _matmul_last(xm, -np.sin(theta)).movedim(-1, last)
+    for d in dim[:-1]:
+        re, im = _dft(re, im, d, -1.0)
+    re, im = _normalize(re, im, normalization, math.prod(x.shape[d] for d in dim))
+    return _complex(re, im)
+
+
+@composite(aten._fft_c2r.default)
+def fft_c2r(x, dim, normalization, last_dim_size):
+    re, im = _parts(x)
+    for d in dim[:-1]:
+        re, im = _dft(re, im, d, 1.0)
+    last = dim[-1] % x.dim()
+    n = int(last_dim_size)
+    m = min(re.shape[last], n // 2 + 1)
+    re = re.movedim(last, -1)[..., :m]
+    im = im.movedim(last, -1)[..., :m]
+    # the other half of the spectrum is the conjugate of this one: each inner bin counts twice
+    w = np.full(m, 2.0)
+    w[0] = 1.0
+    if n % 2 == 0 and m == n // 2 + 1:
+        w[-1] = 1.0
+    theta = _angles(m, n, n)                      # (bins, samples)
+    out = _matmul_last(re, w.reshape(-1, 1) * np.cos(theta)) - _matmul_last(im, w.reshape(-1, 1) * np.sin(theta))
+    out = out.movedim(-1, last)
+    sizes = [x.shape[d] for d in dim[:-1]] + [n]
+    return _normalize(out, None, normalization, math.prod(sizes))[0]
+
