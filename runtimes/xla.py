@@ -55,6 +55,7 @@ class XlaRunner:
         self.uses_x64 = bool(spec.get("uses_x64", True))
         self.dims = {k: tuple(v) for k, v in spec.get("dims", {}).items()}
         self.ragged = {int(i): pos for i, pos in spec.get("ragged_outputs", {}).items()}
+        self.rng_key = bool(spec.get("rng_key", False))
         self.platform = platform
         self.mesh, self._input_shardings = None, None
         with jax.enable_x64(self.uses_x64):
@@ -78,6 +79,8 @@ class XlaRunner:
             if self._call is None:
                 self._call = jax.jit(self.exported.call)
         avals = self.exported.in_avals[len(self.weights):]
+        if self.rng_key:
+            avals = avals[:-1]
         if len(avals) != len(self.inputs):
             raise ArtifactError("the manifest's inputs do not match the program's arguments")
         self._input_dtypes = [np.dtype(a.dtype).name for a in avals]
@@ -109,11 +112,20 @@ class XlaRunner:
         with jax.enable_x64(self.uses_x64):
             if self._input_shardings:
                 arrays = [jax.device_put(a, sh) for a, sh in zip(arrays, self._input_shardings)]
+            if self.rng_key:
+                arrays.append(new_key())
             outs = [np.asarray(o) for o in self._call(self.weights, *arrays)]
         # data-dependent row counts: the program pads, its extra outputs say how many rows are real
         for i, pos in self.ragged.items():
             outs[i] = outs[i][:int(outs[pos])]
         return outs[:len(self.outputs)]
+
+
+def new_key() -> np.ndarray:
+    """A PRNG key (``uint32[2]``) for one call of a program with random ops, drawn from torch's
+    default generator: ``torch.manual_seed`` makes a sequence of calls repeatable, as in eager."""
+    import torch
+    return torch.randint(0, 2 ** 32, (2,), dtype=torch.int64).numpy().astype(np.uint32)
 
 
 def _named(mesh, spec):

@@ -77,7 +77,7 @@ def test_unsupported_op_is_reported_by_name():
 
 def test_bad_options_and_signatures():
     model, args = zoo.small_cnn()
-    with pytest.raises(InputError, match="unknown option"):
+    with pytest.raises(TypeError, match="unknown option"):
         tte.export(model, args, target="onnx", colour="blue")
     prog = tte.export(model, args, target="onnx")
     with pytest.raises(InputError, match="one program"):

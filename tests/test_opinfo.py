@@ -13,7 +13,8 @@ def test_opinfo_case_runs_and_mismatch_is_caught():
 
     cells = opinfo.run_opinfo("cumsum", ["xla"])
     assert cells["xla"]["status"] == "pass", cells
-    entry, samples, batch = opinfo.prepare("cumsum")
+    entry, samples, batch, kind = opinfo.prepare("cumsum")
+    assert kind is None
     outs = [np.asarray(r) for ref in batch.refs for r in ref]
     assert compare_outputs(entry, samples, batch.refs, outs, columns()["xla"]).status == "pass"
     outs[0] = outs[0] + 1.0

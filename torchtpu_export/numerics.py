@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import numpy as np
@@ -65,3 +66,93 @@ def compare(outputs: Sequence, references: Sequence, rtol: float = DEFAULT_RTOL)
                 ok, detail = False, f"output {i}: {int(mismatch.sum())} of {o.size} values differ"
         worst_abs, worst_rel = max(worst_abs, abs_err), max(worst_rel, rel)
     return Agreement(worst_abs, worst_rel, ok, detail)
+
+
+PERMUTATIONS = 400   # a call-level permutation test: a p-value down to 1/401
+
+
+def ks_statistic(a: np.ndarray, b: np.ndarray) -> float:
+    """The two-sample Kolmogorov-Smirnov statistic: the largest gap between the empirical CDFs."""
+    a, b = np.sort(a), np.sort(b)
+    grid = np.concatenate([a, b])
+    fa = np.searchsorted(a, grid, side="right") / a.size
+    fb = np.searchsorted(b, grid, side="right") / b.size
+    return float(np.max(np.abs(fa - fb))) if grid.size else 0.0
+
+
+def _call_ks_test(ref: np.ndarray, got: np.ndarray, tol: float = 0.0, seed: int = 0) -> tuple[float, float]:
+    """(KS statistic of the pooled values, permutation p-value) for two sets of calls (calls x values).
+
+    Values within ``tol`` count as equal (float rounding moves a value, not its probability): the
+    statistic is the largest of F_a(x) - F_b(x + tol) and F_b(x) - F_a(x + tol). Values of one call
+    can be correlated (a dropped channel zeroes many at once), so the null distribution is built by
+    permuting whole calls between the two sets, not single values."""
+    calls = np.concatenate([ref, got])
+    grid = np.unique(calls)
+    ordered = [np.sort(c) for c in calls]
+    # per call, how many of its values lie at or below each grid point (and each grid point + tol)
+    low = np.stack([np.searchsorted(c, grid, side="right") for c in ordered]).astype(np.float64)
+    high = np.stack([np.searchsorted(c, grid + tol, side="right") for c in ordered]).astype(np.float64)
+    k, per_call = ref.shape[0], ref.shape[1]
+
+    def stat(first: np.ndarray) -> float:
+        na, nb = first.sum() * per_call, (~first).sum() * per_call
+        a_low, a_high = low[first].sum(0) / na, high[first].sum(0) / na
+        b_low, b_high = low[~first].sum(0) / nb, high[~first].sum(0) / nb
+        return float(max(np.max(a_low - b_high), np.max(b_low - a_high), 0.0))
+
+    first = np.zeros(len(calls), bool)
+    first[:k] = True
+    observed = stat(first)
+    rng = np.random.default_rng(seed)
+    exceed = sum(stat(rng.permutation(first)) >= observed for _ in range(PERMUTATIONS))
+    return observed, (exceed + 1) / (PERMUTATIONS + 1)
+
+
+def same_distribution(reference_runs: Sequence, runs: Sequence, rtol: float = DEFAULT_RTOL,
+                      alpha: float = 0.005) -> Agreement:
+    """Whether repeated calls of a random program agree in distribution with repeated eager calls.
+
+    Each argument holds the outputs of several calls (lists of arrays, same shapes). Per output:
+    elements that eager gives the same value on every call are compared as values (a majority of
+    the program's calls must match them: the rare draw of a near-certain event is allowed); the
+    others must change from call to call, and their values must pass a two-sample
+    Kolmogorov-Smirnov test against eager's (values within ``rtol`` of the output's scale count as
+    equal), its null distribution from permuting whole calls (values within a call may be
+    correlated); NaN counts as +inf. ``max_abs_err`` is the largest
+    KS statistic, ``max_rel_err`` the smallest p-value's shortfall below 1.
+    """
+    worst_d, worst_p = 0.0, 1.0
+    for i in range(len(reference_runs[0])):
+        ref = np.stack([as_numpy(r[i]) for r in reference_runs])
+        got = np.stack([as_numpy(r[i]) for r in runs])
+        if ref.dtype.kind == "c":
+            ref, got = np.concatenate([ref.real, ref.imag], -1), np.concatenate([got.real, got.imag], -1)
+        ref, got = ref.astype(np.float64), got.astype(np.float64)
+        ref, got = np.where(np.isnan(ref), np.inf, ref), np.where(np.isnan(got), np.inf, got)
+        fixed = np.all(ref == ref[:1], axis=0)
+        if fixed.any():
+            want = ref[0][fixed]
+            finite = np.isfinite(want)
+            scale = max(float(np.max(np.abs(want[finite]))) if finite.any() else 0.0, 1.0)
+            close = np.isclose(got[:, fixed], want, rtol=0, atol=rtol * scale) | (got[:, fixed] == want)
+            share = close.mean(axis=0)
+            if share.min() < 0.5:
+                return Agreement(math.inf, math.inf, False,
+                                 f"output {i}: {int((share < 0.5).sum())} values that eager always gives "
+                                 "(deterministic ones) differ in most calls")
+        varying = ~fixed
+        if not varying.any():
+            continue
+        a, b = ref[:, varying], got[:, varying]
+        if np.all(b == b[:1]):
+            return Agreement(math.inf, math.inf, False, f"output {i}: the same values on every call; "
+                                                        "eager draws new ones")
+        finite = np.isfinite(a)
+        tol = rtol * max(float(np.max(np.abs(a[finite]))) if finite.any() else 0.0, 1.0)
+        d, p = _call_ks_test(a.reshape(len(a), -1), b.reshape(len(b), -1), tol=tol, seed=i)
+        worst_d, worst_p = max(worst_d, d), min(worst_p, p)
+        if p < alpha:
+            return Agreement(d, 1 - p, False, f"output {i}: distributions differ (Kolmogorov-Smirnov {d:.3f}, "
+                                              f"p = {p:.4f} by permuting {len(a) + len(b)} calls)")
+    return Agreement(worst_d, 1 - worst_p, True)

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import torch
 
-from .registry import builds, composite, not_supported
+from .registry import builds, composite
 
 aten = torch.ops.aten
 _PI = math.pi
@@ -740,3 +740,146 @@ def fft_c2r(x, dim, normalization, last_dim_size):
     sizes = [x.shape[d] for d in dim[:-1]] + [n]
     return _normalize(out, None, normalization, math.prod(sizes))[0]
 
+
+
+# ---- random numbers --------------------------------------------------------------------------
+# From RANDOM_UNIFORM and RANDOM_STANDARD_NORMAL (ops_misc.random), which LiteRT seeds anew for each
+# interpreter and advances on each run: the values differ from torch's, the distributions match.
+
+def _floating(x):
+    return x.dtype if x.is_floating_point() else torch.float32
+
+
+@composite(aten.native_dropout.default)
+def native_dropout(x, p, train):
+    if not train or p == 0:
+        return x.clone(), torch.ones_like(x, dtype=torch.bool)
+    keep = torch.rand(x.shape) >= p
+    return torch.where(keep, x / (1 - p), torch.zeros_like(x)), keep
+
+
+def feature_dropout(x, p):
+    """Training-mode dropout of whole channels: one draw per (dim 0, dim 1) pair, as torch's feature noise."""
+    shape = x.shape[:2] + (1,) * (x.dim() - 2)
+    keep = torch.rand(shape) >= p
+    return torch.where(keep, x / (1 - p), torch.zeros_like(x))
+
+
+@composite(aten.bernoulli.default)
+def bernoulli(p, *, generator=None):
+    return (torch.rand(p.shape) < p.float()).to(p.dtype)
+
+
+@composite(aten.bernoulli.p, aten.bernoulli.Tensor)
+def bernoulli_p(x, p, *, generator=None):
+    prob = p.float() if isinstance(p, torch.Tensor) else p
+    return (torch.rand(x.shape) < prob).to(x.dtype)
+
+
+@composite(aten.uniform.default)
+def uniform(x, low=0.0, high=1.0, *, generator=None):
+    return (torch.rand(x.shape) * (high - low) + low).to(x.dtype)
+
+
+@composite(aten.normal_functional.default)
+def normal_functional(x, mean=0.0, std=1.0, *, generator=None):
+    return (torch.randn(x.shape) * std + mean).to(x.dtype)
+
+
+@composite(aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor)
+def normal(mean, std=1.0, *, generator=None):
+    shape = torch.broadcast_shapes(*(t.shape for t in (mean, std) if isinstance(t, torch.Tensor)))
+    return torch.randn(shape) * std + mean
+
+
+@composite(aten.normal.float_float)
+def normal_float(mean, std, size, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None):
+    return torch.randn(size, dtype=dtype or torch.float32) * std + mean
+
+
+@composite(aten.exponential.default)
+def exponential(x, lambd=1.0, *, generator=None):
+    return (-torch.log1p(-torch.rand(x.shape)) / lambd).to(x.dtype)
+
+
+@composite(aten.geometric.default)
+def geometric(x, p, *, generator=None):
+    k = torch.ceil(torch.log1p(-torch.rand(x.shape)) / math.log1p(-p))
+    return torch.clamp(k, min=1.0).to(x.dtype)
+
+
+@composite(aten.cauchy.default)
+def cauchy(x, median=0.0, sigma=1.0, *, generator=None):
+    return (median + sigma * torch.tan(_PI * (torch.rand(x.shape) - 0.5))).to(x.dtype)
+
+
+@composite(aten.log_normal.default)
+def log_normal(x, mean=1.0, std=2.0, *, generator=None):
+    return torch.exp(torch.randn(x.shape) * std + mean).to(x.dtype)
+
+
+def _randint(shape, low, high, dtype):
+    return (torch.floor(torch.rand(shape) * (high - low)) + low).to(dtype or torch.int64)
+
+
+@composite(aten.randint.default, aten.randint.generator)
+def randint(high, size, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None):
+    return _randint(size, 0, high, dtype)
+
+
+@composite(aten.randint.low, aten.randint.low_generator)
+def randint_low(low, high, size, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None):
+    return _randint(size, low, high, dtype)
+
+
+@composite(aten.randint_like.default)
+def randint_like(x, high, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return _randint(x.shape, 0, high, dtype or x.dtype)
+
+
+@composite(aten.randint_like.low_dtype)
+def randint_like_low(x, low, high, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return _randint(x.shape, low, high, dtype or x.dtype)
+
+
+@composite(aten.randperm.default, aten.randperm.generator)
+def randperm(n, *, generator=None, dtype=torch.int64, layout=None, device=None, pin_memory=None):
+    return torch.argsort(torch.rand(n)).to(dtype or torch.int64)
+
+
+@composite(aten.multinomial.default)
+def multinomial(probs, num_samples, replacement=False, *, generator=None):
+    p = probs.float()
+    if replacement:   # the inverse of the CDF at uniform draws
+        cdf = torch.cumsum(p / p.sum(-1, keepdim=True), -1)
+        u = torch.rand(p.shape[:-1] + (num_samples,))
+        idx = (cdf.unsqueeze(-2) <= u.unsqueeze(-1)).sum(-1)
+        return torch.clamp(idx, max=p.shape[-1] - 1)
+    # without replacement: the num_samples largest of log p + Gumbel noise
+    gumbel = -torch.log(-torch.log(torch.rand(p.shape)))
+    return torch.topk(torch.log(p) + gumbel, num_samples, -1).indices
+
+
+@composite(aten.rrelu_with_noise_functional.default)
+def rrelu_with_noise(x, noise, lower=0.125, upper=1.0 / 3.0, training=False, generator=None):
+    if not training:
+        return torch.where(x >= 0, x, x * ((lower + upper) / 2)), noise.clone()
+    a = (torch.rand(x.shape) * (upper - lower) + lower).to(x.dtype)
+    slope = torch.where(x >= 0, torch.ones_like(x), a)
+    return x * slope, slope.to(noise.dtype)
+
+
+def attention_with_dropout(q, k, v, *, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    """scaled_dot_product_attention in training mode: softmax(q k^T) with dropout, then v."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if k.dim() >= 3 and q.shape[-3] != k.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if is_causal:
+        lq, sk = q.shape[-2], k.shape[-2]
+        scores = scores.masked_fill(~torch.ones(lq, sk, dtype=torch.bool).tril(), -math.inf)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else scores + attn_mask
+    weights = torch.softmax(scores, -1)
+    return torch.matmul(native_dropout(weights, dropout_p, True)[0], v)

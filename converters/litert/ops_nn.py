@@ -870,6 +870,11 @@ def log_softmax(ctx, x, dim, half_to_float=False):
 @builds(aten.scaled_dot_product_attention.default)
 def scaled_dot_product_attention(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
+    if dropout_p:   # training-mode attention dropout: the math attention with a random mask
+        from .lower import inline
+        from .ops_composite import attention_with_dropout
+        return inline(ctx, attention_with_dropout, (q, k, v),
+                      dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale))
     e = q.shape[-1]
     lq, sk = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(e) if scale is None else scale

@@ -72,21 +72,21 @@ def expand_as(ctx, x, other):
         aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default)
 def identity(ctx, x, *args, **kwargs):
     if ctx.node.target in (aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default) \
-            and len(args) > 1 and args[1]:
-        raise ctx.unsupported("dropout in training mode (call model.eval() before converting)")
+            and len(args) > 1 and args[1] and args[0]:
+        if ctx.node.target is aten.alpha_dropout.default:
+            raise ctx.unsupported("alpha dropout in training mode (call model.eval() before converting)")
+        from .lower import inline
+        from .ops_composite import feature_dropout, native_dropout
+        p = args[0]
+        if ctx.node.target is aten.feature_dropout.default:
+            return inline(ctx, lambda t: feature_dropout(t, p), (x,), {})
+        return inline(ctx, lambda t: native_dropout(t, p, True)[0], (x,), {})
     return x
 
 
 @builds(aten.copy.default)
 def copy(ctx, dst, src, non_blocking=False):
     return ctx.broadcast_to(ctx.cast(src, ctx.out_dtype()), ctx.out_shape())
-
-
-@builds(aten.native_dropout.default)
-def native_dropout(ctx, x, p, train):
-    if train and p > 0:
-        raise ctx.unsupported("dropout in training mode (call model.eval() before converting)")
-    return x, ctx.const(np.ones(x.shape, bool))
 
 
 @builds(aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.type_as.default)

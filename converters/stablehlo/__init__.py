@@ -22,10 +22,10 @@ from torchtpu_export.quant import parse as parse_quant
 from . import quantize
 from . import sharding as sharding_plans
 from . import (ops_backward, ops_composite, ops_distance, ops_elementwise, ops_embedding,  # noqa: F401
-               ops_fft, ops_hot, ops_index, ops_linalg, ops_misc, ops_nn, ops_reduction, ops_sampling,
+               ops_fft, ops_hot, ops_index, ops_linalg, ops_misc, ops_nn, ops_random, ops_reduction, ops_sampling,
                ops_shape, ops_special)
 from .fusion import fuse_hot_ops
-from .interpreter import check_supported, to_jax_function
+from .interpreter import check_supported, to_jax_function, uses_random
 from .registry import LOWERINGS, PLATFORMS, LoweringContext, jax_dtype, lookup, lowers  # noqa: F401
 
 log = logging.getLogger("torchtpu_export")
@@ -148,6 +148,8 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
             fn = to_jax_function(cap, ctx, renames, dequantize)
             with jax.enable_x64(uses_x64), _no_source_paths(), progress.stage(f"lower ({platform})"):
                 ispecs = _symbolic_specs(cap, narrow_64bit)
+                if uses_random(cap):
+                    ispecs.append(jax.ShapeDtypeStruct((2,), np.uint32))
                 try:
                     exp = jax.export.export(jax.jit(fn, **jit_kwargs), platforms=[platform])(wspecs, *ispecs)
                 except (UnsupportedOpError, ConversionError, InputError):
@@ -169,6 +171,8 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
             "kernels": kernel_log,
             # outputs whose row count depends on the data: output index -> the extra output with its count
             "ragged_outputs": ragged,
+            # a uint32[2] PRNG key follows the inputs: the runner draws one per call
+            "rng_key": uses_random(cap),
             "op_histogram": cap.op_histogram(),
             "dims": {k: list(v) for k, v in sorted(cap.dim_ranges.items())},
         }

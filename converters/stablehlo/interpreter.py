@@ -53,9 +53,44 @@ def _conform(ctx: LoweringContext, node, result):
     return result
 
 
+def uses_random(captured: CapturedProgram) -> bool:
+    """Whether the program draws random numbers (then its function takes a PRNG key after the inputs)."""
+    return any(draws_random(n) for n in captured.graph.nodes)
+
+
+_DROPOUTS = {"aten::dropout", "aten::native_dropout", "aten::feature_dropout", "aten::alpha_dropout",
+             "aten::feature_alpha_dropout"}
+
+
+def draws_random(node) -> bool:
+    """Whether a node draws random numbers: a random op, but not a dropout in eval mode (or p = 0)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) \
+            or torch.Tag.nondeterministic_seeded not in node.target.tags:
+        return False
+    name = node.target._schema.name
+    if name in _DROPOUTS:
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return bool(train) and p != 0
+    if name in _ATTENTION_DROPOUT:
+        i = _ATTENTION_DROPOUT[name]
+        return bool(node.args[i] if len(node.args) > i else node.kwargs.get("dropout_p", 0.0))
+    return True
+
+
+# attention ops, tagged random for their dropout: the position of dropout_p
+_ATTENTION_DROPOUT = {"aten::scaled_dot_product_attention": 4, "aten::_scaled_dot_product_attention_math": 4,
+                      "aten::_scaled_dot_product_flash_attention_for_cpu": 3,
+                      "aten::_scaled_dot_product_flash_attention": 3}
+
+
 def to_jax_function(captured: CapturedProgram, ctx: LoweringContext, weight_names: dict | None = None,
                     dequantize: dict | None = None) -> Callable:
     """``fn(weights: dict, *inputs) -> list of outputs``; ``weight_names`` maps captured names to artifact names.
+
+    A program with random ops (:func:`uses_random`) takes one more input after the model's: a
+    threefry PRNG key as ``uint32[2]``, from which each random op draws its own stream. The runner
+    passes a fresh key per call, so the values change from call to call as torch's do.
 
     ``dequantize`` maps an artifact weight name to ``(scale name, axis)``: that weight is stored
     quantized and is rebuilt as ``values * scale`` where the program reads it, which XLA fuses
@@ -89,9 +124,14 @@ def to_jax_function(captured: CapturedProgram, ctx: LoweringContext, weight_name
             return ctx.cast(value, ctx.io_dtype(meta.dtype))
         return value
 
+    random = uses_random(captured)
+
     def fn(weights, *inputs):
         env: dict = {}
         ctx.quantized_weights = {}
+        if random:
+            *inputs, key = inputs
+            ctx.start_random(key)
         for node in nodes:
             if node.op == "placeholder":
                 if node.name in captured.weight_placeholders:

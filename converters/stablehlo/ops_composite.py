@@ -100,11 +100,6 @@ def adaptive_avg_pool(ctx, x, output_size):
     return ops_nn.adaptive_avg_pool(x, list(output_size))
 
 
-@lowers(aten.dropout.default)
-def dropout(ctx, x, p, train):
-    return ops_nn.native_dropout(ctx, x, p, train)[0]
-
-
 # ---- activations ---------------------------------------------------------------------------
 
 @lowers(aten.silu.default)

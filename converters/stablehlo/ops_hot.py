@@ -15,6 +15,7 @@ import math
 import operator
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import torch
 from jax import lax
@@ -96,17 +97,9 @@ def _shape(x) -> tuple:
 
 # ---- scaled_dot_product_attention ------------------------------------------------------------
 
-def _check_dropout(ctx, dropout_p):
-    if dropout_p:
-        raise UnsupportedOpError(op_name(ctx.node.target), target="stablehlo",
-                                 reason=f"dropout_p={dropout_p}: attention dropout is random at inference too",
-                                 source=user_source_line(ctx.node), hint="pass dropout_p=0.0 when not training")
-
-
 @lowers(aten.scaled_dot_product_attention.default)
 def scaled_dot_product_attention(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
                                  enable_gqa=False):
-    _check_dropout(ctx, dropout_p)
     out_dtype = ctx.out_dtype()
     e = q.shape[-1]
     scale = 1.0 / math.sqrt(e) if scale is None else scale
@@ -136,6 +129,9 @@ def scaled_dot_product_attention(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is
     weights = jnp.exp(scores - jnp.where(row_max == -jnp.inf, 0.0, row_max))
     total = jnp.sum(weights, axis=-1, keepdims=True)
     weights = weights / jnp.where(total == 0.0, 1.0, total)
+    if dropout_p:   # training-mode attention dropout, from the program's PRNG key
+        keep = jax.random.uniform(ctx.random_key(), weights.shape, jnp.float32) >= dropout_p
+        weights = jnp.where(keep, weights / (1.0 - dropout_p), 0.0)
     out = jnp.einsum("...qk,...kd->...qd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(out_shape).astype(out_dtype)
 
@@ -143,7 +139,9 @@ def scaled_dot_product_attention(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is
 @lowers(aten.scaled_dot_product_attention.default, platform="tpu")
 def scaled_dot_product_attention_tpu(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
                                      enable_gqa=False):
-    _check_dropout(ctx, dropout_p)
+    if dropout_p:   # no kernel draws dropout: XLA's attention does
+        return scaled_dot_product_attention(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                                            enable_gqa=enable_gqa)
     force = ctx.kernels == "pallas"
     causal = bool(is_causal)
     ungrouped = Unfit("q and k/v head counts differ without enable_gqa") \

@@ -2,10 +2,7 @@
 from __future__ import annotations
 
 import math
-import zlib
 
-import jax
-import jax.numpy as jnp
 
 import torch
 
@@ -43,27 +40,6 @@ def sym_is_contiguous(ctx, x, memory_format=None):
 @lowers(aten._local_scalar_dense.default)
 def local_scalar_dense(ctx, x):
     return x.reshape(())
-
-
-# Random ops draw from a fixed key: the program is a pure function, and torch's generator
-# cannot be reproduced, so only the distribution matches eager.
-def _key(ctx):
-    return jax.random.key(zlib.crc32(ctx.node.name.encode()))
-
-
-@lowers(aten.rand.default)
-def rand(ctx, size, **kwargs):
-    return jax.random.uniform(_key(ctx), tuple(size), ctx.out_dtype())
-
-
-@lowers(aten.randn.default)
-def randn(ctx, size, **kwargs):
-    return jax.random.normal(_key(ctx), tuple(size), ctx.out_dtype())
-
-
-@lowers(aten.randperm.default)
-def randperm(ctx, n, **kwargs):
-    return jax.random.permutation(_key(ctx), n).astype(ctx.out_dtype())
 
 
 # Runtime checks that torch.export leaves in the graph: the shapes and dtypes they check are

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -347,14 +346,6 @@ def upsample_nearest2d(ctx, x, output_size, scale_factors=None):
 @lowers(aten.embedding.default)
 def embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     return jnp.take(weight, indices, axis=0)
-
-
-@lowers(aten.native_dropout.default)
-def native_dropout(ctx, x, p, train):
-    if not train or p == 0:
-        return x, jnp.ones(x.shape, jnp.bool_)
-    keep = jax.random.bernoulli(jax.random.key(0), 1 - p, x.shape)
-    return jnp.where(keep, x / (1 - p), 0).astype(x.dtype), keep
 
 
 @lowers(aten.addmv.default)

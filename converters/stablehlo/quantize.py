@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import ml_dtypes
-import numpy as np
 import torch
 
 from torchtpu_export.capture import CapturedProgram

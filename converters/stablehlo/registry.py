@@ -96,6 +96,22 @@ class LoweringContext:
         self.kernel_log: list[dict] = []  # per hot node: kernel chosen, or why not
         # placeholder name -> (int8 values, scales, channel axis) for weights stored quantized
         self.quantized_weights: dict[str, tuple] = {}
+        self._key = None
+        self._draws = 0
+
+    def start_random(self, key_data) -> None:
+        """The program's PRNG key (``uint32[2]``, an input of the program) for this trace."""
+        import jax
+        self._key = jax.random.wrap_key_data(key_data, impl="threefry2x32")
+        self._draws = 0
+
+    def random_key(self):
+        """A key of its own for the random op being lowered: the program's key folded with a counter."""
+        import jax
+        if self._key is None:
+            raise RuntimeError("random_key() outside a program that takes a PRNG key")
+        self._draws += 1
+        return jax.random.fold_in(self._key, self._draws)
 
     def dtype(self, dtype: torch.dtype):
         """The JAX dtype this program computes with for a torch dtype."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import torch
 

@@ -79,8 +79,8 @@ class Batch:
                                                      dynamic_shapes=_dynamic_shapes(self.samples), strict=False)
         return self._exported
 
-    def run(self, column: Column) -> Cell:
-        """Converts for ``column``, runs, and compares each sample with torch."""
+    def build(self, column: Column):
+        """``(program, note)`` for ``column``, or the Cell that says why there is none."""
         from ..capture import capture
         entry, label = self.entry, self.label
         try:
@@ -105,16 +105,31 @@ class Batch:
                     return Cell("unsupported", sample=label, reason=f"the {column.quant} recipe leaves it float")
                 if set(quantized) == {"DEQUANTIZE"}:
                     note = "int8 weights dequantized at load; the op runs in float"
+        except Exception as e:
+            return self._failure(column, e, note)
+        return program, note
+
+    def _failure(self, column: Column, e: Exception, note) -> Cell:
+        if isinstance(e, UnsupportedOpError):
+            reason = e.reason if e.op == self.entry.name else f"{e.op}: {e.reason}"
+            return Cell("unsupported", sample=self.label, reason=reason or str(e), note=note)
+        # the converter's or runtime's own failure is the cell's verdict
+        log.debug("cell %s/%s failed", self.entry.name, column.name, exc_info=True)
+        return Cell("error", sample=self.label, reason=first_line(e), note=note)
+
+    def run(self, column: Column) -> Cell:
+        """Converts for ``column``, runs, and compares each sample with torch."""
+        built = self.build(column)
+        if isinstance(built, Cell):
+            return built
+        program, note = built
+        try:
             if column.compile_for:
-                return compile_cell(program, column.compile_for, self.samples, label, note)
+                return compile_cell(program, column.compile_for, self.samples, self.label, note)
             outs = program.run_flat([to_numpy(t) for t in self.inputs])
-        except UnsupportedOpError as e:
-            reason = e.reason if e.op == entry.name else f"{e.op}: {e.reason}"
-            return Cell("unsupported", sample=label, reason=reason or str(e), note=note)
-        except Exception as e:  # the converter's or runtime's own failure is the cell's verdict
-            log.debug("cell %s/%s failed", entry.name, column.name, exc_info=True)
-            return Cell("error", sample=label, reason=first_line(e), note=note)
-        return compare_outputs(entry, self.samples, self.refs, outs, column, note)
+        except Exception as e:
+            return self._failure(column, e, note)
+        return compare_outputs(self.entry, self.samples, self.refs, outs, column, note)
 
 
 def _is_overload(op) -> bool:
