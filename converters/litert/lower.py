@@ -233,7 +233,7 @@ def inline(ctx: BuildContext, fn, args, kwargs):
         a, k = pytree.tree_unflatten(values, spec)
         return fn(*a, **k)
 
-    gm = make_fx(torch.func.functionalize(traced, remove="mutations_and_views"),
+    gm = make_fx(torch.func.functionalize(traced, remove="mutations"),
                  decomposition_table=decomposition_table(KEEP_WHOLE), tracing_mode="fake")(*examples)
     env: dict = {}
     placeholders = iter(leaves[i] for i in slots)

@@ -621,12 +621,12 @@ def right_shift(ctx, a, b):
 # TFLite's complex64 tensors hold (real, imaginary) float32 pairs: BITCAST views them as a trailing
 # dim of 2 and back. Arithmetic runs on the float parts (TFLite's ADD has no complex kernel).
 
-@builds(aten.view_as_real.default)
+@builds(aten.view_as_real.default, aten.view_as_real_copy.default)
 def view_as_real(ctx, x):
     return ctx.op("BITCAST", [x], shape=x.shape + (2,), dtype=np.float32)
 
 
-@builds(aten.view_as_complex.default)
+@builds(aten.view_as_complex.default, aten.view_as_complex_copy.default)
 def view_as_complex(ctx, x):
     return ctx.op("BITCAST", [ctx.cast(x, np.float32)], shape=x.shape[:-1], dtype=np.complex64)
 
