@@ -31,3 +31,15 @@ def test_empty_and_edge_samples(name):
     from torchtpu_export.coverage import opinfo
     cells = opinfo.run_opinfo(name, ["xla", "litert"])
     assert all(c["status"] == "pass" for c in cells.values()), cells
+
+
+@pytest.mark.parametrize("name, note", [
+    ("bernoulli", "random"), ("nn.functional.dropout", "random"), ("empty_like", "uninitialised"),
+    ("linalg.eigh", None), ("fft.rfft", None)])
+def test_random_uninitialised_and_sign_free_cases(name, note):
+    # random ops by distribution over repeated calls, uninitialised memory by shape, eigenvectors up to sign
+    from torchtpu_export.coverage import opinfo
+    cells = opinfo.run_opinfo(name, ["xla", "litert"])
+    assert all(c["status"] == "pass" for c in cells.values()), cells
+    if note:
+        assert all(c["note"].startswith(note) for c in cells.values()), cells

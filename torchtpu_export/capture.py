@@ -191,11 +191,25 @@ def _needs_decomposition(ep: ExportedProgram, lowerable: Callable | None) -> boo
         t = node.target
         if t is operator.getitem or t in _BOOKKEEPING:
             continue
-        if not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable:
+        if not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable or _hides_mutation(node):
             return True
         if not lowerable(t):
             return True
     return any(o.kind != OutputKind.USER_OUTPUT for o in ep.graph_signature.output_specs)
+
+
+# composite ops whose schemas do not say that they write into arguments: (running_mean, running_var,
+# the flag that makes them update those) positions; decomposition functionalises the writes
+_HIDDEN_MUTATION = {torch.ops.aten.batch_norm.default: (3, 4, 5), torch.ops.aten.instance_norm.default: (3, 4, 5)}
+
+
+def _hides_mutation(node: torch.fx.Node) -> bool:
+    positions = _HIDDEN_MUTATION.get(node.target)
+    if positions is None:
+        return False
+    *stats, flag = positions
+    args = node.args
+    return len(args) > flag and bool(args[flag]) and any(args[i] is not None for i in stats)
 
 
 @contextlib.contextmanager

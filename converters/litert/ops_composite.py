@@ -12,6 +12,7 @@ import math
 import numpy as np
 import torch
 
+from .. import special_math
 from .registry import builds, composite
 
 aten = torch.ops.aten
@@ -154,8 +155,8 @@ def lgamma(x):
     s = _sin_pi(x).abs()
     neg = math.log(_PI) - torch.log(s) - pos
     out = torch.where(reflect, neg, pos)
-    # the poles (0, -1, -2, ...) are +inf; +inf stays inf, nan stays nan
-    return torch.where(reflect & (s == 0.0), torch.full_like(x, math.inf), out)
+    # the poles (0, -1, -2, ...) and +-inf give +inf; nan stays nan
+    return torch.where((reflect & (s == 0.0)) | torch.isinf(x), torch.full_like(x, math.inf), out)
 
 
 _SHIFT = 8   # recurrence steps before the asymptotic expansions (their error is below 1e-8 from x = 8)
@@ -883,3 +884,138 @@ def attention_with_dropout(q, k, v, *, attn_mask=None, dropout_p=0.0, is_causal=
         scores = scores.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else scores + attn_mask
     weights = torch.softmax(scores, -1)
     return torch.matmul(native_dropout(weights, dropout_p, True)[0], v)
+
+
+# ---- Bessel and friends (the formulas shared with the tpu target: converters/special_math.py) ---
+
+def _unary_special(op, fn):
+    composite(op)(lambda x: fn(x.float() if not x.is_floating_point() else x))
+
+
+def _i0(x):
+    return special_math.bessel_i_scaled(0, x, torch) * torch.exp(x.abs())
+
+
+def _i1(x):
+    return special_math.bessel_i_scaled(1, x, torch) * torch.exp(x.abs())
+
+
+for _op, _fn in [
+    (aten.special_bessel_j0.default, lambda x: special_math.bessel_j0(x, torch)),
+    (aten.special_bessel_j1.default, lambda x: special_math.bessel_j1(x, torch)),
+    (aten.special_bessel_y0.default, lambda x: special_math.bessel_y0(x, torch)),
+    (aten.special_bessel_y1.default, lambda x: special_math.bessel_y1(x, torch)),
+    (aten.special_spherical_bessel_j0.default, lambda x: special_math.spherical_bessel_j0(x, torch)),
+    (aten.i0.default, _i0), (aten.special_modified_bessel_i0.default, _i0),
+    (aten.special_i1.default, _i1), (aten.special_modified_bessel_i1.default, _i1),
+    (aten.special_i0e.default, lambda x: special_math.bessel_i_scaled(0, x, torch)),
+    (aten.special_i1e.default, lambda x: special_math.bessel_i_scaled(1, x, torch)),
+    (aten.special_modified_bessel_k0.default, lambda x: special_math.bessel_k(0, False, x, _i0, torch)),
+    (aten.special_modified_bessel_k1.default, lambda x: special_math.bessel_k(1, False, x, _i1, torch)),
+    (aten.special_scaled_modified_bessel_k0.default, lambda x: special_math.bessel_k(0, True, x, _i0, torch)),
+    (aten.special_scaled_modified_bessel_k1.default, lambda x: special_math.bessel_k(1, True, x, _i1, torch)),
+]:
+    _unary_special(_op, _fn)
+
+
+@composite(aten.special_entr.default)
+def entr(x):
+    x = x.float() if not x.is_floating_point() else x
+    safe = torch.where(x > 0, x, torch.ones_like(x))
+    out = torch.where(x > 0, -x * torch.log(safe), torch.zeros_like(x))
+    out = torch.where(x < 0, torch.full_like(x, -math.inf), out)
+    return torch.where(torch.isnan(x), x, out)
+
+
+@composite(aten.special_xlog1py.default, aten.special_xlog1py.self_scalar, aten.special_xlog1py.other_scalar)
+def xlog1py(x, y):
+    x = torch.as_tensor(x, dtype=torch.float32) if not isinstance(x, torch.Tensor) else x.float()
+    y = torch.as_tensor(y, dtype=torch.float32) if not isinstance(y, torch.Tensor) else y.float()
+    out = x * torch.log1p(y)
+    out = torch.where(x == 0, torch.zeros_like(out), out)
+    return torch.where(torch.isnan(y), y + x * 0, out)
+
+
+@composite(aten.special_ndtri.default)
+def ndtri(p):
+    p = p.float() if not p.is_floating_point() else p
+    return math.sqrt(2.0) * erfinv(2.0 * p - 1.0)
+
+
+@composite(aten.special_zeta.default, aten.special_zeta.self_scalar, aten.special_zeta.other_scalar)
+def zeta(x, q):
+    """Hurwitz zeta(x, q) = sum_k (q + k)^-x: nine terms, then Euler-Maclaurin (Cephes, as torch)."""
+    x = torch.as_tensor(x, dtype=torch.float32) if not isinstance(x, torch.Tensor) else x.float()
+    q = torch.as_tensor(q, dtype=torch.float32) if not isinstance(q, torch.Tensor) else q.float()
+    x, q = torch.broadcast_tensors(x, q)
+    s = torch.zeros_like(q)
+    a = q
+    for _ in range(_SHIFT + 1):
+        s = s + torch.pow(a, -x)
+        a = a + 1.0
+    # tail from a: a^(1-x)/(x-1) + a^-x/2 + sum_j B2j/(2j)! x(x+1)..(x+2j-2) a^(-x-2j+1)
+    b = torch.pow(a, -x)
+    s = s + a * b / (x - 1.0) + 0.5 * b
+    rising, fact, power = x, 2.0, b / a
+    bernoulli = [1.0 / 6, -1.0 / 30, 1.0 / 42, -1.0 / 30, 5.0 / 66, -691.0 / 2730, 7.0 / 6]
+    for j, bj in enumerate(bernoulli, start=1):
+        s = s + bj / fact * rising * power
+        rising = rising * (x + 2 * j - 1) * (x + 2 * j)
+        fact *= (2 * j + 1) * (2 * j + 2)
+        power = power / (a * a)
+    s = torch.where((q <= 0) & (x != torch.floor(x)), torch.full_like(s, math.nan), s)
+    s = torch.where((q <= 0) & (q == torch.floor(q)), torch.full_like(s, math.inf), s)
+    s = torch.where(x < 1, torch.full_like(s, math.nan), s)
+    return torch.where(x == 1, torch.full_like(s, math.inf), s)
+
+
+@composite(aten._native_batch_norm_legit_functional.default)
+def batch_norm_functional(x, w, b, running_mean, running_var, training, momentum, eps):
+    """Batch norm with the updated running statistics as results (torch.export's training-mode form)."""
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    if training:
+        axes = [0] + list(range(2, x.dim()))
+        mean = x.mean(axes)
+        var = ((x - mean.reshape(shape)) ** 2).mean(axes)
+        n = x.numel() // x.shape[1]
+        new_mean = (1 - momentum) * running_mean + momentum * mean
+        new_var = (1 - momentum) * running_var + momentum * var * (n / max(n - 1, 1))
+    else:
+        mean, var, new_mean, new_var = running_mean, running_var, running_mean.clone(), running_var.clone()
+    rstd = torch.rsqrt(var + eps)
+    out = (x - mean.reshape(shape)) * rstd.reshape(shape)
+    if w is not None:
+        out = out * w.reshape(shape)
+    if b is not None:
+        out = out + b.reshape(shape)
+    if not training:
+        mean, rstd = x.new_zeros((0,)), x.new_zeros((0,))
+    return out, mean, rstd, new_mean, new_var
+
+
+@composite(aten.mode.default)
+def mode(x, dim=-1, keepdim=False):
+    """The most frequent value along ``dim`` (the smallest of equally frequent ones) and its last index."""
+    if x.dim() == 0:
+        return x.clone(), torch.zeros((), dtype=torch.int64)
+    d = dim % x.dim()
+    xm = x.movedim(d, -1)
+    n = xm.shape[-1]
+    counts = (xm.unsqueeze(-1) == xm.unsqueeze(-2)).sum(-1)
+    frequent = counts == counts.amax(-1, keepdim=True)
+    top = torch.finfo(x.dtype).max if x.is_floating_point() else torch.iinfo(x.dtype).max
+    value = torch.where(frequent, xm, torch.full_like(xm, top)).amin(-1, keepdim=True)
+    index = torch.where(xm == value, torch.arange(n), torch.full((n,), -1, dtype=torch.int64)).amax(-1, keepdim=True)
+    value, index = value.movedim(-1, d), index.movedim(-1, d)
+    return (value, index) if keepdim else (value.squeeze(d), index.squeeze(d))
+
+
+@composite(aten.fmax.default)
+def fmax(a, b):
+    # the larger, ignoring NaN (NaN only when both are)
+    return torch.where(torch.isnan(a), b, torch.where(torch.isnan(b), a, torch.maximum(a, b)))
+
+
+@composite(aten.fmin.default)
+def fmin(a, b):
+    return torch.where(torch.isnan(a), b, torch.where(torch.isnan(b), a, torch.minimum(a, b)))

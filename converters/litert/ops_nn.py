@@ -14,7 +14,7 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from torchtpu_export.torch_semantics import linear_resize_matrix
+from torchtpu_export.torch_semantics import antialiased_linear_resize_matrix, linear_resize_matrix
 
 from .dims import all_static, broadcast_shapes, is_static
 from .ir import Tensor
@@ -581,9 +581,23 @@ def upsample_bilinear2d(ctx, x, output_size, align_corners, scale_factors=None, 
         y = _channels_last_op(ctx, "RESIZE_BILINEAR", [ctx.to_channels_last(x), np.asarray(size, np.int32)],
                               (n, c, *size), x.dtype, **opts)
         return ctx.from_channels_last(y)
+    return _resize_by_matrices(ctx, x, size, scales, align_corners, linear_resize_matrix)
+
+
+@builds(aten._upsample_bilinear2d_aa.default, aten._upsample_bilinear2d_aa.vec)
+def upsample_bilinear2d_aa(ctx, x, output_size, align_corners, *scales):
+    """Antialiased bilinear resize: a constant (out, in) weight matrix per spatial axis."""
+    scale_factors = scales[0] if len(scales) == 1 else (None if all(s is None for s in scales) else scales)
+    size, factors = _resize_size(x, output_size, scale_factors) if output_size is None or scale_factors is None \
+        else (tuple(int(v) for v in output_size), tuple(float(v) for v in scale_factors))
+    return _resize_by_matrices(ctx, x, size, factors, align_corners, antialiased_linear_resize_matrix)
+
+
+def _resize_by_matrices(ctx, x, size, scales, align_corners, matrix):
+    ctx.static(x.shape[2:], "the resize weights are computed for the sizes at conversion")
     y = x
     for i, axis in enumerate((2, 3)):
-        m = linear_resize_matrix(x.shape[axis], size[i], align_corners, None if scales is None else scales[i])
+        m = matrix(x.shape[axis], size[i], align_corners, None if scales is None else scales[i])
         perm = list(range(4))
         perm[axis], perm[-1] = perm[-1], perm[axis]
         yt = ctx.transpose(y, perm)

@@ -193,8 +193,10 @@ for _op, _fn in [(aten.erfc.default, jax.scipy.special.erfc), (aten.erfinv.defau
 
 _binary([aten.copysign.Tensor, aten.copysign.Scalar], jnp.copysign, Kind.INT_TO_FLOAT)
 # right shifts of signed integers are arithmetic, like torch's
-_binary([aten.bitwise_left_shift.Tensor, aten.bitwise_left_shift.Tensor_Scalar], jnp.left_shift)
-_binary([aten.bitwise_right_shift.Tensor, aten.bitwise_right_shift.Tensor_Scalar], jnp.right_shift)
+_binary([aten.bitwise_left_shift.Tensor, aten.bitwise_left_shift.Tensor_Scalar, aten.__lshift__.Tensor,
+         aten.__lshift__.Scalar], jnp.left_shift)
+_binary([aten.bitwise_right_shift.Tensor, aten.bitwise_right_shift.Tensor_Scalar, aten.__rshift__.Tensor,
+         aten.__rshift__.Scalar], jnp.right_shift)
 
 
 @lowers(aten.angle.default)

@@ -9,7 +9,7 @@ from jax import lax
 
 import torch
 
-from torchtpu_export.torch_semantics import linear_resize_matrix
+from torchtpu_export.torch_semantics import antialiased_linear_resize_matrix, linear_resize_matrix
 
 from .registry import lowers
 
@@ -319,11 +319,28 @@ def _out_sizes(x, nd, output_size, scale_factors):
 
 @lowers(aten.upsample_bilinear2d.vec)
 def upsample_bilinear2d(ctx, x, output_size, align_corners, scale_factors=None):
-    sizes, scales = _out_sizes(x, 2, output_size, scale_factors)
+    return _resize_by_matrices(x, output_size, align_corners, scale_factors, linear_resize_matrix)
+
+
+@lowers(aten._upsample_bilinear2d_aa.default, aten._upsample_bilinear2d_aa.vec)
+def upsample_bilinear2d_aa(ctx, x, output_size, align_corners, *scales):
+    """Antialiased bilinear resize (torch's and PIL's triangle filter, widened when downscaling)."""
+    factors = scales[0] if len(scales) == 1 else (None if all(s is None for s in scales) else scales)
+    if output_size is not None and factors is not None:
+        sizes = list(output_size)
+        return _resize_by_matrices(x, sizes, align_corners, factors, antialiased_linear_resize_matrix, sizes)
+    return _resize_by_matrices(x, output_size, align_corners, factors, antialiased_linear_resize_matrix)
+
+
+def _resize_by_matrices(x, output_size, align_corners, scale_factors, matrix, sizes=None):
+    if sizes is None:
+        sizes, scales = _out_sizes(x, 2, output_size, scale_factors)
+    else:
+        scales = list(scale_factors)
     out = x.astype(_acc(x.dtype))
     for i, (n_out, s) in enumerate(zip(sizes, scales)):
         axis = x.ndim - 2 + i
-        m = jnp.asarray(linear_resize_matrix(x.shape[axis], n_out, align_corners, s), out.dtype)
+        m = jnp.asarray(matrix(x.shape[axis], n_out, align_corners, s), out.dtype)
         out = jnp.moveaxis(jnp.tensordot(out, m, axes=[[axis], [1]]), -1, axis)
     return out.astype(x.dtype)
 

@@ -12,7 +12,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Kind
 
 import torch
 
-from . import cephes
+from .. import cephes, special_math
 from .ops_elementwise import _binary, _unary, opmath
 from .registry import lowers
 
@@ -199,120 +199,25 @@ _polynomial([aten.special_laguerre_polynomial_l.default, aten.special_laguerre_p
 
 
 # ---- Bessel functions of the first and second kind, K0/K1: torch's Cephes kernels ---------------
+# (written once for both targets in converters/special_math.py)
 
 def _poly(coefs, z):
-    out = jnp.zeros_like(z)
-    for c in coefs:
-        out = out * z + c
-    return out
+    return special_math.poly(coefs, z, jnp)
 
 
-def _asymptotic(c, x, z, phase, first):
-    """The large-x form shared by j0/j1/y0/y1: (P cos|sin(x - phase) -/+ 5/x Q sin|cos(...)) sqrt(2/(pi x))."""
-    p = _poly(c["PP"], z) / _poly(c["PQ"], z)
-    q = _poly(c["QP"], z) / _poly(c["QQ"], z)
-    if first:
-        v = p * jnp.cos(x - phase) - 5 / x * q * jnp.sin(x - phase)
-    else:
-        v = p * jnp.sin(x - phase) + 5 / x * q * jnp.cos(x - phase)
-    return v * 0.797884560802865355879892119868763737 / jnp.sqrt(x)
+for _op, _fn in [(aten.special_bessel_j0.default, special_math.bessel_j0),
+                 (aten.special_bessel_j1.default, special_math.bessel_j1),
+                 (aten.special_bessel_y0.default, special_math.bessel_y0),
+                 (aten.special_bessel_y1.default, special_math.bessel_y1),
+                 (aten.special_spherical_bessel_j0.default, special_math.spherical_bessel_j0)]:
+    _unary(_op, lambda x, fn=_fn: fn(x, jnp), Kind.INT_TO_FLOAT)
 
-
-def _j0(x):
-    x = jnp.abs(x)
-    xx = x * x
-    small = (xx - 5.78318596294678452118) * (xx - 30.4712623436620863991) * _poly(cephes.BESSEL_J0["RP"], xx) \
-        / _poly(cephes.BESSEL_J0["RQ"], xx)
-    small = jnp.where(x < 1e-5, 1 - xx / 4, small)
-    safe = jnp.where(x <= 5, 5.0, x)
-    big = _asymptotic(cephes.BESSEL_J0, safe, 25 / (safe * safe), 0.785398163397448309615660845819875721, True)
-    return jnp.where(x <= 5, small, big)
-
-
-def _j1(x):
-    sign = jnp.where(x < 0, -1.0, 1.0).astype(x.dtype)
-    x = jnp.abs(x)
-    xx = x * x
-    small = _poly(cephes.BESSEL_J1["RP"], xx) / _poly(cephes.BESSEL_J1["RQ"], xx) * x \
-        * (xx - 14.6819706421238932572) * (xx - 49.2184563216946036703)
-    safe = jnp.where(x <= 5, 5.0, x)
-    big = _asymptotic(cephes.BESSEL_J1, safe, 5 / safe * (5 / safe), 2.356194490192344928846982537459627163, True)
-    return sign * jnp.where(x <= 5, small, big)
-
-
-def _y0(x):
-    xx = x * x
-    safe_small = jnp.where(x > 0, x, 1.0)
-    small = _poly(cephes.BESSEL_Y0["YP"], xx) / _poly(cephes.BESSEL_Y0["YQ"], xx) \
-        + 0.636619772367581343075535053490057448 * jnp.log(safe_small) * _j0(x)
-    small = jnp.where(x == 0, -jnp.inf, jnp.where(x < 0, jnp.nan, small))
-    safe = jnp.where(x <= 5, 5.0, x)
-    big = _asymptotic(cephes.BESSEL_Y0, safe, 25 / (safe * safe), 0.785398163397448309615660845819875721, False)
-    return jnp.where(x <= 5, small, big)
-
-
-def _y1(x):
-    xx = x * x
-    safe_small = jnp.where(x > 0, x, 1.0)
-    small = x * (_poly(cephes.BESSEL_Y1["YP"], xx) / _poly(cephes.BESSEL_Y1["YQ"], xx)) \
-        + 0.636619772367581343075535053490057448 * (_j1(x) * jnp.log(safe_small) - 1 / safe_small)
-    small = jnp.where(x == 0, -jnp.inf, jnp.where(x < 0, jnp.nan, small))
-    safe = jnp.where(x <= 5, 5.0, x)
-    big = _asymptotic(cephes.BESSEL_Y1, safe, 5 / safe * (5 / safe), 2.356194490192344928846982537459627163, False)
-    return jnp.where(x <= 5, small, big)
-
-
-def _chbevl(coefs, y):
-    """Cephes' Chebyshev series: returns (b0, b2) of the Clenshaw recurrence; the value is (b0 - b2) / 2."""
-    p = q = jnp.zeros_like(y)
-    b = jnp.full_like(y, coefs[0])
-    for c in coefs[1:]:
-        p, q = q, b
-        b = y * q - p + c
-    return b, p
-
-
-def _k(order, scaled):
-    c = cephes.MODIFIED_BESSEL_K0 if order == 0 else cephes.MODIFIED_BESSEL_K1
-    i_n = special.i0 if order == 0 else special.i1
-
-    def fn(x):
-        safe_small = jnp.where(x > 0, x, 1.0)
-        a, p = _chbevl(c["A"], x * x - 2)
-        if order == 0:
-            small = 0.5 * (a - p) - jnp.log(0.5 * safe_small) * i_n(x)
-        else:
-            small = jnp.log(0.5 * safe_small) * i_n(x) + 0.5 * (a - p) / safe_small
-        if scaled:
-            small = small * jnp.exp(x)
-        safe = jnp.where(x <= 2, 2.0, x)
-        b, p = _chbevl(c["B"], 8 / safe - 2)
-        big = 0.5 * (b - p) / jnp.sqrt(safe)
-        if not scaled:
-            big = jnp.exp(-safe) * big
-        out = jnp.where(x <= 2, small, big)
-        return jnp.where(x == 0, jnp.inf, jnp.where(x < 0, jnp.nan, out))
-    return fn
-
-
-for _op, _fn in [(aten.special_bessel_j0.default, _j0), (aten.special_bessel_j1.default, _j1),
-                 (aten.special_bessel_y0.default, _y0), (aten.special_bessel_y1.default, _y1),
-                 (aten.special_modified_bessel_k0.default, _k(0, False)),
-                 (aten.special_modified_bessel_k1.default, _k(1, False)),
-                 (aten.special_scaled_modified_bessel_k0.default, _k(0, True)),
-                 (aten.special_scaled_modified_bessel_k1.default, _k(1, True))]:
-    _unary(_op, _fn, Kind.INT_TO_FLOAT)
-
-
-def _spherical_bessel_j0(x):
-    x2 = x * x
-    series = 1 + x2 * (-1 / 6 + x2 * (1 / 120 + x2 * (-1 / 5040 + x2 * (1 / 362880 + x2 * (
-        -1 / 39916800 + x2 * (1 / 6227020800))))))
-    out = jnp.where(jnp.abs(x) < 0.5, series, jnp.sin(x) / x)
-    return jnp.where(jnp.isinf(x), jnp.zeros_like(x), out)
-
-
-_unary(aten.special_spherical_bessel_j0.default, _spherical_bessel_j0, Kind.INT_TO_FLOAT)
+for _op, _order, _scaled in [(aten.special_modified_bessel_k0.default, 0, False),
+                             (aten.special_modified_bessel_k1.default, 1, False),
+                             (aten.special_scaled_modified_bessel_k0.default, 0, True),
+                             (aten.special_scaled_modified_bessel_k1.default, 1, True)]:
+    _unary(_op, lambda x, o=_order, sc=_scaled: special_math.bessel_k(o, sc, x, special.i0 if o == 0 else special.i1, jnp),
+           Kind.INT_TO_FLOAT)
 
 
 @lowers(aten.polygamma.default)
@@ -365,17 +270,7 @@ def _cephes_zeta(x, q):
 
 
 def _trigamma(x):
-    """torch's trigamma: reflection below 1/2, six recurrence steps, then the asymptotic series."""
-    neg = x < 0.5
-    reflect = -(jnp.pi * jnp.pi) / jnp.square(jnp.sin(jnp.pi * x))
-    x = jnp.where(neg, 1 - x, x)
-    result = jnp.zeros_like(x)
-    for _ in range(6):
-        result = result + 1 / (x * x)
-        x = x + 1
-    ixx = 1 / (x * x)
-    result = result + (1 + 1 / (2 * x) + ixx * (1 / 6 - ixx * (1 / 30 - ixx * (1 / 42)))) / x
-    return jnp.where(neg, -(reflect + result), result)
+    return special_math.trigamma(x, jnp)
 
 
 @lowers(aten.ldexp.Tensor)
