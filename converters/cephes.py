@@ -1,4 +1,4 @@
-"""Coefficients of the Cephes Bessel and Airy function approximations, as torch's kernels use them.
+"""Coefficients of the Cephes Bessel, Airy and erfc approximations, as torch's kernels use them.
 
 Copied from torch's aten/src/ATen/native/Math.h, which derives them from the Cephes Math Library
 (3-clause BSD licence, see that file). ops_special evaluates them the way those kernels do, so the
@@ -172,3 +172,11 @@ AIRY_AI = {
         4.9183457006293e-09,
     ),
 }
+
+# Cephes' erfcf (single precision; torch calls the C library's erfc, which these match to 3e-8):
+# erfc(x) = exp(-x^2) / x * P(1/x^2) for 1 <= x < 2, R(1/x^2) from 2
+ERFC_P = (2.326819970068386e-02, -1.387039388740657e-01, 3.687424674597105e-01, -5.824733027278666e-01,
+          6.210004621745983e-01, -4.944515323274145e-01, 3.404879937665872e-01, -2.741127028184656e-01,
+          5.638259427386472e-01)
+ERFC_R = (-1.047766399936249e+01, 1.297719955372516e+01, -7.495518717768503e+00, 2.921019019210786e+00,
+          -1.015265279202700e+00, 4.218463358204948e-01, -2.820767439740514e-01, 5.641895067754075e-01)

@@ -209,6 +209,17 @@ COMPOSITES = {
                            (torch.randn(1, 2, 9, 11),)),
     "batch_norm_training": (lambda x, m, v: (torch.nn.functional.batch_norm(x, m, v, None, None, True, 0.1), m, v),
                             (torch.randn(4, 3, 5, 5), torch.zeros(3), torch.ones(3))),
+    "erfc_tails": (lambda x: (torch.special.erfc(x), torch.special.erfcx(x), torch.special.log_ndtr(x)),
+                   (torch.linspace(-9, 12, 85),)),
+    "small_argument_precision": (lambda x: (torch.log1p(x * 1e-6), torch.expm1(x * 1e-6), torch.tan(x),
+                                            torch.nn.functional.mish(x * 4), torch.nn.functional.softplus(x * 8)),
+                                 (torch.linspace(-1.5707, 1.5707, 61),)),
+    "frexp_hypot_histc": (lambda x, y: (torch.frexp(x * 1e6), torch.hypot(x, y), torch.histc(x, 7),
+                                        torch.histc(x, 5, min=-1, max=1)),
+                          (torch.randn(40), torch.randn(40))),
+    "padded_fft2": (lambda x: torch.view_as_real(torch.fft.fft2(x, s=(3, 10), norm="ortho")), (torch.randn(2, 6, 7),)),
+    "polygamma_negative": (lambda x: (torch.polygamma(1, x), torch.polygamma(2, x), torch.special.zeta(x.abs() + 1.5, x)),
+                           (torch.tensor([-7.95, -3.97, -0.5, -2.2, 0.3, 3.1, 12.0]),)),
     "lcm_shift": (lambda a, b: (torch.lcm(a, b), a << (b % 5), a >> (b % 5)),
                   (torch.randint(-20, 20, (12,)), torch.randint(-20, 20, (12,)))),
 }
@@ -224,6 +235,12 @@ def test_composite_lowerings_match_torch(name, target):
 def test_lgamma_poles_and_tails_on_litert():
     x = torch.tensor([0.0, -1.0, -2.0, 1.0, 2.0, 1e7, math.inf, -2.5, 1e-3])
     _agree(torch.lgamma, (x,), "litert")
+
+
+def test_training_batch_norm_with_update_on_both_targets():
+    fn = lambda x, w, m, v: torch.ops.aten._batch_norm_with_update(x, w, w, m, v, 0.1, 1e-5)[:3]  # noqa: E731
+    for target in TARGETS:
+        _agree(fn, (torch.randn(2, 3, 4), torch.randn(3), torch.zeros(3), torch.ones(3)), target)
 
 
 def test_a_composite_names_the_op_it_cannot_lower():

@@ -4,6 +4,7 @@
                                                   # tests/coverage_expected.json
     python tools/coverage.py --ops 'aten.add.*'   # only these ops' rows, the rest kept as committed
     python tools/coverage.py --opinfo             # PyTorch's OpInfo samples: docs/coverage_opinfo.{json.gz,md}
+    python tools/coverage.py --opinfo --ops fft   # only the OpInfos whose names contain 'fft' (or match a glob)
 """
 from __future__ import annotations
 
@@ -72,8 +73,15 @@ def _readme_totals(report: dict) -> None:
     _write(README, head + BEGIN + "\n" + "\n".join(lines) + "\n" + END + tail)
 
 
-def opinfo_source(jobs: int) -> None:
-    report = opinfo.run(list(coverage.FLOAT_RUNTIMES), jobs=jobs, progress=True)
+def opinfo_source(pattern: str | None, jobs: int) -> None:
+    report = opinfo.run(list(coverage.FLOAT_RUNTIMES), pattern=pattern, jobs=jobs, progress=True)
+    if pattern:  # splice the new rows into the committed report
+        with gzip.open(OPINFO_JSON, "rt") as f:
+            old = json.load(f)
+        rows = {r["op"]: r for r in report["ops"]}
+        old["ops"] = [rows.pop(r["op"], r) for r in old["ops"]] + list(rows.values())
+        old["ops"].sort(key=lambda r: r["op"])
+        report = old
     write_bytes_atomic(OPINFO_JSON, gzip.compress(opinfo.dump(report).encode(), mtime=0))
     _write(OPINFO_MD, opinfo.to_markdown(report))
     print(opinfo.summary(report), file=sys.stderr)
@@ -86,7 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=2)
     args = p.parse_args(argv)
     if args.opinfo:
-        opinfo_source(args.jobs)
+        opinfo_source(args.ops, args.jobs)
     else:
         table(args.ops, args.jobs)
     return 0

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import torch
 
-from .. import special_math
+from .. import cephes, special_math
 from .registry import builds, composite
 
 aten = torch.ops.aten
@@ -102,7 +102,63 @@ def exp2(x):
 
 @composite(aten.erfc.default)
 def erfc(x):
-    return 1.0 - torch.erf(x)
+    """1 - erf(x) below |x| = 1; above, Cephes' erfcf: exp(-x^2) / |x| times a rational in 1/x^2,
+    accurate relative to erfc's own (tiny) size in the tail, where 1 - erf(x) is 0."""
+    x = x.float() if not x.is_floating_point() else x
+    a = x.abs()
+    safe = torch.where(a < 1, torch.ones_like(a), a)
+    y = 1 / (safe * safe)
+    p = torch.where(safe < 2, special_math.poly(cephes.ERFC_P, y, torch), special_math.poly(cephes.ERFC_R, y, torch))
+    tail = torch.exp(-safe * safe) / safe * p
+    tail = torch.where(x < 0, 2 - tail, tail)
+    return torch.where(a < 1, 1.0 - torch.erf(x), tail)
+
+
+@composite(aten.log1p.default)
+def log1p(x):
+    """log(1 + x); for |x| <= 1/2 by 2 atanh(x / (2 + x)) as a series: LiteRT's LOG is off by ~1e-7
+    near 1, which is all of log1p for small x."""
+    x = x.float() if not x.is_floating_point() else x
+    small = x.abs() <= 0.5
+    s = torch.where(small, x, torch.zeros_like(x)) / (2 + torch.where(small, x, torch.zeros_like(x)))
+    s2, series = s * s, torch.zeros_like(x)
+    for k in range(17, 0, -2):  # s (1 + s^2/3 + s^4/5 + ...): 0.34^19 / 19 < 1e-10
+        series = series * s2 + 1.0 / k
+    return torch.where(small, 2 * s * series, torch.log(1 + x))
+
+
+@composite(aten.expm1.default)
+def expm1(x):
+    """e^x - 1; for |x| <= 1/2 by its Taylor series (exp(x) - 1 loses small x to rounding)."""
+    x = x.float() if not x.is_floating_point() else x
+    small = x.abs() <= 0.5
+    xs = torch.where(small, x, torch.zeros_like(x))
+    series = torch.ones_like(x)
+    for k in range(11, 1, -1):  # 1 + x/2 (1 + x/3 (...)): 0.5^11 / 11! < 1e-10
+        series = 1 + xs / k * series
+    # LiteRT's EXP gives 0 for NaN: keep NaN
+    return torch.where(small, xs * series, torch.where(torch.isnan(x), x, torch.exp(x) - 1))
+
+
+@composite(aten.mish.default)
+def mish(x):
+    # x tanh(softplus(x)); softplus is x itself past 20 (torch's threshold)
+    return x * torch.tanh(torch.where(x > 20, x, torch.log1p(torch.exp(torch.clamp(x, max=20.0)))))
+
+
+# pi in three parts (Cody-Waite): k * _PI_A is exact for |k| < 2^16, so x - k pi keeps its precision
+_PI_A, _PI_B, _PI_C = 3.140625, 0.0009675025939941406, 1.5099579909783765e-07
+
+
+@composite(aten.tan.default)
+def tan(x):
+    """sin(r) / cos(r) on r = x - k pi in [-pi/2, pi/2], with cos(r) = sin(pi/2 - |r|): LiteRT's COS
+    loses its relative precision near pi/2, where tan is large, and SIN of a small argument keeps it."""
+    x = x.float() if not x.is_floating_point() else x
+    k = torch.round(x / _PI)
+    r = ((x - k * _PI_A) - k * _PI_B) - k * _PI_C
+    c = ((0.5 * _PI_A - r.abs()) + 0.5 * _PI_B) + 0.5 * _PI_C
+    return torch.sin(r) / torch.sin(c)
 
 
 @composite(aten.erfinv.default)
@@ -186,13 +242,18 @@ def _reduce_half(x):
     return x - torch.round(x)
 
 
+_ZETA_REACH = 32
+
+
 def _hurwitz_zeta(s: int, q):
     """zeta(s, q) = sum_k (q + k)^-s for an integer s >= 2: direct terms, then Euler-Maclaurin."""
     acc = torch.zeros_like(q)
     a = q
-    for _ in range(_SHIFT):
-        acc = acc + torch.pow(a, -float(s))
-        a = a + 1.0
+    # direct terms until a >= 9 (torch's loop), at least _SHIFT of them: q down to -_ZETA_REACH
+    for i in range(_SHIFT + _ZETA_REACH):
+        active = a < 9.0 if i >= _SHIFT else torch.ones_like(q, dtype=torch.bool)
+        acc = acc + torch.where(active, torch.pow(a, -float(s)), torch.zeros_like(q))
+        a = torch.where(active, a + 1.0, a)
     # tail from a: a^(1-s)/(s-1) + a^-s/2 + sum_j B2j/(2j)! s(s+1)..(s+2j-2) a^(-s-2j+1)
     tail = torch.pow(a, 1.0 - s) / (s - 1) + 0.5 * torch.pow(a, -float(s))
     bernoulli = [1.0 / 6, -1.0 / 30, 1.0 / 42, -1.0 / 30, 5.0 / 66, -691.0 / 2730, 7.0 / 6]
@@ -214,6 +275,8 @@ def polygamma(n, x):
     x = x.float() if not x.is_floating_point() else x
     if n == 0:
         return digamma(x)
+    if n == 1:  # torch's trigamma, reflected below 1/2 (the zeta series is for q > 0)
+        return special_math.trigamma(x, torch)
     sign = 1.0 if n % 2 == 1 else -1.0
     return sign * math.factorial(n) * _hurwitz_zeta(n + 1, x)
 
@@ -993,6 +1056,12 @@ def batch_norm_functional(x, w, b, running_mean, running_var, training, momentum
     return out, mean, rstd, new_mean, new_var
 
 
+@composite(aten._batch_norm_with_update_functional.default)
+def batch_norm_with_update(x, w, b, running_mean, running_var, momentum, eps):
+    out, mean, rstd, new_mean, new_var = batch_norm_functional(x, w, b, running_mean, running_var, True, momentum, eps)
+    return out, mean, rstd, torch.zeros((0,), dtype=torch.uint8), new_mean, new_var
+
+
 @composite(aten.mode.default)
 def mode(x, dim=-1, keepdim=False):
     """The most frequent value along ``dim`` (the smallest of equally frequent ones) and its last index."""
@@ -1019,3 +1088,67 @@ def fmax(a, b):
 @composite(aten.fmin.default)
 def fmin(a, b):
     return torch.where(torch.isnan(a), b, torch.where(torch.isnan(b), a, torch.minimum(a, b)))
+
+
+@composite(aten.hypot.default)
+def hypot(a, b):
+    # max * sqrt(1 + (min/max)^2): no overflow in the squares; inf when either is, even beside NaN
+    a, b = torch.broadcast_tensors(a.abs(), b.abs())
+    big, small = torch.maximum(a, b), torch.minimum(a, b)
+    ratio = small / torch.where(big == 0, torch.ones_like(big), big)
+    out = big * torch.sqrt(1 + ratio * ratio)
+    return torch.where(torch.isinf(a) | torch.isinf(b), torch.full_like(out, math.inf), out)
+
+
+@composite(aten.frexp.Tensor)
+def frexp(x):
+    """x = mantissa * 2^exponent with 0.5 <= |mantissa| < 1 (0, inf and NaN: themselves and 0).
+
+    LiteRT's CPU kernels flush subnormals to zero, so a subnormal x is 0 here as everywhere else in
+    the program; and their LOG overflows near the top of the float range, so large x is scaled first."""
+    finite = torch.isfinite(x) & (x != 0)
+    a = torch.where(finite, x.abs(), torch.ones_like(x))
+    big = a >= 2.0 ** 64
+    a = torch.where(big, a * 2.0 ** -64, a)
+    e = torch.floor(torch.log2(a)) + 1
+    # 2^-e in two steps: one power of 2 would overflow for small x
+    half = torch.floor(-e / 2)
+    m = a * torch.pow(2.0, half) * torch.pow(2.0, -e - half)
+    # log2 rounds near powers of 2: one step either way puts m in [0.5, 1)
+    e = torch.where(m >= 1, e + 1, torch.where(m < 0.5, e - 1, e)) + torch.where(big, 64.0, 0.0)
+    m = torch.where(m >= 1, m * 0.5, torch.where(m < 0.5, m * 2, m))
+    mantissa = torch.where(finite, torch.where(x < 0, -m, m), x)
+    return mantissa, torch.where(finite, e, torch.zeros_like(e)).to(torch.int32)
+
+
+@composite(aten.special_erfcx.default)
+def erfcx(x):
+    """exp(x^2) erfc(x): directly up to x = 5, then its asymptotic series (error below 1e-7 there)."""
+    x = x.float() if not x.is_floating_point() else x
+    big = x > 5
+    safe = torch.where(big, x, torch.full_like(x, 5.0))
+    z = 1 / (2 * safe * safe)
+    series = torch.ones_like(x)
+    for k in range(13, 0, -2):  # 1 - z (1 - 3z (1 - 5z (...))): sum of (-1)^k (2k-1)!! / (2x^2)^k
+        series = 1 - k * z * series
+    asymptotic = series / (safe * math.sqrt(math.pi))
+    small = torch.where(big, torch.zeros_like(x), x)
+    return torch.where(big, asymptotic, torch.exp(small * small) * torch.special.erfc(small))
+
+
+@composite(aten.histc.default)
+def histc(x, bins=100, min=0, max=0):  # noqa: A002 (torch's argument names)
+    """Counts in ``bins`` equal bins over [min, max] (the data's range when min == max), as torch's
+    CPU kernel bins them: trunc((x - min) * bins / (max - min)), the top edge in the last bin."""
+    x = x.float() if not x.is_floating_point() else x
+    flat = x.reshape(-1)
+    if min == max:
+        lo, hi = flat.amin(), flat.amax()
+        same = lo == hi
+        lo, hi = torch.where(same, lo - 1, lo), torch.where(same, hi + 1, hi)
+    else:
+        lo, hi = torch.tensor(float(min)), torch.tensor(float(max))
+    inside = (flat >= lo) & (flat <= hi)
+    pos = torch.floor((flat - lo) * bins / (hi - lo)).clamp(0, bins - 1)
+    hits = (pos.unsqueeze(-1) == torch.arange(bins, dtype=x.dtype)) & inside.unsqueeze(-1)
+    return hits.sum(0).to(x.dtype)

@@ -255,18 +255,6 @@ def reciprocal(ctx, x):
     return ctx.op("DIV", [_c(ctx, 1.0, x), x])
 
 
-@builds(aten.expm1.default)
-def expm1(ctx, x):
-    x = _float_unary(ctx, x)
-    return ctx.op("SUB", [ctx.op("EXP", [x], shape=x.shape), _c(ctx, 1.0, x)])
-
-
-@builds(aten.log1p.default)
-def log1p(ctx, x):
-    x = _float_unary(ctx, x)
-    return ctx.op("LOG", [ctx.op("ADD", [x, _c(ctx, 1.0, x)], shape=x.shape)])
-
-
 def _scaled_log(scale):
     def rule(ctx, x):
         x = _float_unary(ctx, x)
@@ -276,12 +264,6 @@ def _scaled_log(scale):
 
 builds(aten.log2.default)(_scaled_log(1 / math.log(2)))
 builds(aten.log10.default)(_scaled_log(1 / math.log(10)))
-
-
-@builds(aten.tan.default)
-def tan(ctx, x):
-    x = _float_unary(ctx, x)
-    return ctx.op("DIV", [ctx.op("SIN", [x], shape=x.shape), ctx.op("COS", [x], shape=x.shape)])
 
 
 def _exp_pair(ctx, x):
@@ -593,17 +575,6 @@ def elu(ctx, x, alpha=1.0, scale=1.0, input_scale=1.0):
     pos = x if scale == 1 else ctx.op("MUL", [x, _c(ctx, scale, x)], shape=s)
     cond = ctx.op("GREATER", [x, _c(ctx, 0.0, x)], shape=s, dtype=BOOL)
     return ctx.op("SELECT_V2", [cond, pos, neg])
-
-
-@builds(aten.mish.default)
-def mish(ctx, x):
-    s = x.shape
-    # softplus(x) = log(1 + exp(x)), kept finite for large x
-    sp = ctx.op("LOG", [ctx.op("ADD", [ctx.op("EXP", [ctx.op("MINIMUM", [x, _c(ctx, 20.0, x)], shape=s)], shape=s),
-                                       _c(ctx, 1.0, x)], shape=s)], shape=s)
-    big = ctx.op("GREATER", [x, _c(ctx, 20.0, x)], shape=s, dtype=BOOL)
-    sp = ctx.op("SELECT_V2", [big, x, sp], shape=s)
-    return ctx.op("MUL", [x, ctx.op("TANH", [sp], shape=s)])
 
 
 @builds(aten.square.default)

@@ -29,7 +29,7 @@ def fill(ctx, shape, value, dtype) -> Tensor:
 
 @builds(aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format,
         aten.empty_strided.default, aten.new_full.default, aten.new_zeros.default, aten.new_ones.default,
-        aten.new_empty.default)
+        aten.new_empty.default, aten.new_empty_strided.default)
 def full(ctx, *args, **kwargs):
     value = {aten.full.default: None, aten.new_full.default: None, aten.ones.default: 1, aten.new_ones.default: 1}.get(
         ctx.node.target, 0)

@@ -338,6 +338,13 @@ def constant_pad_nd(ctx, x, pad, value=0):
     x, pads = _crop_negative(ctx, x, _torch_pads(pad, x.rank))
     if all(is_static(v) and v == 0 for p in pads for v in p):
         return x
+    if x.dtype == np.complex64:  # TFLite's PAD has no complex kernel: pad the (re, im) float pairs
+        if value != 0 or not all(is_static(v) for p in pads for v in p):
+            raise ctx.unsupported("a complex padding with a nonzero or dynamic fill")
+        pairs = ctx.op("BITCAST", [x], shape=x.shape + (2,), dtype=np.float32)
+        padded = ctx.op("PAD", [pairs, np.asarray(pads + [(0, 0)], np.int32)], shape=ctx.out_shape() + (2,),
+                        dtype=np.float32)
+        return ctx.op("BITCAST", [padded], dtype=np.complex64)
     # a dynamic padding (e.g. up to a fixed cache length) is computed at run time
     spec = np.asarray(pads, np.int32) if all(is_static(v) for p in pads for v in p) else \
         ctx.reshape(ctx.vector([v for p in pads for v in p]), (x.rank, 2))

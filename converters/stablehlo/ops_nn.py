@@ -128,6 +128,14 @@ def batch_norm_functional(ctx, x, w, b, running_mean, running_var, training, mom
     return _batch_norm(x, w, b, mean, var, eps), mean, lax.rsqrt(var + eps), new_mean, new_var
 
 
+@lowers(aten._batch_norm_with_update_functional.default)
+def batch_norm_with_update(ctx, x, w, b, running_mean, running_var, momentum, eps):
+    """Training batch norm, the form torch's _batch_norm_with_update takes: no reserve on this backend."""
+    out, mean, rstd, new_mean, new_var = batch_norm_functional(ctx, x, w, b, running_mean, running_var, True,
+                                                               momentum, eps)
+    return out, mean, rstd, jnp.zeros((0,), jnp.uint8), new_mean, new_var
+
+
 @lowers(aten._native_batch_norm_legit.no_stats)
 def batch_norm_no_stats(ctx, x, w, b, training, momentum, eps):
     mean, var = _batch_stats(x)

@@ -219,6 +219,11 @@ def empty_strided(ctx, size, stride, **kwargs):
     return jnp.zeros(_shape(size), ctx.out_dtype())
 
 
+@lowers(aten.new_empty_strided.default)
+def new_empty_strided(ctx, x, size, stride, **kwargs):
+    return jnp.zeros(_shape(size), ctx.out_dtype())
+
+
 @lowers(aten.scalar_tensor.default)
 def scalar_tensor(ctx, s, **kwargs):
     return jnp.asarray(s, ctx.out_dtype())
