@@ -220,6 +220,9 @@ COMPOSITES = {
     "padded_fft2": (lambda x: torch.view_as_real(torch.fft.fft2(x, s=(3, 10), norm="ortho")), (torch.randn(2, 6, 7),)),
     "polygamma_negative": (lambda x: (torch.polygamma(1, x), torch.polygamma(2, x), torch.special.zeta(x.abs() + 1.5, x)),
                            (torch.tensor([-7.95, -3.97, -0.5, -2.2, 0.3, 3.1, 12.0]),)),
+    "conv_transpose3d": (lambda x, w: (torch.nn.functional.conv_transpose3d(x, w, None, (2, 1, 3), (1, 0, 2), (1, 0, 1)),
+                                       torch.nn.functional.conv_transpose3d(x, w[:, :2], None, 2, 1, 0, 2, 2)),
+                         (torch.randn(2, 4, 3, 4, 5), torch.randn(4, 3, 3, 2, 3))),
     "lcm_shift": (lambda a, b: (torch.lcm(a, b), a << (b % 5), a >> (b % 5)),
                   (torch.randint(-20, 20, (12,)), torch.randint(-20, 20, (12,)))),
 }

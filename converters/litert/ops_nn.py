@@ -173,6 +173,9 @@ def _dense_transposed_weight_ops(ctx, w: Tensor, groups: int, dilation) -> Tenso
 
 def _conv_transpose(ctx, x, w, b, stride, padding, dilation, output_padding, groups):
     nd = x.rank - 2
+    if nd == 3:
+        from .lower import inline
+        return inline(ctx, _conv_transpose3d, (x, w, b, stride, padding, dilation, output_padding, groups), {})
     if groups != 1 or any(d != 1 for d in dilation):
         w = ctx.const(_dense_transposed_weight(w.data, groups, dilation)) if w.is_const else \
             _dense_transposed_weight_ops(ctx, w, groups, dilation)
@@ -185,6 +188,31 @@ def _conv_transpose(ctx, x, w, b, stride, padding, dilation, output_padding, gro
     if nd != 2:
         raise ctx.unsupported(f"{nd}-D transposed convolutions are not supported (TFLite has 2-D)")
     return _conv_transpose2d(ctx, x, w, b, stride, padding, output_padding)
+
+
+def _conv_transpose3d(x, w, b, stride, padding, dilation, output_padding, groups):
+    """A 3-D transposed convolution as the convolution it is the adjoint of, traced in torch ops: the
+    input with stride - 1 zeros between its elements, padded by dilation (k - 1) - padding (plus
+    output_padding at the end), convolved with the flipped kernel, its in/out channels swapped."""
+    for i, s in enumerate(stride):
+        if s > 1:  # zeros between the elements of dim 2 + i
+            d = 2 + i
+            n = x.shape[d]
+            x = torch.nn.functional.pad(x.unsqueeze(d + 1), [0, 0] * (x.dim() - d - 1) + [0, s - 1])
+            x = x.flatten(d, d + 1).narrow(d, 0, (n - 1) * s + 1)
+    k = w.shape[2:]
+    pads = []
+    for i in reversed(range(3)):
+        edge = dilation[i] * (k[i] - 1) - padding[i]
+        pads += [edge, edge + output_padding[i]]
+    x = torch.nn.functional.pad(x, pads)
+    cin, cout_g = w.shape[0], w.shape[1]
+    w = w.reshape(groups, cin // groups, cout_g, *k).transpose(1, 2).flip(3, 4, 5)
+    # one convolution per group (TFLite's CONV_3D has no groups)
+    xs = x.chunk(groups, 1)
+    bs = b.chunk(groups) if b is not None else [None] * groups
+    ys = [torch.nn.functional.conv3d(xs[g], w[g], bs[g], 1, 0, dilation) for g in range(groups)]
+    return ys[0] if groups == 1 else torch.cat(ys, 1)
 
 
 def _conv_transpose2d(ctx, x, w, b, stride, padding, output_padding):
