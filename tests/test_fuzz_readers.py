@@ -9,7 +9,6 @@ processes (coverage's pool), where a crash would be reported instead of ending t
 """
 import io
 import json
-import os
 import random
 import time
 import zipfile
@@ -21,6 +20,8 @@ import torch
 import torchtpu_export as tte
 from torchtpu_export import litert_format, models, safetensors_io, tpu_format
 from torchtpu_export.errors import ArtifactError, InputError
+
+from test_fuzz import _rezip  # tests/ is on the path
 
 MIN_MUTANTS = 1000
 TIME_BUDGET_S = 90.0
@@ -112,14 +113,6 @@ def test_tpu_files(originals, tmp_path):
         path.write_bytes(data)
         tpu_format.read(path)
     fuzz(originals["tpu"], attempt, (ArtifactError, InputError), seed=1)
-
-
-def _rezip(original: bytes, entry: str, content: bytes) -> bytes:
-    out = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(original)) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zout:
-        for info in zin.infolist():
-            zout.writestr(info, content if info.filename == entry else zin.read(info.filename))
-    return out.getvalue()
 
 
 def test_tpu_manifests(originals, tmp_path):

@@ -9,6 +9,8 @@ import torch
 import torchtpu_export as tte
 from torchtpu_export.numerics import same_distribution
 
+from test_litert_converter import Fn  # tests/ is on the path
+
 TARGETS = ["litert", "tpu"]
 
 
@@ -16,15 +18,6 @@ def _convert(module, args, target):
     if target == "tpu":
         return tte.export(module, args, target="tpu", platforms=("cpu",))
     return tte.convert(module, args)
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def _leaves(out):
