@@ -216,6 +216,8 @@ COMPOSITES = {
     "conv_transpose3d": (lambda x, w: (torch.nn.functional.conv_transpose3d(x, w, None, (2, 1, 3), (1, 0, 2), (1, 0, 1)),
                                        torch.nn.functional.conv_transpose3d(x, w[:, :2], None, 2, 1, 0, 2, 2)),
                          (torch.randn(2, 4, 3, 4, 5), torch.randn(4, 3, 3, 2, 3))),
+    "nan_through_exp": (lambda x: (torch.exp(x), torch.sinh(x), torch.nn.functional.softplus(x), torch.expm1(x)),
+                        (torch.tensor([math.nan, 1.0, -math.inf, math.inf, -3.0]),)),
     "lcm_shift": (lambda a, b: (torch.lcm(a, b), a << (b % 5), a >> (b % 5)),
                   (torch.randint(-20, 20, (12,)), torch.randint(-20, 20, (12,)))),
 }

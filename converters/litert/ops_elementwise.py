@@ -190,7 +190,19 @@ def _unary(op, code, kind=Kind.DEFAULT):
     return rule
 
 
-for _op, _code in [(aten.exp.default, "EXP"), (aten.log.default, "LOG"), (aten.sqrt.default, "SQRT"),
+def exp(ctx, x):
+    """EXP with NaN kept: LiteRT's CPU kernel (XNNPACK's) gives 0 for NaN, the one unary op that does."""
+    e = ctx.op("EXP", [x], shape=x.shape)
+    nan = ctx.op("NOT_EQUAL", [x, x], shape=x.shape, dtype=BOOL)
+    return ctx.op("SELECT_V2", [nan, x, e], shape=x.shape)
+
+
+@builds(aten.exp.default)
+def exp_rule(ctx, x):
+    return exp(ctx, operand(ctx, x, ctx.promoted_dtype(Kind.INT_TO_FLOAT)))
+
+
+for _op, _code in [(aten.log.default, "LOG"), (aten.sqrt.default, "SQRT"),
                    (aten.rsqrt.default, "RSQRT"), (aten.sin.default, "SIN"), (aten.cos.default, "COS"),
                    (aten.sigmoid.default, "LOGISTIC"), (aten.tanh.default, "TANH")]:
     _unary(_op, _code, Kind.INT_TO_FLOAT)
@@ -267,7 +279,7 @@ builds(aten.log10.default)(_scaled_log(1 / math.log(10)))
 
 
 def _exp_pair(ctx, x):
-    e = ctx.op("EXP", [x], shape=x.shape)
+    e = exp(ctx, x)
     return e, ctx.op("DIV", [_c(ctx, 1.0, x), e], shape=x.shape)
 
 
