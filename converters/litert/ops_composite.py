@@ -142,8 +142,7 @@ def expm1(x):
 
 @composite(aten.mish.default)
 def mish(x):
-    # x tanh(softplus(x)); softplus is x itself past 20 (torch's threshold)
-    return x * torch.tanh(torch.where(x > 20, x, torch.log1p(torch.exp(torch.clamp(x, max=20.0)))))
+    return x * torch.tanh(torch.nn.functional.softplus(x))
 
 
 # pi in three parts (Cody-Waite): k * _PI_A is exact for |k| < 2^16, so x - k pi keeps its precision
