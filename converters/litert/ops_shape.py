@@ -341,10 +341,10 @@ def constant_pad_nd(ctx, x, pad, value=0):
     if x.dtype == np.complex64:  # TFLite's PAD has no complex kernel: pad the (re, im) float pairs
         if value != 0 or not all(is_static(v) for p in pads for v in p):
             raise ctx.unsupported("a complex padding with a nonzero or dynamic fill")
-        pairs = ctx.op("BITCAST", [x], shape=x.shape + (2,), dtype=np.float32)
-        padded = ctx.op("PAD", [pairs, np.asarray(pads + [(0, 0)], np.int32)], shape=ctx.out_shape() + (2,),
-                        dtype=np.float32)
-        return ctx.op("BITCAST", [padded], dtype=np.complex64)
+        from .ops_composite import view_as_complex, view_as_real
+        padded = ctx.op("PAD", [view_as_real(ctx, x), np.asarray(pads + [(0, 0)], np.int32)],
+                        shape=ctx.out_shape() + (2,), dtype=np.float32)
+        return view_as_complex(ctx, padded)
     # a dynamic padding (e.g. up to a fixed cache length) is computed at run time
     spec = np.asarray(pads, np.int32) if all(is_static(v) for p in pads for v in p) else \
         ctx.reshape(ctx.vector([v for p in pads for v in p]), (x.rank, 2))
