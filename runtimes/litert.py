@@ -38,6 +38,10 @@ class InterpreterRunner:
         details = self._runner.get_input_details()
         self.inputs = list(inputs)
         self.outputs = list(outputs)
+        missing = [s.name for s in self.inputs if s.name not in details]
+        if missing:
+            raise ArtifactError(f"LiteRT's signature {signature!r} has no input {missing[0][:80]!r}",
+                                hint="the flatbuffer's signature and tensors disagree: convert it again")
         self._input_dtypes = [np.dtype(details[s.name]["dtype"]).name for s in self.inputs]
 
     def run(self, inputs: Sequence) -> list[np.ndarray]:
@@ -51,6 +55,10 @@ class InterpreterRunner:
             out = self._runner(**feed)
         except (ValueError, RuntimeError) as e:
             raise ArtifactError(f"LiteRT failed to run the model: {str(e).strip()[:300]}") from e
+        missing = [s.name for s in self.outputs if s.name not in out]
+        if missing:
+            raise ArtifactError(f"LiteRT gave no output {missing[0][:80]!r}",
+                                hint="the flatbuffer's signature and tensors disagree: convert it again")
         return [np.asarray(out[s.name]) for s in self.outputs]
 
 

@@ -19,7 +19,7 @@ class OnnxRunner:
 
     name = "onnx"
 
-    def __init__(self, model: bytes, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]):
+    def __init__(self, model: bytes | str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]):
         import onnxruntime as ort
         options = ort.SessionOptions()
         options.log_severity_level = 3

@@ -58,32 +58,67 @@ class XlaRunner:
         self.rng_key = bool(spec.get("rng_key", False))
         self.platform = platform
         self.mesh, self._input_shardings = None, None
+        self.executable = None  # the stored executable's topology, when one is used
         with jax.enable_x64(self.uses_x64):
             try:
                 self.exported = jax.export.deserialize(bytearray(artifact.programs[program][platform]))
             except Exception as e:
                 raise ArtifactError(f"the {platform} program is corrupt ({type(e).__name__}: {str(e)[:200]})",
                                     hint="export the model again") from e
-            plan = spec.get("sharding")
-            if plan:
-                self.mesh = _local_mesh(artifact.manifest["mesh"])
-                wsh = {n: _named(self.mesh, s) for n, s in plan["weights"].items()}
-                self._input_shardings = [_named(self.mesh, s) for s in plan["inputs"]]
-            else:
-                wsh = {}
-            self.weights = {n: jax.device_put(np.asarray(artifact.weights[n]), wsh.get(n)) for n in spec["weights"]}
+            self._check_program(artifact, spec)
+            try:
+                plan = spec.get("sharding")
+                if plan:
+                    self.mesh = _local_mesh(artifact.manifest["mesh"])
+                    wsh = {n: _named(self.mesh, s) for n, s in plan["weights"].items()}
+                    self._input_shardings = [_named(self.mesh, s) for s in plan["inputs"]]
+                else:
+                    wsh = {}
+                self.weights = {n: jax.device_put(np.asarray(artifact.weights[n]), wsh.get(n))
+                                for n in spec["weights"]}
+            except (ArtifactError, InputError):
+                raise
+            except Exception as e:  # a sharding plan naming axes the mesh does not have, and the like
+                raise ArtifactError(f"the artifact's program {program!r} cannot be placed on the devices "
+                                    f"({type(e).__name__}: {str(e)[:200]})", hint="export the model again") from e
             self._call = None
-            self.executable = None  # the stored executable's topology, when one is used
             if platform == "tpu":
                 self._call = self._stored(artifact, program)
             if self._call is None:
                 self._call = jax.jit(self.exported.call)
-        avals = self.exported.in_avals[len(self.weights):]
+        avals = self.exported.in_avals[len(spec["weights"]):]
         if self.rng_key:
             avals = avals[:-1]
-        if len(avals) != len(self.inputs):
-            raise ArtifactError("the manifest's inputs do not match the program's arguments")
         self._input_dtypes = [np.dtype(a.dtype).name for a in avals]
+
+    def _check_program(self, artifact: TpuArtifact, spec: dict) -> None:
+        """The deserialized program against the manifest and the weights: the call structure the runner
+        uses, one argument per weight and input with the weight's own shape and dtype, enough results."""
+        exp, names = self.exported, spec["weights"]
+        n_args = len(names) + len(self.inputs) + (1 if self.rng_key else 0)
+        try:
+            expected = jax.tree.structure((({n: 0 for n in names}, *([0] * (n_args - len(names)))), {}))
+            same = exp.in_tree == expected
+        except Exception:  # noqa: BLE001 (a tree that cannot even be compared is not ours)
+            same = False
+        if not same or len(exp.in_avals) != n_args:
+            raise ArtifactError("the artifact's program does not take the weights and inputs its manifest lists",
+                                hint="export the model again")
+        by_name = dict(zip(sorted(names), exp.in_avals[:len(names)]))  # a dict argument flattens by sorted key
+        for name in names:
+            w, aval = artifact.weights[name], by_name[name]
+            if tuple(w.shape) != tuple(aval.shape) or np.dtype(w.dtype) != np.dtype(aval.dtype):
+                raise ArtifactError(f"weight {name[:80]!r} is {np.dtype(w.dtype).name}{list(w.shape)} in the file; "
+                                    f"the program takes {np.dtype(aval.dtype).name}{list(aval.shape)}",
+                                    hint="the weights and the program do not belong together: export the model again")
+        for spec_in, aval in zip(self.inputs, exp.in_avals[len(names):]):
+            if len(spec_in.shape) != len(aval.shape):
+                raise ArtifactError(f"input {spec_in.name[:80]!r} has rank {len(spec_in.shape)} in the manifest and "
+                                    f"{len(aval.shape)} in the program", hint="export the model again")
+        n_results = len(exp.out_avals)
+        if n_results < len(self.outputs) or any(i >= n_results or pos >= n_results for i, pos in self.ragged.items()):
+            raise ArtifactError("the artifact's program returns fewer results than its manifest lists",
+                                hint="export the model again")
 
     def _stored(self, artifact: TpuArtifact, program: str):
         devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
@@ -114,7 +149,15 @@ class XlaRunner:
                 arrays = [jax.device_put(a, sh) for a, sh in zip(arrays, self._input_shardings)]
             if self.rng_key:
                 arrays.append(new_key())
-            outs = [np.asarray(o) for o in self._call(self.weights, *arrays)]
+            try:
+                outs = [np.asarray(o) for o in self._call(self.weights, *arrays)]
+            except Exception as e:
+                # inputs were checked against the manifest above, and the program came from a file: one
+                # that XLA cannot compile or run is a bad file
+                raise ArtifactError(f"the {self.platform} program cannot be compiled or run here "
+                                    f"({type(e).__name__}: {str(e).strip()[:300]})",
+                                    hint="the artifact is corrupt or was made by an incompatible version: "
+                                         "export the model again") from e
         # data-dependent row counts: the program pads, its extra outputs say how many rows are real
         for i, pos in self.ragged.items():
             outs[i] = outs[i][:int(outs[pos])]

@@ -159,7 +159,9 @@ class OnnxProgram:
         self._check(signature_name)
         if self._runner is None:
             from .runtimes.onnx import OnnxRunner
-            self._runner = OnnxRunner(self.artifact.model, self.artifact.inputs, self.artifact.outputs)
+            # from its file when it has one, so that external data resolves beside it (checked on read)
+            source = self.artifact.path if self.artifact.path is not None else self.artifact.model
+            self._runner = OnnxRunner(source, self.artifact.inputs, self.artifact.outputs)
         return self._runner.run(list(inputs))
 
     def __call__(self, *args, signature_name: str | None = None, **kwargs):

@@ -122,7 +122,8 @@ def user_source_line(node: torch.fx.Node) -> str | None:
 def to_torch(x):
     """numpy arrays (and numpy scalars) become tensors; everything else is passed through."""
     if isinstance(x, np.ndarray):
-        return torch.from_numpy(np.asarray(x, order="C"))
+        from .safetensors_io import from_numpy
+        return from_numpy(x)
     if isinstance(x, np.generic):
         return torch.tensor(x)
     return x

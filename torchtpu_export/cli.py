@@ -26,6 +26,7 @@ from . import __version__, debugger, web
 from .coverage import cli as coverage_cli
 from . import fileio
 from .errors import EXIT_CODES, CaptureError, InputError, NumericsError, Terminated, TteError
+from .untrusted import printable
 
 log = logging.getLogger("torchtpu_export")
 
@@ -58,7 +59,7 @@ def _out(args, text: str = "") -> None:
     if not args.quiet:
         from . import progress
         progress.clear_line()
-        print(text, flush=True)
+        print(printable(text, newlines=True), flush=True)
 
 
 # ---- convert -------------------------------------------------------------------------------
@@ -113,13 +114,17 @@ def _convert(args) -> int:
 
     from . import api
     from .fileio import check_writable
-    from .models import describe_inputs, load_model, parse_inputs
+    from .models import describe_inputs, ep_input_specs, load_model, parse_inputs
 
     output = args.output or _default_output(args.model, args.target)
-    check_writable(output)
-    sample = parse_inputs(args.inputs) if args.inputs else None
+    check_writable(output, inputs=(args.model, *_input_files(args.inputs)))
     t0 = time.perf_counter()
-    model, margs, mkwargs = load_model(args.model, trust_pickle=args.trust_pickle, sample_inputs=sample)
+    if _is_pt2(args.model):  # its inputs are known: files given with --inputs are checked against them first
+        model, margs, mkwargs = load_model(args.model, trust_pickle=args.trust_pickle)
+        sample = parse_inputs(args.inputs, expected=ep_input_specs(model)) if args.inputs else None
+    else:
+        sample = parse_inputs(args.inputs) if args.inputs else None
+        model, margs, mkwargs = load_model(args.model, trust_pickle=args.trust_pickle, sample_inputs=sample)
     own_args = margs
     if sample is not None:
         margs, mkwargs = tuple(sample), {}
@@ -196,21 +201,26 @@ def _parse_mesh(text: str | None):
 
 
 def _check_inputs_match(ep, sample) -> None:
-    from .capture import shape_of
-    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
-    user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
-    metas = [next(p for p in placeholders if p.name == name).meta.get("val") for name in user]
-    if len(metas) != len(sample):
-        raise InputError(f"the model takes {len(metas)} inputs, --inputs gave {len(sample)}")
-    for i, (meta, x) in enumerate(zip(metas, sample)):
-        if meta is None or not hasattr(meta, "dtype"):
+    from .models import ep_input_specs
+    specs = ep_input_specs(ep)
+    if len(specs) != len(sample):
+        raise InputError(f"the model takes {len(specs)} inputs, --inputs gave {len(sample)}")
+    for i, (spec, x) in enumerate(zip(specs, sample)):
+        if spec is None:
             continue
-        shape = shape_of(meta)
-        if meta.dtype != x.dtype:
-            raise InputError(f"--inputs #{i + 1}: expected dtype {str(meta.dtype).removeprefix('torch.')}, "
-                             f"got {str(x.dtype).removeprefix('torch.')}")
-        if len(shape) != x.dim() or any(isinstance(d, int) and d != n for d, n in zip(shape, x.shape)):
-            raise InputError(f"--inputs #{i + 1}: expected shape {list(shape)}, got {list(x.shape)}")
+        if spec.dtype != str(x.dtype).removeprefix("torch."):
+            raise InputError(f"--inputs #{i + 1}: expected dtype {spec.dtype}, got {str(x.dtype).removeprefix('torch.')}")
+        if len(spec.shape) != x.dim() or any(isinstance(d, int) and d != n for d, n in zip(spec.shape, x.shape)):
+            raise InputError(f"--inputs #{i + 1}: expected shape {list(spec.shape)}, got {list(x.shape)}")
+
+
+def _input_files(inputs) -> list[str]:
+    return [p for p in inputs or () if p.endswith((".npy", ".npz"))]
+
+
+def _is_pt2(model: str) -> bool:
+    from .models import is_factory, sniff_model
+    return not is_factory(model) and os.path.isfile(model) and sniff_model(model) == "pt2"
 
 
 # ---- inspect -------------------------------------------------------------------------------
@@ -257,7 +267,7 @@ def _compile(args) -> int:
     for topo in topologies:
         for name, entry in sorted(prog.manifest["compiled"][topo].items()):
             stored = "executable stored" if entry.get("executable") else entry.get("executable_reason", "not stored")
-            _out(args, f"{topo} {name}: {tpu_compile.describe_stats(entry['stats'])} [{stored}]")
+            _out(args, printable(f"{topo} {name}: {tpu_compile.describe_stats(entry['stats'])} [{stored}]"))
     _out(args, f"wrote {output} ({_human(os.path.getsize(output))}) in {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -281,11 +291,11 @@ def _run(args) -> int:
 
     if args.output:
         from .fileio import check_writable
-        check_writable(args.output)
+        check_writable(args.output, inputs=(args.artifact, *_input_files(args.inputs)))
     art = api.load(args.artifact)
     specs = art.inputs(args.signature)
     if args.inputs:
-        inputs = parse_inputs(args.inputs)
+        inputs = parse_inputs(args.inputs, expected=specs)
     else:  # random inputs of the artifact's own shapes: a size the machine cannot hold is the file's
         from .errors import ArtifactError
         from .specs import numpy_dtype, require_memory
@@ -300,7 +310,7 @@ def _run(args) -> int:
         o = np.asarray(o)
         stats = f" min {o.min():.6g} max {o.max():.6g} mean {o.astype(np.float64).mean():.6g}" \
             if o.size and o.dtype.kind in "fiub" else ""
-        _out(args, f"{spec.name}: {o.dtype.name}{list(o.shape)}{stats}")
+        _out(args, f"{printable(spec.name)}: {o.dtype.name}{list(o.shape)}{stats}")
     _out(args, f"ran in {dt * 1000:.1f} ms")
     if args.output:
         with atomic_open(args.output) as f:
@@ -374,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     except TteError as e:
         if debug:
             traceback.print_exc()
-        print(f"error: {e.user_message()}", file=sys.stderr)
+        print(f"error: {printable(e.user_message(), newlines=True)}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted; no output file was written", file=sys.stderr)
@@ -385,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # an internal error: short by default, full with --debug
         if debug:
             traceback.print_exc()
-        print(f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
+        print(f"internal error: {type(e).__name__}: {printable(str(e).splitlines()[0]) if str(e) else ''}\n"
               "  hint: this is a bug in torchtpu-export; rerun with --debug and report it", file=sys.stderr)
         return 1
     finally:

@@ -123,4 +123,5 @@ def format_description(desc: dict) -> str:
         lines += [f"  {n}: {s:,} bytes" for n, s in sorted(desc["entries"].items())]
     for extra in desc.get("extra_lines", []):
         lines.append(extra)
-    return "\n".join(lines)
+    from .untrusted import printable
+    return "\n".join(printable(line) for line in lines)  # names come from the file: no terminal controls

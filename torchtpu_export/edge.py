@@ -236,7 +236,7 @@ class EdgeModel:
                 scale, zero = quant[s.name]
                 o = ((o.astype(np.float32) - zero) * np.float32(scale)).astype(np.float32)
             # 64-bit outputs travel as 32-bit ones inside the model: give back torch's dtype
-            if s.dtype != "bfloat16" and o.dtype != numpy_dtype(s.dtype):
+            if s.dtype not in ("bfloat16", "string") and o.dtype != numpy_dtype(s.dtype):
                 o = o.astype(numpy_dtype(s.dtype))
             result.append(o)
         return result

@@ -17,19 +17,33 @@ from .errors import OutputError, Terminated
 STOP_SIGNAL: list = [None]
 
 
-def check_writable(path: str | os.PathLike) -> str:
+def check_writable(path: str | os.PathLike, inputs: tuple = ()) -> str:
     """``path`` if an artifact may be written there: a new file, or an existing regular file (never a
-    directory, FIFO, device, socket or symlink, which the atomic rename would replace)."""
+    directory, FIFO, device, socket or symlink, which the atomic rename would replace), and never one
+    of ``inputs`` (the files the command reads, compared by inode: another name of the same file too)."""
     path = os.fspath(path)
+    if not path or path.endswith(("/", os.sep)):
+        raise OutputError(f"output path {path!r} names a folder, not a file", hint="give a file name, e.g. model.tpu")
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise OutputError(f"output path {path} is a directory", hint="give a file name, e.g. model.tpu")
     _check_not_special(path)
+    for other in inputs:
+        if other is not None and _same_file(path, os.fspath(other)):
+            raise OutputError(f"output path {path} is the input {os.fspath(other)}: writing it would destroy it",
+                              hint="choose another -o")
     if not os.path.isdir(directory):
         raise OutputError(f"output directory {directory} does not exist", hint="create it first, or choose another -o")
     if not os.access(directory, os.W_OK):
         raise OutputError(f"output directory {directory} is not writable", hint="choose another -o")
     return path
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
 
 
 def _check_not_special(path: str) -> None:
@@ -67,7 +81,7 @@ def _replacing(tmp: str, path: str):
     # when the block succeeds, the temporary file ``tmp`` replaces ``path``; otherwise it vanishes
     try:
         yield
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, _mode_for(path))
         _check_not_special(path)  # again: it may have appeared while the file was written
         if STOP_SIGNAL[0] is not None:
             raise Terminated(STOP_SIGNAL[0])
@@ -76,6 +90,27 @@ def _replacing(tmp: str, path: str):
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _mode_for(path: str) -> int:
+    """An existing file keeps its permissions; a new one gets what the umask allows of rw-rw-rw-."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    try:  # read, not set: setting it to read it races with other threads creating files
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import mmap
 import os
 import weakref
@@ -18,6 +17,7 @@ import weakref
 from . import flatbuf
 from .errors import ArtifactError, InputError
 from .specs import TensorSpec
+from .untrusted import load_json
 
 
 @dataclasses.dataclass
@@ -56,6 +56,7 @@ def _remove(path: str) -> None:
 
 
 METADATA_NAME = "torchtpu_export"
+MAX_METADATA_BYTES = 16 << 20
 
 
 def _schema():
@@ -104,11 +105,14 @@ def validate(content) -> object:
     try:
         n_buffers, n_codes, n_subgraphs = model.BuffersLength(), model.OperatorCodesLength(), model.SubgraphsLength()
         data = [_checked_span(model.Buffers(i), i, size) for i in range(n_buffers)]
+        if model.ExternalBufferGroupsLength() or model.ExternalBuffersLength():
+            raise ValueError("it keeps weights in external files, which torchtpu-export does not open")
         for k in range(n_subgraphs):
             sub = model.Subgraphs(k)
             n_tensors = sub.TensorsLength()
             for j in range(n_tensors):
-                _check_tensor(sub.Tensors(j), f"subgraph {k} tensor {j}", n_buffers, data)
+                _check_tensor(sub.Tensors(j), f"subgraph {k} tensor {j}", n_buffers, data,
+                              lambda i: _buffer_span(model, content, i), content)
             for j in range(sub.OperatorsLength()):
                 op = sub.Operators(j)
                 if not 0 <= op.OpcodeIndex() < n_codes:
@@ -119,6 +123,7 @@ def validate(content) -> object:
             for field in ("Inputs", "Outputs"):
                 _check_indices(getattr(sub, field + "AsNumpy")() if getattr(sub, field + "Length")() else [],
                                n_tensors, f"subgraph {k} {field.lower()}", allow_absent=False)
+        keys = []
         for i in range(model.SignatureDefsLength()):
             sig = model.SignatureDefs(i)
             k = sig.SubgraphIndex()
@@ -128,6 +133,14 @@ def validate(content) -> object:
             maps = [sig.Inputs(j) for j in range(sig.InputsLength())] + \
                 [sig.Outputs(j) for j in range(sig.OutputsLength())]
             _check_indices([m.TensorIndex() for m in maps], n_tensors, f"signature {i}", allow_absent=False)
+            # names LiteRT keys its runners by: text, each once per side
+            for side, n in (("inputs", sig.InputsLength()), ("outputs", sig.OutputsLength())):
+                names = [(getattr(sig, side.title())(j).Name() or b"").decode("utf-8") for j in range(n)]
+                if len(set(names)) != len(names):
+                    raise ValueError(f"signature {i} names two of its {side} alike")
+            keys.append((sig.SignatureKey() or b"").decode("utf-8"))
+        if len(set(keys)) != len(keys):
+            raise ValueError("two signatures have the same key")
         for i in range(model.MetadataLength()):
             if not 0 <= model.Metadata(i).Buffer() < n_buffers:
                 raise ValueError(f"metadata {i} names buffer {model.Metadata(i).Buffer()} of {n_buffers}")
@@ -152,9 +165,23 @@ def _checked_span(buf, index: int, size: int) -> int:
     return n
 
 
-def _check_tensor(t, where: str, n_buffers: int, data: list) -> None:
+_TYPE_CODES: set | None = None
+
+
+def _check_tensor(t, where: str, n_buffers: int, data: list, span, content) -> None:
+    """One tensor: its buffer index, shape, type, and constant data as LiteRT will read it (dense
+    data of the exact size; sparse data consistent with its sparsity parameters; strings with a
+    well-formed header; none for resource and variant tensors)."""
+    global _TYPE_CODES
+    fb = _schema()
+    if _TYPE_CODES is None:
+        _TYPE_CODES = {v for k, v in vars(fb.TensorType).items() if not k.startswith("_")}
     if not 0 <= t.Buffer() < n_buffers:
         raise ValueError(f"{where} names buffer {t.Buffer()} of {n_buffers}")
+    if t.Type() not in _TYPE_CODES:
+        raise ValueError(f"{where} has tensor type {t.Type()}, which the schema does not define")
+    if t.ExternalBuffer():
+        raise ValueError(f"{where} takes its data from an external buffer, which torchtpu-export does not open")
     shape = [int(d) for d in t.ShapeAsNumpy()] if t.ShapeLength() else []
     if any(d < 0 for d in shape):
         raise ValueError(f"{where} has a negative dim in its shape {shape}")
@@ -165,11 +192,101 @@ def _check_tensor(t, where: str, n_buffers: int, data: list) -> None:
         count *= d
     if count > _MAX_ELEMENTS:
         raise ValueError(f"{where} has {count:,} elements")
-    itemsize = _ITEMSIZE.get(type_name(t.Type()))
+    kind = type_name(t.Type())
     stored = data[t.Buffer()]
-    if stored and itemsize and t.Sparsity() is None and stored != count * itemsize:
-        raise ValueError(f"{where} holds {stored:,} bytes of data; its shape {shape} and type "
-                         f"{type_name(t.Type())} make {count * itemsize:,}")
+    for j in range(t.VariantTensorsLength()):
+        sub = t.VariantTensors(j)
+        if sub.Type() not in _TYPE_CODES or (sub.ShapeLength() and any(int(d) < -1 for d in sub.ShapeAsNumpy())):
+            raise ValueError(f"{where} has a malformed variant subtype")
+    if kind in ("resource", "variant"):
+        if stored:
+            raise ValueError(f"{where} is a {kind} tensor with constant data")
+        return
+    if kind == "string":
+        if stored:
+            start, n = span(t.Buffer())
+            _check_strings(content[start:start + n], count, where)
+        return
+    if t.Sparsity() is not None:
+        count = _sparse_elements(t, shape, where)
+    itemsize = _ITEMSIZE.get(kind)
+    if stored and itemsize and stored != count * itemsize:
+        raise ValueError(f"{where} holds {stored:,} bytes of data; its shape {shape}"
+                         f"{' and sparsity' if t.Sparsity() is not None else ''} and type {kind} make "
+                         f"{count * itemsize:,}")
+
+
+def _check_strings(buf: bytes, count: int, where: str) -> None:
+    """LiteRT's string layout: int32 n, n + 1 int32 offsets (the first just past them, each no
+    smaller than the last, the last the buffer's end), then the bytes; n the tensor's element count."""
+    import numpy as np
+    if len(buf) < 4:
+        raise ValueError(f"{where} is a string tensor with {len(buf)} bytes of data (no header)")
+    n = int(np.frombuffer(buf, "<u4", 1)[0])
+    header = (n + 2) * 4
+    if n != count or header > len(buf):
+        raise ValueError(f"{where} is a string tensor of {count:,} elements whose data says {n:,} strings in "
+                         f"{len(buf):,} bytes")
+    offsets = np.frombuffer(buf, "<u4", n + 1, 4).astype(np.int64)
+    if offsets[0] != header or offsets[-1] != len(buf) or np.any(np.diff(offsets) < 0):
+        raise ValueError(f"{where} is a string tensor whose offsets do not lie in order inside its data")
+
+
+def _index_vector(table, kind: int):
+    """The values of a sparse dimension's segments or indices (a SparseIndexVector union)."""
+    fb = _schema()
+    cls = {fb.SparseIndexVector.Int32Vector: fb.Int32Vector, fb.SparseIndexVector.Uint16Vector: fb.Uint16Vector,
+           fb.SparseIndexVector.Uint8Vector: fb.Uint8Vector}.get(kind)
+    if cls is None or table is None:
+        return None
+    vec = cls()
+    vec.Init(table.Bytes, table.Pos)
+    if vec.ValuesIsNone():
+        return None
+    return vec.ValuesAsNumpy().astype("int64")
+
+
+def _sparse_elements(t, shape: list, where: str) -> int:
+    """The number of values a sparse tensor stores, after checking its sparsity parameters as LiteRT's
+    verifier does: the traversal order a permutation of the dims (then of the block dims), block
+    sizes that divide their dims, dense sizes equal to the dims, CSR segments non-decreasing from the
+    parent level's count, indices inside their dim. DENSIFY trusts all of it."""
+    fb = _schema()
+    sp = t.Sparsity()
+    rank = len(shape)
+    order = [int(x) for x in sp.TraversalOrderAsNumpy()] if sp.TraversalOrderLength() else []
+    blocks = [int(x) for x in sp.BlockMapAsNumpy()] if sp.BlockMapLength() else []
+    total = len(order)
+    bad = ValueError(f"{where} has invalid sparsity parameters")
+    if total < rank or total > 16 or sp.DimMetadataLength() != total or len(blocks) != total - rank:
+        raise bad
+    if sorted(order[:rank]) != list(range(rank)) or sorted(order[rank:]) != list(range(rank, total)):
+        raise bad
+    sizes = list(shape) + [0] * (total - rank)
+    for i, b in enumerate(blocks):
+        block_size = sp.DimMetadata(rank + i).DenseSize()
+        if not 0 <= b < rank or block_size <= 0 or shape[b] % block_size:
+            raise bad
+        sizes[order[rank + i]] = block_size
+        sizes[b] //= block_size
+    elements = 1
+    for level, dim in enumerate(order):
+        meta = sp.DimMetadata(level)
+        if meta.Format() == fb.DimensionType.DENSE:
+            if meta.DenseSize() != sizes[dim]:
+                raise bad
+            elements *= sizes[dim]
+            continue
+        segments = _index_vector(meta.ArraySegments(), meta.ArraySegmentsType())
+        indices = _index_vector(meta.ArrayIndices(), meta.ArrayIndicesType())
+        if segments is None or indices is None or len(segments) != elements + 1 or not len(segments) \
+                or segments[0] != 0 or (len(segments) > 1 and (segments[1:] < segments[:-1]).any()) \
+                or segments[-1] != len(indices) or (len(indices) and (indices.min() < 0 or indices.max() >= sizes[dim])):
+            raise bad
+        elements = len(indices)
+        if elements > _MAX_ELEMENTS:
+            raise bad
+    return elements
 
 
 def _check_indices(indices, n: int, where: str, allow_absent: bool) -> None:
@@ -232,11 +349,6 @@ def _buffer_span(model, content, index: int) -> tuple[int, int]:
     return (flatbuf.vector_start(buf, 4), n) if n else (0, 0)
 
 
-def _buffer_bytes(model, content, index: int) -> bytes:
-    start, size = _buffer_span(model, content, index)
-    return bytes(content[start:start + size])
-
-
 def read_metadata(content: bytes, *, verify: bool = False) -> dict | None:
     """The ``torchtpu_export`` metadata of a flatbuffer, or None for files made elsewhere.
 
@@ -247,7 +359,12 @@ def read_metadata(content: bytes, *, verify: bool = False) -> dict | None:
         for i in range(model.MetadataLength()):
             m = model.Metadata(i)
             if m.Name() and m.Name().decode() == METADATA_NAME:
-                meta = json.loads(_buffer_bytes(model, content, m.Buffer()))
+                start, size = _buffer_span(model, content, m.Buffer())
+                if size > MAX_METADATA_BYTES:
+                    raise ArtifactError(f"the flatbuffer's {METADATA_NAME} metadata is {size:,} bytes "
+                                        f"(at most {MAX_METADATA_BYTES:,} are read)")
+                meta = load_json(content[start:start + size], f"the flatbuffer's {METADATA_NAME} metadata",
+                                 max_bytes=MAX_METADATA_BYTES)
                 problem = _metadata_problem(meta)
                 if problem:
                     raise ArtifactError(f"the flatbuffer's {METADATA_NAME} metadata is malformed: {problem}",
@@ -264,19 +381,16 @@ def read_metadata(content: bytes, *, verify: bool = False) -> dict | None:
 
 def _metadata_problem(meta) -> str | None:
     from .specs import call_metadata_problem
-    if not isinstance(meta, dict):
-        return "it is not a JSON object"
-    sigs = meta.get("signatures", {})
-    if not isinstance(sigs, dict):
-        return "its signatures are not a JSON object"
-    for name, sig in sigs.items():
+    from .untrusted import STR, Count, MapOf, Record
+    problem = Record({}, {"signatures": MapOf(Record({})), "versions": MapOf(STR), "weights_blake2b": STR,
+                          "quantization": Record({"recipe": STR, "weight_bytes": Count(),
+                                                  "float_weight_bytes": Count()})}).problem(meta)
+    if problem:
+        return problem
+    for name, sig in meta.get("signatures", {}).items():
         problem = call_metadata_problem(sig)
-        if not problem and not isinstance(sig.get("dims", {}), dict):
-            problem = "its dims are malformed"
         if problem:
-            return f"signature {name!r}: {problem}"
-    if not isinstance(meta.get("weights_blake2b", ""), str):
-        return "its weights digest is not a string"
+            return f"signature {name[:80]!r}: {problem}"
     return None
 
 

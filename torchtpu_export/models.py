@@ -60,7 +60,7 @@ def sniff_model(path: str) -> str:
                         hint="give a .pt2 from torch.export.save, a TorchScript archive, or package.module:factory")
 
 
-def _is_factory(spec: str) -> bool:
+def is_factory(spec: str) -> bool:
     """``package.module:factory`` or ``path/to/file.py:factory`` (and not a file of that name)."""
     if ":" not in spec or os.path.exists(spec):
         return False
@@ -70,19 +70,29 @@ def _is_factory(spec: str) -> bool:
 
 def load_model(spec: str, *, trust_pickle: bool = False, sample_inputs: Sequence | None = None):
     """Returns ``(model, args, kwargs)``; ``model`` is an nn.Module, callable or ExportedProgram."""
-    if _is_factory(spec):
+    if is_factory(spec):
         return _load_factory(spec)
     kind = sniff_model(spec)
     if kind == "pt2":
         from torch.ao.quantization.fx import _decomposed  # noqa: F401 (the quantize ops of pt2e-quantized models)
+        check_pt2_entries(spec)
         try:
-            with contextlib.nullcontext() if trust_pickle else _no_unpickling(spec):
-                ep = torch.export.load(spec)
-        except UnsafeInputError:
+            with _private_tempdir(), contextlib.nullcontext() if trust_pickle else _no_unpickling(spec):
+                # torch.export.load's own loader, called directly: torch.export.load logs the error it
+                # meets and raises one that says "check the warnings above", which users never see
+                from torch.export.pt2_archive._package import load_pt2
+                programs = load_pt2(spec).exported_programs
+        except (UnsafeInputError, ArtifactError):
             raise
         except Exception as e:
-            raise ArtifactError(f"cannot read {spec} as a .pt2 file ({type(e).__name__}: {str(e)[:200]})",
-                                hint="the file is truncated or was written by an incompatible torch: export it again")
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            raise ArtifactError(f"cannot read {spec} as a .pt2 file ({type(e).__name__}: {first})",
+                                hint="the file is truncated or was written by an incompatible torch: export it "
+                                     "again") from None
+        if "model" not in programs:
+            raise ArtifactError(f"{spec} holds no exported program named 'model' (it has {sorted(programs)[:5]})",
+                                hint="save it with torch.export.save(exported_program, path)")
+        ep = programs["model"]
         args, kwargs = ep.example_inputs if ep.example_inputs is not None else ((), {})
         return ep, tuple(args), dict(kwargs)
     if kind == "torchscript":
@@ -105,6 +115,83 @@ def load_model(spec: str, *, trust_pickle: bool = False, sample_inputs: Sequence
                      hint="use `torchtpu-export inspect` or `torchtpu-export run` on artifacts")
 
 
+# What torch.export.save writes for a program, under the archive's one top folder (a .pt2 is a zip).
+# Anything else is refused before torch opens the file: AOTInductor libraries (data/aotinductor/,
+# native code torch.export.load would extract and dlopen), ExecuTorch and MTIA payloads, and any
+# name with "..", a leading "/" or a backslash (written outside the folder it is extracted to).
+_PT2_ENTRIES = re.compile(
+    r"^(archive_format|archive_version|byteorder|version|\.data/version|\.data/serialization_id"
+    r"|models/\w[\w.-]*\.json|data/sample_inputs/\w[\w.-]*\.pt"
+    r"|data/weights/\w[\w.-]*|data/constants/\w[\w.-]*|extra/\w[\w.-]*)$")
+_PT2_COMPONENT = re.compile(r"^[\w.-]+$")
+MAX_PT2_JSON_BYTES = 128 << 20
+MAX_PT2_ENTRIES = 1 << 16
+
+
+def check_pt2_entries(path: str) -> None:
+    """Refuses a .pt2 whose zip holds anything but a plain exported program (see ``_PT2_ENTRIES``),
+    whose compressed entries would expand past a few times the file's size, or whose JSON is
+    larger or more deeply nested than torch could parse in bounded memory."""
+    from .untrusted import json_shape, read_member
+    try:
+        zf = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as e:
+        raise ArtifactError(f"{path} is a damaged zip archive ({e})") from None
+    size = os.path.getsize(path)
+    refuse = "torchtpu-export reads the exported program of a .pt2 and nothing else: export it again " \
+             "with torch.export.save"
+    with zf:
+        infos = zf.infolist()
+        if len(infos) > MAX_PT2_ENTRIES:
+            raise InputError(f"{path} has {len(infos):,} zip entries; a .pt2 holds a few per weight")
+        roots = {info.filename.split("/", 1)[0] for info in infos}
+        if len(roots) != 1:
+            raise InputError(f"{path} is not a .pt2 archive: its entries lie in {len(roots)} top folders", hint=refuse)
+        expanded = sum(i.file_size for i in infos if i.compress_type != zipfile.ZIP_STORED)
+        if expanded > 3 * size:
+            raise InputError(f"{path}: its compressed entries expand to {expanded:,} bytes, {expanded / size:.0f}x "
+                             "the file (torch.export.save stores entries uncompressed); refused", hint=refuse)
+        for info in infos:
+            name = info.filename
+            parts = name.split("/")
+            rest = "/".join(parts[1:])
+            if "\\" in name or name.startswith("/") or any(p in ("", ".", "..") or not _PT2_COMPONENT.match(p)
+                                                             for p in parts):
+                raise InputError(f"{path} holds an entry named {name[:120]!r}, which would be written outside "
+                                 "the folder it is extracted to; refused", hint=refuse)
+            if rest.startswith("data/aotinductor/"):
+                raise InputError(f"{path} carries AOTInductor native code ({name[:120]}): loading it would run "
+                                 "that code, and torchtpu-export converts the exported program, never a compiled "
+                                 "library; refused", hint=refuse)
+            if not _PT2_ENTRIES.match(rest):
+                raise InputError(f"{path} holds {name[:120]!r}, which is not part of an exported program; refused",
+                                 hint=refuse)
+            if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+                raise InputError(f"{path}: entry {name[:120]!r} uses an unknown compression", hint=refuse)
+            if name.endswith(".json"):
+                data = read_member(zf, info, f"{path}: {name}", max_bytes=MAX_PT2_JSON_BYTES, error=InputError)
+                containers, depth = json_shape(data)
+                if depth > 256 or containers > len(data) // 8 + 4096:
+                    raise InputError(f"{path}: {name} is JSON no exported program has ({containers:,} objects and "
+                                     f"lists in {len(data):,} bytes, {depth} levels deep); refused", hint=refuse)
+
+
+@contextlib.contextmanager
+def _private_tempdir():
+    """Python's temporary files in a folder of this process's own, removed afterwards: whatever torch
+    extracts while loading a file stays there."""
+    import shutil
+    import tempfile
+    folder = tempfile.mkdtemp(prefix="tte-load-")
+    previous = tempfile.tempdir
+    tempfile.tempdir = folder
+    try:
+        yield folder
+    finally:
+        tempfile.tempdir = previous
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def _no_unpickling(path: str):
     """torch.export.load with every pickle it would open read by torch's weights-only unpickler
@@ -119,10 +206,12 @@ def _no_unpickling(path: str):
     from torch.export.pt2_archive import _package
 
     def refuse(what):
-        def raiser(*args, **kwargs):
+        def raiser(data=None, *args, **kwargs):
+            names = _pickle_globals(data)
+            named = f" (it names {', '.join(names)})" if names else ""
             raise UnsafeInputError(
-                f"{path} holds {what}, which would have to be unpickled to load it (that runs code from the file)",
-                hint="pass --trust-pickle if you trust the file, or export it again from the model")
+                f"{path} holds {what}{named}, which would have to be unpickled to load it (that runs code from "
+                "the file)", hint="pass --trust-pickle if you trust the file, or export it again from the model")
         return raiser
 
     real_load = torch.load
@@ -133,7 +222,7 @@ def _no_unpickling(path: str):
             return real_load(f, *args, **kwargs)
         except pickle.UnpicklingError as e:
             # torch's message is long; its "Unsupported global: GLOBAL module.name" line says what was refused
-            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+            found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(e))
             what = f" (it names {found.group(1)})" if found else ""
             raise UnsafeInputError(
                 f"{path} holds a pickled object that is not plain tensors and containers{what}; loading it would "
@@ -145,6 +234,30 @@ def _no_unpickling(path: str):
             mock.patch.object(_package, "pickle", fake_pickle), \
             mock.patch.object(torch._C, "_pickle_load_obj", refuse("a pickled TorchScript object")):
         yield
+
+
+def _pickle_globals(data, limit: int = 3) -> list[str]:
+    """The globals (module.name) a pickle would import, read from its opcodes without running it."""
+    import io
+    import pickletools
+    if hasattr(data, "read"):
+        data = data.read()
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        return []
+    names, strings = [], []
+    try:
+        for op, arg, _ in pickletools.genops(io.BytesIO(bytes(data))):
+            if op.name == "GLOBAL" and isinstance(arg, str):
+                names.append(arg.replace(" ", "."))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+            elif isinstance(arg, str):
+                strings.append(arg)
+            if len(names) >= limit:
+                break
+    except Exception:  # noqa: BLE001 (a damaged pickle: whatever names were read so far)
+        pass
+    return list(dict.fromkeys(names))
 
 
 def _import_file(path: str):
@@ -215,13 +328,20 @@ def _load_torchscript(path: str, sample_inputs):
     return ep, tuple(sample_inputs), {}
 
 
-def parse_inputs(specs: Sequence[str], seed: int = 0) -> list:
-    """``--inputs`` values: ``1x3x224x224:float32[:LOW:HIGH]``, ``scalar:int64``, ``x.npy`` or ``inputs.npz``."""
+def parse_inputs(specs: Sequence[str], seed: int = 0, expected: Sequence | None = None) -> list:
+    """``--inputs`` values: ``1x3x224x224:float32[:LOW:HIGH]``, ``scalar:int64``, ``x.npy`` or ``inputs.npz``.
+
+    ``expected``: the inputs they feed (TensorSpecs), when known: arrays in files are checked against
+    them from their headers, before any data is read (a small compressed file cannot make this
+    process allocate what no input of the model takes).
+    """
+    from .npyfiles import StoredArray, check_against, scan
+    from .safetensors_io import from_numpy
     rng = np.random.default_rng(seed)
-    out: list = []
+    items: list = []
     for spec in specs:
         if spec.endswith(".npy") or spec.endswith(".npz"):
-            out.extend(_load_array_file(spec))
+            items.extend(scan(spec))
             continue
         m = _SPEC_RE.match(spec)
         if not m:
@@ -243,21 +363,32 @@ def parse_inputs(specs: Sequence[str], seed: int = 0) -> list:
             a = rng.integers(0, 2, size=shape).astype(bool)
         else:
             raise InputError(f"--inputs cannot make random {dtype.name} values; pass a .npy file")
-        out.append(torch.from_numpy(np.asarray(a, order="C")))
+        items.append(a)
+    if expected is not None:
+        check_against(items, list(expected), "--inputs")
+    out = []
+    for item in items:
+        if isinstance(item, StoredArray):
+            require_memory(item.shape, item.dtype, f"--inputs {item.path} ({item.name})")
+            item = item.load()
+        out.append(from_numpy(item))
     return out
 
 
-def _load_array_file(path: str) -> list:
-    if not os.path.exists(path):
-        raise InputError(f"input file {path} does not exist")
-    try:
-        data = np.load(path, allow_pickle=False)
-    except Exception as e:
-        raise InputError(f"cannot read {path} as a numpy file ({type(e).__name__}: {e})") from e
-    if isinstance(data, np.ndarray):
-        return [torch.from_numpy(np.asarray(data, order="C"))]
-    with data:
-        return [torch.from_numpy(np.asarray(data[k], order="C")) for k in data.files]
+def ep_input_specs(ep) -> list:
+    """The user inputs of an ExportedProgram as TensorSpecs (symbolic dims as their names), None for
+    a non-tensor input."""
+    from .capture import shape_of
+    from .specs import TensorSpec, dtype_name
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    specs = []
+    for s in ep.graph_signature.input_specs:
+        if s.kind.name != "USER_INPUT":
+            continue
+        meta = placeholders[s.arg.name].meta.get("val") if hasattr(s.arg, "name") else None
+        specs.append(TensorSpec(s.arg.name, tuple(shape_of(meta)), dtype_name(meta.dtype))
+                     if meta is not None and hasattr(meta, "dtype") else None)
+    return specs
 
 
 def describe_inputs(args: Sequence[Any]) -> str:

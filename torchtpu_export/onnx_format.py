@@ -15,6 +15,7 @@ import os
 from .errors import ArtifactError
 from .fileio import write_bytes_atomic
 from .specs import TensorSpec
+from .untrusted import load_json
 
 METADATA_KEY = "torchtpu_export"
 
@@ -30,6 +31,7 @@ class OnnxArtifact:
     out_spec: str | None = None
     constant_inputs: dict = dataclasses.field(default_factory=dict)
     op_histogram: dict = dataclasses.field(default_factory=dict)
+    path: str | None = None  # the file it was read from: ONNX Runtime loads that (external data beside it)
 
     def metadata(self) -> dict:
         return {"inputs": [s.to_json() for s in self.inputs], "outputs": [s.to_json() for s in self.outputs],
@@ -53,33 +55,96 @@ def with_metadata(model_bytes: bytes, artifact_metadata: dict) -> bytes:
     return model.SerializeToString()
 
 
-def _graph_specs(values) -> list[TensorSpec]:
+def _graph_specs(values, path: str) -> list[TensorSpec]:
     import onnx
+    from .specs import _NP_DTYPES
     specs = []
     for v in values:
         t = v.type.tensor_type
         shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in t.shape.dim)
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name if t.elem_type else "float32"
+        try:
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name if t.elem_type else "float32"
+        except (KeyError, ValueError, TypeError):
+            dtype = None
+        if dtype not in _NP_DTYPES:
+            raise ArtifactError(f"{path}: {v.name[:80]!r} is a tensor of ONNX type {t.elem_type}, which "
+                                "torchtpu-export does not run")
         specs.append(TensorSpec(v.name, shape, dtype))
     return specs
 
 
+MAX_MODEL_BYTES = 2 << 30  # protobuf's limit: larger models keep their weights as external data
+
+
 def read(path: str | os.PathLike) -> OnnxArtifact:
     import onnx
+    path = os.fspath(path)
     try:
+        if os.path.getsize(path) > MAX_MODEL_BYTES:
+            raise ArtifactError(f"{path} is larger than an ONNX protobuf can be (2 GB)")
         with open(path, "rb") as f:
             data = f.read()
         model = onnx.load_from_string(data)
     except OSError as e:
-        raise ArtifactError(f"cannot read {os.fspath(path)}: {e.strerror}") from e
+        raise ArtifactError(f"cannot read {path}: {e.strerror}") from e
+    except ArtifactError:
+        raise
     except Exception as e:  # protobuf's DecodeError and friends
-        raise ArtifactError(f"{os.fspath(path)} is not a valid ONNX model ({type(e).__name__})") from e
-    meta = next((json.loads(p.value) for p in model.metadata_props if p.key == METADATA_KEY), None)
-    if meta is None:
-        return OnnxArtifact(data, _graph_specs(_real_inputs(model)), _graph_specs(model.graph.output))
+        raise ArtifactError(f"{path} is not a valid ONNX model ({type(e).__name__})") from e
+    check_external_data(model, path)
+    texts = [p.value for p in model.metadata_props if p.key == METADATA_KEY]
+    if not texts:
+        return OnnxArtifact(data, _graph_specs(_real_inputs(model), path), _graph_specs(model.graph.output, path),
+                            path=path)
+    meta = load_json(texts[0], f"{path}: its {METADATA_KEY} metadata")
+    problem = _metadata_problem(meta)
+    if problem:
+        raise ArtifactError(f"{path}: its {METADATA_KEY} metadata is malformed: {problem}",
+                            hint="export the model again")
     return OnnxArtifact(data, [TensorSpec.from_json(d) for d in meta["inputs"]],
-                        [TensorSpec.from_json(d) for d in meta["outputs"]], meta.get("in_spec"), meta.get("out_spec"),
-                        {int(k): v for k, v in meta.get("constant_inputs", {}).items()}, meta.get("op_histogram", {}))
+                        [TensorSpec.from_json(d) for d in meta["outputs"]], meta["in_spec"], meta["out_spec"],
+                        {int(k): v for k, v in meta.get("constant_inputs", {}).items()}, meta.get("op_histogram", {}),
+                        path=path)
+
+
+def _metadata_problem(meta) -> str | None:
+    from .specs import call_metadata_problem
+    from .untrusted import Count, MapOf, Record
+    return Record({}, {"op_histogram": MapOf(Count())}).problem(meta) or call_metadata_problem(meta)
+
+
+def check_external_data(model, path: str) -> None:
+    """Every tensor whose data lies in another file names a file inside the model's own folder
+    (no absolute path, no "..", no link out of it), and a span within that file: ONNX Runtime
+    would otherwise read whatever file the model names into its weights."""
+    from onnx.external_data_helper import _get_all_tensors
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    for tensor in _get_all_tensors(model):
+        if tensor.data_location != onnx_external():
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        location = info.get("location", "")
+        target = os.path.realpath(os.path.join(folder, location))
+        if not location or os.path.isabs(location) or ".." in location.replace("\\", "/").split("/") \
+                or os.path.commonpath([folder, target]) != folder:
+            raise ArtifactError(f"{path}: tensor {tensor.name[:80]!r} takes its data from {location[:120]!r}, "
+                                "outside the model's folder; refused",
+                                hint="external data must lie beside the model (onnx.save(..., location='x.data'))")
+        if not os.path.isfile(target):
+            raise ArtifactError(f"{path}: tensor {tensor.name[:80]!r}'s data file {location[:120]!r} is missing")
+        try:
+            offset, length = int(info.get("offset", 0)), int(info.get("length", -1))
+        except ValueError:
+            raise ArtifactError(f"{path}: tensor {tensor.name[:80]!r} has a malformed external data span") from None
+        size = os.path.getsize(target)
+        if offset < 0 or offset > size or (length >= 0 and offset + length > size):
+            raise ArtifactError(f"{path}: tensor {tensor.name[:80]!r}'s external data lies past the end of "
+                                f"{location[:120]!r}")
+
+
+def onnx_external() -> int:
+    import onnx
+    return onnx.TensorProto.EXTERNAL
 
 
 def _real_inputs(model):

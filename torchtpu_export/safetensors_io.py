@@ -23,6 +23,7 @@ _DTYPES = {
     "C64": np.complex64,
 }
 _CODES = {np.dtype(v): k for k, v in _DTYPES.items()}
+MAX_HEADER_BYTES = 100 << 20  # the safetensors package's own cap
 
 
 def to_numpy(t) -> np.ndarray:
@@ -35,6 +36,17 @@ def to_numpy(t) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.contiguous().numpy()
+
+
+def from_numpy(a) -> torch.Tensor:
+    """A numpy array (bfloat16 and non-native byte orders included) as a CPU tensor, sharing memory
+    where it can."""
+    a = np.ascontiguousarray(a)
+    if not a.dtype.isnative:
+        a = a.astype(a.dtype.newbyteorder("="))
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 def header_for(arrays: Iterable[tuple[str, np.ndarray]], metadata: Mapping[str, str] | None = None) -> bytes:
@@ -77,7 +89,8 @@ def read(buf) -> dict[str, np.ndarray]:
     (n,) = struct.unpack("<Q", mv[:8])
     if n > len(mv) - 8:
         raise ValueError("safetensors header is truncated")
-    header = json.loads(bytes(mv[8:8 + n]))
+    from .untrusted import load_json
+    header = load_json(mv[8:8 + n], "the safetensors header", max_bytes=MAX_HEADER_BYTES, error=ValueError)
     if not isinstance(header, dict):
         raise ValueError("safetensors header is not a JSON object")
     base = 8 + n

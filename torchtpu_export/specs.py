@@ -51,26 +51,28 @@ class TensorSpec:
         return f"{self.name}: {self.dtype}[{', '.join(str(d) for d in self.shape)}]"
 
 
+def _schemas():
+    from .untrusted import MAX_DIM_TEXT, NAME, Count, Either, Is, ListOf, MapOf, OneOf, Record
+    digits = Is(str, max_len=12)
+    tensor = Record({"name": NAME, "dtype": OneOf(*_NP_DTYPES),
+                     "shape": ListOf(Either(Count(), Is(str, max_len=MAX_DIM_TEXT)))})
+    call = Record({"inputs": ListOf(tensor), "outputs": ListOf(tensor), "in_spec": Is(str), "out_spec": Is(str)},
+                  {"constant_inputs": MapOf(Either(Is(int, float, str, bool), OneOf(None)), key=digits),
+                   "dims": MapOf(ListOf(Either(Count(), OneOf(None)), length=2))})
+    return tensor, call
+
+
 def call_metadata_problem(meta) -> str | None:
-    """What is wrong with an artifact's call metadata (``CapturedProgram.call_metadata``), or None:
-    the fields and types its readers rely on, checked before they are used."""
+    """What is wrong with an artifact's call metadata (``CapturedProgram.call_metadata``, and its
+    dynamic ``dims``), or None: the fields and types its readers rely on, checked before they are used."""
     from . import treespec
     from .errors import ArtifactError
-    if not isinstance(meta, dict):
-        return "it is not a JSON object"
-    for key in ("inputs", "outputs"):
-        items = meta.get(key)
-        if not (isinstance(items, list) and all(
-                isinstance(d, dict) and isinstance(d.get("name"), str) and d.get("dtype") in _NP_DTYPES
-                and isinstance(d.get("shape"), list)
-                and all((isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2 ** 62) or isinstance(x, str)
-                        for x in d["shape"]) for d in items)):
-            return f"its {key} are malformed"
-    if not isinstance(meta.get("constant_inputs", {}), dict):
-        return "its constant_inputs are malformed"
+    problem = _schemas()[1].problem(meta)
+    if problem:
+        return problem
+    if not all(k.isdigit() for k in meta.get("constant_inputs", {})):
+        return "its constant_inputs are not keyed by input positions"
     for key in ("in_spec", "out_spec"):
-        if not isinstance(meta.get(key), str):
-            return f"its {key} is missing"
         try:
             treespec.loads(meta[key])
         except ArtifactError:
@@ -160,6 +162,7 @@ def bind_dims(specs, arrays) -> dict[str, int]:
 
     A dim is a plain symbol (``"s0"``) or a linear expression of one (``"4*s0"``, ``"2*s1 + 1"``).
     """
+    from .untrusted import dim_names
     sizes: dict[str, int] = {}
     derived = []
     for spec, a in zip(specs, arrays):
@@ -170,7 +173,7 @@ def bind_dims(specs, arrays) -> dict[str, int]:
                 else:
                     derived.append((d, int(n)))
     for text, n in derived:
-        names = _names(text) - set(sizes)
+        names = dim_names(text) - set(sizes)
         if len(names) == 1:
             (name,) = names
             b = eval_dim(text, {**sizes, name: 0}, text)
@@ -180,41 +183,15 @@ def bind_dims(specs, arrays) -> dict[str, int]:
     return sizes
 
 
-def _names(text: str) -> set:
-    import ast
-    try:
-        return {x.id for x in ast.walk(ast.parse(text, mode="eval")) if isinstance(x, ast.Name)}
-    except SyntaxError:
-        return set()
-
-
-_BINARY = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mult": lambda a, b: a * b,
-           "FloorDiv": lambda a, b: a // b, "Mod": lambda a, b: a % b}
-_CALLS = {"Max": max, "Min": min, "Mod": lambda a, b: a % b, "FloorDiv": lambda a, b: a // b}
-
-
 def eval_dim(text: str, sizes: dict, what: str = "a dim") -> int:
     """A symbolic dim as torch prints it (``"2*s1"``, ``"(s0 - 1)//2 + 1"``, ``"Max(1, s0)"``) at ``sizes``.
 
-    Integer arithmetic only, evaluated here (never by ``eval``): the text may come from a file.
+    Integer arithmetic only, by a small non-recursive parser (never ``eval``): the text may come
+    from a file, so its length is capped too.
     """
-    import ast
-
-    def ev(node):
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
-            return node.value
-        if isinstance(node, ast.Name) and node.id in sizes:
-            return sizes[node.id]
-        if isinstance(node, ast.BinOp) and type(node.op).__name__ in _BINARY:
-            return _BINARY[type(node.op).__name__](ev(node.left), ev(node.right))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -ev(node.operand)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CALLS:
-            return _CALLS[node.func.id](*(ev(a) for a in node.args))
-        raise ValueError(f"cannot evaluate {ast.unparse(node)}")
+    from .untrusted import eval_dim_expr
     try:
-        return int(ev(ast.parse(text, mode="eval")))
-    except (SyntaxError, ValueError, ZeroDivisionError) as e:
-        raise InputError(f"{what}: cannot compute the dynamic dim {text!r} from the inputs' sizes ({e})") from None
+        return eval_dim_expr(text, sizes)
+    except (ValueError, KeyError, ZeroDivisionError) as e:
+        raise InputError(f"{what}: cannot compute the dynamic dim {text[:80]!r} from the inputs' sizes "
+                         f"({type(e).__name__}: {e})") from None

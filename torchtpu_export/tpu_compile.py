@@ -439,13 +439,20 @@ def stored_executable(artifact, program: str, devices: list, uses_x64: bool):
     if not compiled:
         return None, "the artifact has no stored executables"
     kind = getattr(devices[0], "device_kind", "?")
+    # the chips' own word, never the manifest's: an executable is native code for one TPU generation
+    if getattr(devices[0], "platform", None) != "tpu" or generation_of_device_kind(kind) is None:
+        return None, f"these devices are {kind}, not TPU chips"
     why = []
     for topology_name, per_program in sorted(compiled.items()):
         entry = per_program.get(program)
         exe = (entry or {}).get("executable")
         if not exe:
             continue
-        if entry.get("device_kind") != kind:
+        try:
+            made_for = generation(topology_name).device_kind
+        except InputError:
+            made_for = None
+        if made_for != kind or entry.get("device_kind") != kind:
             why.append(f"{topology_name} is for {entry.get('device_kind')}, these chips are {kind}")
             continue
         if int(entry.get("devices", 1)) > len(devices):

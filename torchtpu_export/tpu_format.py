@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import mmap
 import os
 import struct
@@ -37,10 +38,11 @@ import numpy as np
 from . import progress, safetensors_io
 from .errors import ArtifactError, InputError
 from .fileio import atomic_open
+from .untrusted import load_json
 
 FORMAT = "torchtpu-export.tpu"
 FORMAT_VERSION = 2  # 2: digests of every entry in the manifest (1: none; still read)
-MAX_MANIFEST_BYTES = 64 << 20
+MAX_MANIFEST_BYTES = 16 << 20
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
@@ -148,7 +150,7 @@ def read(path) -> TpuArtifact:
             if infos[MANIFEST].file_size > MAX_MANIFEST_BYTES:
                 raise ArtifactError(f"{path}: its manifest is {infos[MANIFEST].file_size:,} bytes (at most "
                                     f"{MAX_MANIFEST_BYTES:,})")
-            manifest = json.loads(zf.read(MANIFEST))
+            manifest = load_json(zf.read(MANIFEST), f"{path}: {MANIFEST}", max_bytes=MAX_MANIFEST_BYTES)
         except ArtifactError:
             raise
         except (zipfile.BadZipFile, KeyError, json.JSONDecodeError, UnicodeDecodeError, OSError, EOFError,
@@ -238,7 +240,38 @@ def _check_digests(manifest: dict, infos: dict, f, mm, path: str) -> None:
                                 hint="the file was damaged after export: export it again")
 
 
+def _manifest_schema():
+    from .untrusted import BOOL, NAME, NUMBER, STR, Count, Either, Is, ListOf, MapOf, OneOf, Opt, Record, TupleOf
+    axis = Opt(NAME)
+    stats = Record({"hbm_bytes": Record({k: NUMBER for k in ("arguments", "outputs", "temporaries", "code", "total")},
+                                        {"aliased": NUMBER}),
+                    "hbm_capacity_bytes": NUMBER, "fits": BOOL, "flops": NUMBER, "bytes_accessed": NUMBER,
+                    "roofline": Record({"seconds": NUMBER, "dtype": STR, "bound": STR},
+                                       {"peak_flops": NUMBER, "hbm_bytes_per_s": NUMBER})},
+                   {"generation": STR, "transcendentals": NUMBER, "kernel_estimates": Count()})
+    compiled = Record({"stats": stats},
+                      {"libtpu": Opt(STR), "jax": STR, "jaxlib": STR, "device_kind": STR, "devices": Count(),
+                       "executable": Opt(Record({"file": NAME, "sha256": STR}, {"bytes": Count()})),
+                       "executable_reason": STR, "shapes": MapOf(Count())})
+    kernel = Record({}, {k: STR for k in ("node", "op", "kernel", "detail", "reason", "platform")}
+                    | {"cost": MapOf(NUMBER)})
+    sharding = Record({"mode": STR, "weights": MapOf(ListOf(axis)), "inputs": ListOf(ListOf(axis)),
+                       "column_parallel": ListOf(NAME), "row_parallel": ListOf(NAME)}, {"mesh": MapOf(Count())})
+    program = Record({"files": MapOf(NAME), "weights": ListOf(NAME)},
+                     {"stablehlo": MapOf(NAME), "uses_x64": BOOL, "narrow_64bit": BOOL,
+                      "calling_convention_version": Opt(Count()), "kernels": ListOf(kernel),
+                      "ragged_outputs": MapOf(Count(), key=Is(str, max_len=12)), "rng_key": BOOL,
+                      "op_histogram": MapOf(Count()), "quantization": Record({"recipe": STR}),
+                      "sharding": Opt(sharding)})
+    return Record({"format": OneOf(FORMAT), "format_version": Count(), "programs": MapOf(program),
+                   "weights": Record({"file": NAME}, {"count": Count(), "bytes": Count()})},
+                  {"versions": MapOf(STR), "platforms": ListOf(STR), "digests": MapOf(STR),
+                   "mesh": Opt(Record({"axes": ListOf(TupleOf(NAME, Count())), "devices": Count()})),
+                   "compiled": MapOf(MapOf(compiled))})
+
+
 def check_manifest(manifest, path: str = "artifact") -> None:
+    """Every field a reader of the manifest uses, with its type, before any is used (ArtifactError)."""
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtifactError(f"{path} is not a torchtpu-export .tpu artifact (manifest format is missing)")
     version = manifest.get("format_version")
@@ -248,40 +281,36 @@ def check_manifest(manifest, path: str = "artifact") -> None:
         raise ArtifactError(
             f"{path} has format version {version}, newer than this torchtpu-export reads ({FORMAT_VERSION})",
             hint="upgrade torchtpu-export to load it")
-    programs = manifest.get("programs")
-    if not isinstance(programs, dict) or not programs:
+    problem = _manifest_schema().problem(manifest, "manifest")
+    if problem:
+        raise ArtifactError(f"{path} is corrupt: {problem}", hint="export the model again")
+    programs = manifest["programs"]
+    if not programs:
         raise ArtifactError(f"{path}: manifest lists no programs")
     for name, spec in programs.items():
-        if not isinstance(spec, dict) or not isinstance(spec.get("files"), dict) or "weights" not in spec:
-            raise ArtifactError(f"{path}: manifest entry for program {name!r} is incomplete")
         _check_program(spec, f"{path}: program {name!r}")
-    if not isinstance(manifest.get("weights"), dict) or not isinstance(manifest["weights"].get("file"), str):
-        raise ArtifactError(f"{path}: manifest has no weights entry")
-    _check_compiled(manifest.get("compiled", {}), programs, path)
-
-
-def _check_compiled(compiled, programs: dict, path: str) -> None:
-    """``compiled``: topology -> program -> {stats, and an executable's file and sha256}."""
-    ok = isinstance(compiled, dict) and all(
-        isinstance(t, str) and isinstance(per, dict) and all(
-            p in programs and isinstance(e, dict) and isinstance(e.get("stats", {}), dict)
-            and (e.get("executable") is None or (isinstance(e["executable"], dict)
-                                                 and isinstance(e["executable"].get("file"), str)
-                                                 and isinstance(e["executable"].get("sha256"), str)))
-            for p, e in per.items())
-        for t, per in compiled.items())
-    if not ok:
-        raise ArtifactError(f"{path}: the manifest's compiled executables are malformed", hint="export the model again")
+    mesh = manifest.get("mesh")
+    if mesh is not None and mesh["devices"] != math.prod(n for _, n in mesh["axes"]):
+        raise ArtifactError(f"{path} is corrupt: its mesh's devices do not match its axes")
+    for topology, per_program in manifest.get("compiled", {}).items():
+        unknown = sorted(set(per_program) - set(programs))
+        if unknown:
+            raise ArtifactError(f"{path} is corrupt: executables for {topology} name unknown programs {unknown[:3]}",
+                                hint="export the model again")
 
 
 def _check_program(spec: dict, where: str) -> None:
-    """The fields a program entry must have, with the types readers rely on."""
+    """A program entry's call metadata, and the references between its fields."""
     from .specs import call_metadata_problem
-    ok = (isinstance(spec.get("weights"), list) and all(isinstance(w, str) for w in spec["weights"])
-          and all(isinstance(f, str) for f in spec["files"].values())
-          and isinstance(spec.get("stablehlo", {}), dict)
-          and all(isinstance(f, str) for f in spec.get("stablehlo", {}).values()))
-    problem = None if ok else "malformed fields"
-    problem = problem or call_metadata_problem(spec)
+    problem = call_metadata_problem(spec)
+    n_out = len(spec["outputs"]) if not problem else 0
+    plan = spec.get("sharding")
+    if not problem and any(not k.isdigit() for k in spec.get("ragged_outputs", {})):
+        problem = "its ragged outputs are not keyed by output positions"
+    if not problem and plan is not None and (len(plan["inputs"]) != len(spec["inputs"])
+                                             or not set(plan["weights"]) <= set(spec["weights"])):
+        problem = "its sharding plan does not match its inputs and weights"
+    if not problem and any(int(k) >= n_out for k in spec.get("ragged_outputs", {})):
+        problem = "a ragged output names an output it does not have"
     if problem:
         raise ArtifactError(f"{where} is corrupt: in the manifest, {problem}", hint="export the model again")

@@ -32,8 +32,12 @@ def dumps(spec: pytree.TreeSpec) -> str:
 
 def loads(text: str) -> pytree.TreeSpec:
     """The TreeSpec of ``dumps`` (or of torch's ``treespec_dumps``); ArtifactError when malformed."""
+    from .untrusted import load_json
     try:
-        doc = json.loads(text)
+        doc = load_json(text, "its text", max_bytes=1 << 20)
+    except ArtifactError as e:
+        raise ArtifactError(f"a pytree spec in the artifact is malformed: {e}", hint="export the model again") from None
+    try:
         if isinstance(doc, dict) and TAG in doc:
             return pytree.tree_structure(_template(doc["tree"]), is_leaf=lambda x: x is _LEAF)
         return pytree.treespec_loads(text)

@@ -28,7 +28,8 @@ import socket
 import sys
 import threading
 from http import HTTPStatus
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
+from http.server import HTTPServer, SimpleHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -118,30 +119,35 @@ def _fetch_litertjs(cache: Path) -> None:
 
 
 def _load_inputs(paths: list[str], signature: dict) -> dict[str, bytes]:
-    """``--inputs`` files as .npy bytes keyed by input name, checked against the model's first signature."""
+    """``--inputs`` files as .npy bytes keyed by input name, checked against the model's first signature
+    (names, shapes from the files' headers before any data is read; then dtypes)."""
     import numpy as np
 
+    from ..npyfiles import scan
+    from ..specs import require_memory
     specs = signature["inputs"]
-    arrays: dict[str, np.ndarray] = {}
+    stored = {}
     for path in paths:
-        try:
-            loaded = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise InputError(f"cannot read --inputs file {path}: {e}") from None
-        if isinstance(loaded, np.lib.npyio.NpzFile):
-            arrays.update({k: loaded[k] for k in loaded.files})
+        arrays = scan(path)
+        if path.endswith(".npz"):
+            stored.update({a.name: a for a in arrays})
         else:
-            if len(arrays) >= len(specs):
+            if len(stored) >= len(specs):
                 raise InputError(f"--inputs: the model takes {len(specs)} inputs, got more files")
-            arrays[specs[len(arrays)]["name"]] = loaded
+            stored[specs[len(stored)]["name"]] = arrays[0]
+    unknown = set(stored) - {s["name"] for s in specs}
+    if unknown:
+        raise InputError(f"--inputs: the model has no input named {', '.join(sorted(map(repr, unknown)))}")
     out = {}
     for spec in specs:
-        if spec["name"] not in arrays:
+        if spec["name"] not in stored:
             raise InputError(f"--inputs: no value for input {spec['name']!r}",
                              hint=f"the model's inputs are {', '.join(s['name'] for s in specs)}")
-        a = arrays.pop(spec["name"])
-        if list(a.shape) != spec["shape"]:
-            raise InputError(f"--inputs: {spec['name']} has shape {list(a.shape)}, the model takes {spec['shape']}")
+        item = stored[spec["name"]]
+        if list(item.shape) != spec["shape"]:
+            raise InputError(f"--inputs: {spec['name']} has shape {list(item.shape)}, the model takes {spec['shape']}")
+        require_memory(item.shape, item.dtype, f"--inputs {item.path}")
+        a = item.load()
         want = np.dtype(spec["dtype"])
         if a.dtype != want:
             if a.dtype.kind in "iub" and want.kind in "iu":
@@ -154,15 +160,19 @@ def _load_inputs(paths: list[str], signature: dict) -> dict[str, bytes]:
         buf = io.BytesIO()
         np.save(buf, np.asarray(a, order="C"), allow_pickle=False)
         out[spec["name"]] = buf.getvalue()
-    if arrays:
-        raise InputError(f"--inputs: the model has no input named {', '.join(map(repr, arrays))}")
     return out
 
 
-class WebServer(ThreadingHTTPServer):
-    """An HTTP server for the LiteRT.js page; ``url`` is its address once bound."""
+class WebServer(HTTPServer):
+    """An HTTP server for the LiteRT.js page; ``url`` is its address once bound.
 
-    daemon_threads = True
+    Requests are served by a fixed pool of worker threads; connections beyond what the pool and a
+    short backlog hold are closed at once, an idle connection is dropped after ``Handler.timeout``
+    seconds, and a client that goes away mid-answer is logged at debug level, not as a traceback.
+    """
+
+    workers = 16
+    backlog = 64
 
     def __init__(self, models: dict[str, bytes], *, page_dir: Path, vendor_dir: Path, host: str, port: int,
                  inputs: dict[str, bytes] | None = None, labels: list[str] | None = None):
@@ -173,6 +183,41 @@ class WebServer(ThreadingHTTPServer):
         super().__init__((host, port), _Handler)
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.server_address[1]}/"
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tte-web")
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    def process_request(self, request, client_address):
+        with self._lock:
+            if self._pending >= self.workers + self.backlog:
+                full = True
+            else:
+                full, self._pending = False, self._pending + 1
+        if full:  # a flood of connections gets closed sockets, not threads
+            self.shutdown_request(request)
+            return
+        self._pool.submit(self._serve, request, client_address)
+
+    def _serve(self, request, client_address):
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001 (reported by handle_error, as socketserver does)
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            with self._lock:
+                self._pending -= 1
+
+    def handle_error(self, request, client_address):
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError, socket.timeout)):
+            log.debug("client %s went away: %s", client_address, error)
+        else:
+            log.warning("serving %s failed: %s: %s", client_address, type(error).__name__, error)
+
+    def server_close(self):
+        super().server_close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def host_allowed(self, host: str | None) -> bool:
         """Whether a request's Host header names this server: its bound address or localhost (any
@@ -234,6 +279,7 @@ class WebServer(ThreadingHTTPServer):
 
 class _Handler(SimpleHTTPRequestHandler):
     server: WebServer
+    timeout = 30  # seconds a connection may sit idle (or trickle a request) before it is dropped
 
     def do_GET(self):
         self._respond(send_body=True)
