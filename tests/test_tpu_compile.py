@@ -287,6 +287,8 @@ def test_stored_executable_is_chosen_by_chip_versions_and_digest(precompiled):
     prog = tte.load(precompiled[3])  # as saved: one executable, for v5e
 
     class Chip:
+        platform = "tpu"
+
         def __init__(self, kind):
             self.device_kind = kind
 
@@ -350,7 +352,7 @@ def test_a_host_whose_chips_match_no_executable_compiles_and_says_why_once(preco
     assert runner.executable is None
     warnings = [r.getMessage() for r in caplog.records if "no stored executable" in r.getMessage()]
     assert len(warnings) == 2, warnings  # once per loaded artifact
-    assert "is for TPU v5 lite, these chips are cpu" in warnings[0]
+    assert "these devices are cpu, not TPU chips" in warnings[0]
 
 
 def test_precompile_needs_the_tpu_platform_and_a_known_topology():

@@ -63,7 +63,7 @@ class StoredArray:
         out = raw.view(stored).reshape(self.shape, order="F" if self.fortran_order else "C")
         if not stored.isnative:
             out = out.astype(stored.newbyteorder("="))
-        return np.ascontiguousarray(out)
+        return np.asarray(out, order="C")
 
 
 def _fill(f, view: memoryview, name: str) -> None:

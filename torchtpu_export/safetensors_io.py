@@ -41,7 +41,7 @@ def to_numpy(t) -> np.ndarray:
 def from_numpy(a) -> torch.Tensor:
     """A numpy array (bfloat16 and non-native byte orders included) as a CPU tensor, sharing memory
     where it can."""
-    a = np.ascontiguousarray(a)
+    a = np.asarray(a, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
     if not a.dtype.isnative:
         a = a.astype(a.dtype.newbyteorder("="))
     if a.dtype == ml_dtypes.bfloat16:

@@ -376,7 +376,11 @@ def compile_artifact(artifact, topology_name: str, programs=None, *, store: bool
                              hint="export with platforms including 'tpu'")
         uses_x64 = bool(spec.get("uses_x64", True))
         with jax.enable_x64(uses_x64):
-            exported = jax.export.deserialize(bytearray(blob))
+            try:
+                exported = jax.export.deserialize(bytearray(blob))
+            except Exception as e:
+                raise ArtifactError(f"program {prog!r}: the tpu program is corrupt ({type(e).__name__}: "
+                                    f"{str(e)[:200]})", hint="export the model again") from e
         bounds = {name: tuple(r) for name, r in spec.get("dims", {}).items()}
         unbounded = sorted(name for name, (_, hi) in bounds.items() if hi is None)
         if unbounded:
