@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     bench_py = ensure_bench_venv()
     load_start = os.getloadavg()[0]
     import zoo
-    from torchtpu_export.litert_format import describe as describe_tflite
+    from torchtpu_export.targets.litert import describe as describe_tflite
     threads_all = os.cpu_count() or 1
     rows = []
     tmp = tempfile.mkdtemp(prefix="litert-bench-")

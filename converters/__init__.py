@@ -5,7 +5,8 @@ Every converter package meets one contract, :class:`Converter`, as module-level 
 target takes an op as capture found it, so capture can skip decomposing when it takes them
 all) and ``convert(captures, **options)``, which turns captured programs (name ->
 ``CapturedProgram``) into the target's artifact: an object with ``save(path)``, read back by
-the target's format module (``tpu_format``, ``litert_format``, ``onnx_format``). Running an
+the target's format module (``tpu_format``, ``litert_format``, ``onnx_format``); the
+``torchtpu_export.targets`` table names each target's converter package. Running an
 artifact is the runtimes' business; ``torchtpu_export.api`` joins the two. Anything a
 converter needs to run (LiteRT for int8 calibration) is handed to it as an option.
 """
@@ -13,9 +14,6 @@ from __future__ import annotations
 
 import importlib
 from typing import Mapping, Protocol, Sequence
-
-PACKAGES = {"tpu": "stablehlo", "litert": "litert", "onnx": "onnx"}  # target -> converter package
-
 
 class Converter(Protocol):
     KEEP_WHOLE: Sequence
@@ -27,6 +25,6 @@ class Converter(Protocol):
         ...
 
 
-def converter(target: str) -> Converter:
-    """The converter package of a target, imported on first use (each pulls in its toolchain)."""
-    return importlib.import_module(f"{__name__}.{PACKAGES[target]}")
+def converter(package: str) -> Converter:
+    """A converter package (a target's ``converter``), imported on first use (each pulls in its toolchain)."""
+    return importlib.import_module(f"{__name__}.{package}")

@@ -414,10 +414,15 @@ def generate(prefill, decode, prompt, steps: int, max_seq: int):
         pos = len(tokens) - 1
         if step == steps - 1 or pos >= max_seq:
             break
-        logits, k, v = decode(torch.tensor([[nxt]]), torch.tensor([pos]), torch.as_tensor(np.asarray(k)),
-                              torch.as_tensor(np.asarray(v)))
+        logits, k, v = decode(torch.tensor([[nxt]]), torch.tensor([pos]), _owned(k), _owned(v))
         nxt = int(np.asarray(logits)[0, -1].argmax())
     return tokens
+
+
+def _owned(x) -> torch.Tensor:
+    """A tensor of its own: runtimes give read-only numpy arrays, eager modules tensors."""
+    import numpy as np
+    return x.clone() if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x))
 
 
 class EncoderLayer(nn.Module):

@@ -7,13 +7,15 @@ compiled, and a warning says once why no stored executable could be used.
 from __future__ import annotations
 
 import logging
-
 from typing import Sequence
 
-import jax
-import numpy as np
-
 from torchtpu_export import tpu_compile
+
+tpu_compile.prepare_environment()  # before jax loads libtpu (on a host without TPU chips)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
 from torchtpu_export.errors import ArtifactError, InputError
 from torchtpu_export.specs import TensorSpec, check_dims, coerce_input
 from torchtpu_export.tpu_format import TpuArtifact

@@ -5,6 +5,10 @@ import warnings
 
 import pytest
 
+from torchtpu_export import tpu_compile
+
+tpu_compile.prepare_environment()  # test modules that import jax themselves do so after this
+
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 

@@ -5,7 +5,7 @@ import torch
 
 import torchtpu_export as tte
 import zoo
-from torchtpu_export.litert_format import describe as describe_tflite
+from torchtpu_export.targets.litert import describe as describe_tflite
 from torchtpu_export.numerics import compare
 
 
@@ -79,7 +79,9 @@ def test_channels_last_needs_an_image_and_cli_flags(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "check: OK" in r.stdout
     r = run_cli("examples/zoo.py:small_cnn", "--target", "tpu", "--io-dtypes", "web", "-o", tmp_path / "m.tpu")
-    assert r.returncode == 2 and "apply to --target litert" in r.stderr
+    assert r.returncode == 2 and "--io-dtypes applies to --target litert" in r.stderr
+    r = run_cli("examples/zoo.py:small_cnn", "--target", "litert", "--kernels", "xla", "-o", tmp_path / "m.tflite")
+    assert r.returncode == 2 and "--kernels applies to --target tpu" in r.stderr
 
 
 def describe_tflite_transposes(edge, tmp_path):

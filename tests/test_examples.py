@@ -11,8 +11,13 @@ from torchtpu_export import tpu_compile, tpu_format
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
-def run_example(script, *args, tmp_path):
-    env = dict(os.environ, TTE_EXAMPLES_OUT=str(tmp_path), PYTHONWARNINGS="ignore")
+# The project's own code raises no deprecation or user warnings on the paths users take: the demo and
+# the decoder examples run with those warnings as errors.
+STRICT = "error::FutureWarning,error::UserWarning,error::DeprecationWarning"
+
+
+def run_example(script, *args, tmp_path, warnings="ignore"):
+    env = dict(os.environ, TTE_EXAMPLES_OUT=str(tmp_path), PYTHONWARNINGS=warnings)
     proc = subprocess.run([sys.executable, script, *args], cwd=EXAMPLES, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -34,7 +39,7 @@ def _tpu_artifacts_compile(folder):
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_decoder_examples_generate_eager_tokens(name, tmp_path):
-    out = run_example(f"{name}.py", tmp_path=tmp_path)
+    out = run_example(f"{name}.py", tmp_path=tmp_path, warnings=STRICT)
     rows = [line for line in out.splitlines() if line.startswith(("tpu ", "litert "))]
     assert len(rows) == 2 and all("8 greedy tokens match eager" in r and " OK: " in r for r in rows), out
     assert (tmp_path / f"{name}.tpu").exists() and (tmp_path / f"{name}.tflite").exists()
@@ -56,5 +61,5 @@ def test_hf_transformers_example(tmp_path):
 
 
 def test_demo(tmp_path):
-    out = run_example("demo.py", tmp_path=tmp_path)
+    out = run_example("demo.py", tmp_path=tmp_path, warnings=STRICT)
     assert out.count(" OK ") >= 2, out

@@ -55,6 +55,30 @@ def test_the_installed_package_is_the_one_that_runs(installed):
     assert not (site / "torchtpu_export" / "zoo.py").exists() and not (site / "examples").exists()
 
 
+IMPORT_ALL = """
+import importlib, pkgutil, sys
+import torchtpu_export
+assert torchtpu_export.__file__.startswith(sys.argv[1]), torchtpu_export.__file__
+names = [m.name for m in pkgutil.walk_packages(torchtpu_export.__path__, "torchtpu_export.")
+         if not m.name.endswith("__main__")]
+for name in names:
+    importlib.import_module(name)
+print(len(names))
+"""
+
+
+def test_every_module_imports_from_the_installed_wheel(installed):
+    """Every module of the installed package imports from a folder outside the checkout (no bare
+    `converters` or `runtimes` import, every package listed in pyproject.toml)."""
+    site, work, env = installed
+    r = subprocess.run([sys.executable, "-c", IMPORT_ALL, str(site)], cwd=work, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    sources = sum(f.endswith(".py") and f != "__main__.py" for top in ("torchtpu_export", "converters", "runtimes")
+                  for _, _, files in os.walk(os.path.join(REPO, top)) for f in files)
+    assert int(r.stdout.split()[-1]) == sources - 1  # every source file but the package's own __init__
+
+
 def test_coverage_and_conversion_from_another_folder(installed):
     r = _cli(installed, "coverage", "--ops", "aten.add.Tensor", "--targets", "xla,litert", "--format", "json")
     assert r.returncode == 0, r.stderr

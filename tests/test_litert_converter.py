@@ -10,7 +10,7 @@ import zoo
 from torchtpu_export.converters.litert.ir import Graph, Op, Tensor
 from torchtpu_export.converters.litert.layout import reshape_keeps_order
 from torchtpu_export.converters.litert.writer import serialize
-from torchtpu_export.edge import EdgeModel
+from torchtpu_export import EdgeModel
 from torchtpu_export.numerics import compare
 
 

@@ -3,26 +3,26 @@
     import torchtpu_export as tte
     edge = tte.convert(module, sample_args)              # LiteRT (.tflite)
     prog = tte.export(module, sample_args, target="tpu")  # StableHLO (.tpu)
+
+Importing the package only defines names: a target's toolchain (jax and libtpu, LiteRT, ONNX
+Runtime) is set up when that target is first used.
 """
-__version__ = "0.1.0"
-
-from . import tpu_compile as _tpu_compile  # noqa: E402
-
-_tpu_compile.prepare_environment()  # before jax loads libtpu on a host without TPU chips
-
-from .api import SignatureSet, TpuProgram, convert, export, load, signature, to_channel_last_io  # noqa: E402
-from .debugger import DebugReport, debug  # noqa: E402
-from .edge import EdgeModel  # noqa: E402
+from ._version import __version__
+from .api import SignatureSet, convert, export, load, signature
+from .debugger import DebugReport, debug
+from .errors import (ArtifactError, CaptureError, ConversionError, InputError, NumericsError, OutputError, TteError,
+                     UnsafeInputError, UnsupportedOpError)
+from .targets.litert import EdgeModel, to_channel_last_io
+from .targets.onnx import OnnxProgram
+from .targets.tpu import TpuProgram
 
 # litert-torch's names for the same things, so that `import torchtpu_export as litert_torch` works
 Converter = SignatureSet
 Model = EdgeModel
-from .errors import (ArtifactError, CaptureError, ConversionError, InputError, NumericsError,  # noqa: E402
-                     OutputError, TteError, UnsafeInputError, UnsupportedOpError)
 
 __all__ = [
-    "convert", "export", "load", "signature", "to_channel_last_io", "SignatureSet", "TpuProgram", "EdgeModel",
-    "Converter", "Model", "debug", "DebugReport",
+    "__version__", "convert", "export", "load", "signature", "to_channel_last_io", "SignatureSet", "TpuProgram",
+    "EdgeModel", "OnnxProgram", "Converter", "Model", "debug", "DebugReport",
     "TteError", "InputError", "UnsafeInputError", "CaptureError", "UnsupportedOpError", "ArtifactError",
     "NumericsError", "OutputError", "ConversionError",
 ]

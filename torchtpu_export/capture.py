@@ -11,9 +11,8 @@ import dataclasses
 import io
 import logging
 import operator
-import os
 import re
-from collections import Counter
+import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -23,14 +22,12 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
 from . import progress, treespec
-from .errors import CaptureError, InputError, UnsupportedOpError
+from .errors import CaptureError, InputError
+from .fxnodes import op_name, shape_of
 from .specs import TensorSpec, dtype_name, jsonable
 
 log = logging.getLogger("torchtpu_export")
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
 
 
 @dataclasses.dataclass
@@ -77,46 +74,6 @@ class CapturedProgram:
             if n.op == "call_function":
                 hist[op_name(n.target)] = hist.get(op_name(n.target), 0) + 1
         return dict(sorted(hist.items()))
-
-
-def op_name(target) -> str:
-    """``aten.add.Tensor`` for an OpOverload; the qualified name for other callables."""
-    if isinstance(target, torch._ops.OpOverload):
-        return str(target)
-    return f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', repr(target))}".lstrip(".")
-
-
-def require_rules(nodes: Iterable[torch.fx.Node], has_rule: Callable, *, target: str, reasons: dict | None = None,
-                  default_reason: str = "no rule is registered for it") -> None:
-    """Raises UnsupportedOpError for the most used op among ``nodes`` that ``has_rule(op)`` refuses,
-    naming its count, the user's source line of its first node and the other unsupported ops."""
-    missing: Counter = Counter()
-    first: dict = {}
-    for node in nodes:
-        if not has_rule(node.target):
-            missing[node.target] += 1
-            first.setdefault(node.target, node)
-    if not missing:
-        return
-    op, count = missing.most_common(1)[0]
-    others = sorted(op_name(o) for o in missing if o is not op)
-    reason = (reasons or {}).get(op, default_reason)
-    if others:
-        reason += f" (also unsupported: {', '.join(others)})"
-    raise UnsupportedOpError(op_name(op), target=target, reason=reason, count=count,
-                             source=user_source_line(first[op]))
-
-
-def user_source_line(node: torch.fx.Node) -> str | None:
-    """The innermost frame of the node's stack trace that is the user's code, as ``file:line: code``."""
-    frames = _FRAME_RE.findall(node.meta.get("stack_trace") or "")
-    if not frames:
-        return None
-    for path, line, fn, code in reversed(frames):
-        if not (path.startswith(_TORCH_DIR) or path.startswith(_OUR_DIR + os.sep + "torchtpu_export")):
-            return f"{path}:{line} in {fn}: {code.strip()}"
-    path, line, fn, code = frames[-1]
-    return f"{path}:{line} in {fn}: {code.strip()}"
 
 
 def to_torch(x):
@@ -244,7 +201,7 @@ def _export(module, args, kwargs, dynamic_shapes, strict) -> ExportedProgram:
     stderr = io.StringIO()
     try:
         # torch.export prints partial graphs to stderr on failure: keep them for -vv, not for the user
-        with _eval_mode(module), torch.no_grad(), contextlib.redirect_stderr(stderr):
+        with _eval_mode(module), torch.no_grad(), contextlib.redirect_stderr(stderr), torch_internal_warnings():
             return torch.export.export(module, tuple(args), kwargs or None,
                                        dynamic_shapes=dynamic_shapes, strict=bool(strict))
     except Exception as e:  # torch.export raises many exception types
@@ -296,13 +253,23 @@ def capture(module, sample_args: Sequence = (), sample_kwargs: dict | None = Non
         lowerable = kept_or_plain_core(keep)
     try:
         if _needs_decomposition(ep, lowerable):
-            with progress.stage("decompose"):
+            with progress.stage("decompose"), torch_internal_warnings():
                 ep = ep.run_decompositions(table)
         else:
             log.debug("every op is lowered as it is: decomposition skipped")
     except Exception as e:
         raise CaptureError(f"decomposition to core ATen failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     return _flatten(ep, tuple(sample_args or ()), dict(sample_kwargs or {}))
+
+
+@contextlib.contextmanager
+def torch_internal_warnings():
+    """torch's own deprecation warnings about its own types, raised inside torch.export's passes
+    (deep-copying a graph warns that torch's LeafSpec is deprecated): not the user's business."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
+        yield
 
 
 def _drop_input_mutations(ep: ExportedProgram) -> ExportedProgram:
@@ -316,9 +283,7 @@ def _drop_input_mutations(ep: ExportedProgram) -> ExportedProgram:
     if not any(o.kind == OutputKind.USER_INPUT_MUTATION for o in sig.output_specs):
         return ep
     import copy
-    import warnings
-    with warnings.catch_warnings():  # torch's own pytree types warn about themselves when copied
-        warnings.simplefilter("ignore", FutureWarning)
+    with torch_internal_warnings():
         gm = copy.deepcopy(ep.graph_module)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     keep = [i for i, o in enumerate(sig.output_specs) if o.kind != OutputKind.USER_INPUT_MUTATION]
@@ -399,15 +364,3 @@ def _finite_int(bound) -> int | None:
     except (TypeError, ValueError, AttributeError, OverflowError):
         return None
     return value if abs(value) < 2 ** 62 else None
-
-
-def shape_of(val) -> tuple:
-    """A fake tensor's shape, symbolic dims as strings (``"s0"``)."""
-    return tuple(_dim(d) for d in val.shape)
-
-
-def _dim(d):
-    if isinstance(d, torch.SymInt):
-        text = str(d)
-        return int(text) if text.lstrip("-").isdigit() else text
-    return int(d)

@@ -22,7 +22,8 @@ import traceback
 import warnings
 from typing import Callable
 
-from . import __version__, debugger, web
+from . import debugger, targets, web
+from ._version import __version__
 from .coverage import cli as coverage_cli
 from . import fileio
 from .errors import EXIT_CODES, CaptureError, InputError, NumericsError, Terminated, TteError
@@ -64,9 +65,6 @@ def _out(args, text: str = "") -> None:
 
 # ---- convert -------------------------------------------------------------------------------
 
-_SUFFIX = {"tpu": ".tpu", "litert": ".tflite", "onnx": ".onnx"}
-
-
 def _convert_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="torchtpu-export",
@@ -74,7 +72,7 @@ def _convert_parser() -> argparse.ArgumentParser:
                     "or ONNX. Other commands: " + ", ".join(f"{n} ({h})" for n, (_, _, h) in sorted(COMMANDS.items())),
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a .pt2 from torch.export.save, a TorchScript archive, or package.module:factory")
-    p.add_argument("--target", required=True, choices=["tpu", "litert", "onnx"])
+    p.add_argument("--target", required=True, choices=targets.NAMES)
     p.add_argument("-o", "--output", help="output file (default: the model's name with the target's suffix)")
     p.add_argument("--inputs", nargs="+", default=None, metavar="SPEC",
                    help="sample inputs: SHAPE:DTYPE (1x3x224x224:float32, 2x8:int64:0:1000, scalar:int64) "
@@ -106,7 +104,7 @@ def _convert_parser() -> argparse.ArgumentParser:
 def _default_output(model: str, target: str) -> str:
     base = os.path.basename(model)
     stem = base.split(":")[-1] if ":" in base and not os.path.exists(model) else os.path.splitext(base)[0]
-    return stem + _SUFFIX[target]
+    return stem + targets.get(target).suffix
 
 
 def _convert(args) -> int:
@@ -116,6 +114,8 @@ def _convert(args) -> int:
     from .fileio import check_writable
     from .models import describe_inputs, ep_input_specs, load_model, parse_inputs
 
+    target = targets.get(args.target)
+    _check_target_flags(args, target)
     output = args.output or _default_output(args.model, args.target)
     check_writable(output, inputs=(args.model, *_input_files(args.inputs)))
     t0 = time.perf_counter()
@@ -131,21 +131,9 @@ def _convert(args) -> int:
     if not margs and not mkwargs:
         raise InputError(f"{args.model} has no example inputs", hint="pass --inputs, e.g. --inputs 1x3x224x224:float32")
     strict = {"false": False, "true": True, "auto": "auto"}[args.strict]
-    options = {}
-    if args.target == "tpu":
-        options = dict(platforms=tuple(p for p in args.platforms.split(",") if p), kernels=args.kernels,
-                       narrow_64bit=args.narrow_64bit, mesh=_parse_mesh(args.mesh), sharding=args.sharding)
-    elif args.target == "litert":
-        options = {k: v for k, v in (("io_dtypes", args.io_dtypes), ("channels_last_io", args.channels_last))
-                   if v}
-    if args.target != "litert" and (args.io_dtypes or args.channels_last):
-        raise InputError("--io-dtypes and --channels-last apply to --target litert")
-    if args.quantize:
-        options["quant_config"] = args.quantize
-        if args.quantize == "int8" and args.target == "litert":
-            # the command line has one set of inputs: they calibrate (the API takes a calibration set)
-            options["quant_config"] = {"recipe": "int8", "calibration": [{"args": margs, "kwargs": mkwargs}]}
-            _out(args, "int8: activation scales calibrated on the sample inputs only")
+    options = target.cli_options(args, margs, mkwargs)
+    if isinstance(options.get("quant_config"), dict) and "calibration" in options["quant_config"]:
+        _out(args, f"{args.quantize}: activation scales calibrated on the sample inputs only")
     if isinstance(model, torch.export.ExportedProgram) and sample is not None:
         _check_inputs_match(model, sample)
     try:
@@ -177,7 +165,7 @@ def _check(args, model, margs, mkwargs, artifact) -> int:
     from .numerics import DEFAULT_RTOL, compare
     eager = model.module() if isinstance(model, torch.export.ExportedProgram) else model
     if getattr(args, "channels_last", False):  # the artifact takes and gives NHWC images
-        from .api import channels_last
+        from .targets.litert import channels_last
         eager, margs, mkwargs = channels_last(eager, margs, mkwargs)
     with torch.no_grad():
         ref = pytree.tree_leaves(eager(*margs, **mkwargs))
@@ -191,13 +179,16 @@ def _check(args, model, margs, mkwargs, artifact) -> int:
     return 0
 
 
-def _parse_mesh(text: str | None):
-    if not text:
-        return None
-    try:
-        return tuple((name, int(size)) for name, size in (item.split("=") for item in text.split(",")))
-    except ValueError:
-        raise InputError(f"bad --mesh {text!r}", hint="use AXIS=SIZE pairs, e.g. --mesh data=1,model=8") from None
+def _check_target_flags(args, target) -> None:
+    """A flag of another target's (set away from its default) is a usage error, not silently ignored."""
+    parser = _convert_parser()
+    for other in targets.all_targets().values():
+        for flag in other.cli_flags:
+            if flag in target.cli_flags or getattr(args, flag) == parser.get_default(flag):
+                continue
+            takers = [t.name for t in targets.all_targets().values() if flag in t.cli_flags]
+            raise InputError(f"--{flag.replace('_', '-')} applies to --target {' or '.join(takers)}, "
+                             f"not {target.name}")
 
 
 def _check_inputs_match(ep, sample) -> None:
@@ -251,23 +242,16 @@ def _compile_args(p):
 
 
 def _compile(args) -> int:
-    from . import api, tpu_compile
     from .fileio import check_writable
-    from .models import sniff_model
-
-    topologies = tpu_compile.parse_topologies(args.topology)
-    tpu_compile.require_libtpu("torchtpu-export compile")
+    target = targets.for_file(args.artifact)
+    if target is None or target.compile is None:
+        takers = [t.suffix for t in targets.all_targets().values() if t.compile is not None]
+        raise InputError(f"{args.artifact} is not an artifact that is compiled ahead of time",
+                         hint=f"compile takes {' or '.join(takers)} files")
     output = check_writable(args.output or args.artifact)
-    if sniff_model(args.artifact) != "tpu":
-        raise InputError(f"{args.artifact} is not a .tpu artifact", hint="compile applies to the tpu target's output")
-    prog = api.load(args.artifact)
     t0 = time.perf_counter()
-    prog.compile(topologies, signature_name=args.signature)
-    prog.save(output)
-    for topo in topologies:
-        for name, entry in sorted(prog.manifest["compiled"][topo].items()):
-            stored = "executable stored" if entry.get("executable") else entry.get("executable_reason", "not stored")
-            _out(args, printable(f"{topo} {name}: {tpu_compile.describe_stats(entry['stats'])} [{stored}]"))
+    for line in target.compile(args, output):
+        _out(args, printable(line))
     _out(args, f"wrote {output} ({_human(os.path.getsize(output))}) in {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -20,7 +20,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import OutputKind, OutputSpec, TensorArgument
 
-from .capture import CapturedProgram, op_name, shape_of, user_source_line
+from .capture import CapturedProgram
+from .fxnodes import op_name, shape_of, user_source_line
 from .errors import InputError, NumericsError, TteError
 from .numerics import DEFAULT_RTOL, Agreement, compare
 from .specs import TensorSpec, dtype_name
@@ -130,13 +131,12 @@ def _compare_node(node, got, want, rtol) -> NodeResult:
 def debug(module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *, target: str = "litert",
           rtol: float = DEFAULT_RTOL, strict_export: bool | str = False, **options) -> DebugReport:
     """Finds the first op whose converted output diverges from eager (see the module docstring)."""
-    from . import api
-    if target not in ("litert", "tpu"):
-        raise InputError(f"debug supports the litert and tpu targets, not {target!r}")
+    from . import api, targets
+    if target not in debuggable_targets():
+        raise InputError(f"debug supports the {' and '.join(debuggable_targets())} targets, not {target!r}")
     (captured,) = api.captures([("main", module, tuple(sample_args), sample_kwargs, None)], target,
                                strict_export).values()
-    if target == "tpu":  # the values are compared here, on the cpu program
-        options = {"platforms": ("cpu",), **options}
+    options = {**targets.get(target).local_options, **options}  # the values are compared here, on this machine
     # build first: a target may rewrite the graph (fusing patterns into single ops) and the
     # intermediates compared must be those of the graph it converts
     final_values = api.build(target, {"main": captured}, **options).run_flat(captured.sample_inputs)
@@ -194,9 +194,14 @@ def _bisect(captured, taps, eager, target, rtol, options) -> NodeResult | None:
 HELP = "find the first op whose converted output diverges from torch eager"
 
 
+def debuggable_targets() -> tuple:
+    from . import targets
+    return tuple(name for name, t in targets.all_targets().items() if t.debuggable)
+
+
 def add_arguments(p) -> None:
     p.add_argument("model", help="a .pt2, TorchScript archive or package.module:factory")
-    p.add_argument("--target", required=True, choices=["litert", "tpu"])
+    p.add_argument("--target", required=True, choices=debuggable_targets())
     p.add_argument("--inputs", nargs="+", default=None, metavar="SPEC", help="sample inputs (as for conversion)")
     p.add_argument("--tolerance", type=float, default=DEFAULT_RTOL, help="relative tolerance per intermediate")
     p.add_argument("--trust-pickle", action="store_true", help="allow loading a pickled module")

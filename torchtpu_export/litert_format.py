@@ -15,7 +15,7 @@ import os
 import weakref
 
 from . import flatbuf
-from .errors import ArtifactError, InputError
+from .errors import ArtifactError
 from .specs import TensorSpec
 from .untrusted import load_json
 
@@ -435,7 +435,7 @@ def _op_names() -> dict:
     return _OP_NAMES
 
 
-def _opcode_names(model) -> list[str]:
+def opcode_names(model) -> list[str]:
     # the operator name of each of the model's opcode entries (CUSTOM ones with their custom code)
     names = _op_names()
     codes = []
@@ -451,7 +451,7 @@ def int8_ops(content: bytes) -> dict[str, int]:
     quantized. DEQUANTIZE counts only for constant inputs (weights stored int8, dequantized at load);
     QUANTIZE, which makes int8 values, never."""
     model = parse_model(content)
-    codes = _opcode_names(model)
+    codes = opcode_names(model)
     hist: dict[str, int] = {}
     for k in range(model.SubgraphsLength()):
         sub = model.Subgraphs(k)
@@ -468,67 +468,6 @@ def int8_ops(content: bytes) -> dict[str, int]:
             if eight_bit:
                 hist[name] = hist.get(name, 0) + 1
     return hist
-
-
-def describe(path: str) -> dict:
-    """What ``torchtpu-export inspect`` prints for a ``.tflite``: signatures, I/O, op histograms, sizes."""
-    try:
-        with open(path, "rb") as f:
-            content = f.read()
-    except OSError as e:
-        raise InputError(f"cannot read {path}: {e.strerror}") from e
-    try:
-        return _describe(path, content)
-    except ArtifactError:
-        raise
-    except Exception as e:
-        raise damaged(e) from e
-
-
-def _describe(path: str, content: bytes) -> dict:
-    model = validate(content)
-    codes = _opcode_names(model)
-    io = signature_io(model)
-    meta = read_metadata(content) or {}
-    programs = {}
-    transposes = 0
-    for sig, spec in io.items():
-        sub = model.Subgraphs(spec["subgraph"])
-        hist: dict[str, int] = {}
-        for j in range(sub.OperatorsLength()):
-            name = codes[sub.Operators(j).OpcodeIndex()]
-            hist[name] = hist.get(name, 0) + 1
-        transposes += hist.get("TRANSPOSE", 0)
-        sig_meta = meta.get("signatures", {}).get(sig)
-        programs[sig] = {
-            "inputs": [s.to_json() for s in spec["inputs"]], "outputs": [s.to_json() for s in spec["outputs"]],
-            "op_histogram": dict(sorted(hist.items())), "transposes": hist.get("TRANSPOSE", 0),
-            "torch_inputs": sig_meta["inputs"] if sig_meta else None,
-        }
-    weight_bytes, weight_count = 0, 0
-    meta_buffers = {model.Metadata(i).Buffer() for i in range(model.MetadataLength())}
-    for i in range(model.BuffersLength()):
-        if i in meta_buffers:
-            continue
-        b = model.Buffers(i)
-        n = b.Size() if b.Offset() > 1 else b.DataLength()
-        if n:
-            weight_count += 1
-            weight_bytes += n
-    versions = meta.get("versions", {})
-    extra = [f"TRANSPOSE ops: {transposes}",
-             "made by torchtpu-export" if meta else "not made by torchtpu-export (no pytree metadata)"]
-    quant = meta.get("quantization")
-    if quant:
-        extra.append(f"quantized: {quant['recipe']} (weights {quant['weight_bytes']:,} bytes; "
-                     f"{quant['float_weight_bytes']:,} in float)")
-    return {
-        "path": path, "kind": "litert", "size": os.path.getsize(path), "programs": programs,
-        "versions": versions, "schema_version": model.Version(),
-        "weights": {"count": weight_count, "bytes": weight_bytes},
-        "transposes": transposes, "quantization": quant,
-        "extra_lines": extra,
-    }
 
 
 def signature_tensors(content: bytes, name: str = "model") -> dict:

@@ -378,7 +378,7 @@ def parse_inputs(specs: Sequence[str], seed: int = 0, expected: Sequence | None 
 def ep_input_specs(ep) -> list:
     """The user inputs of an ExportedProgram as TensorSpecs (symbolic dims as their names), None for
     a non-tensor input."""
-    from .capture import shape_of
+    from .fxnodes import shape_of
     from .specs import TensorSpec, dtype_name
     placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
     specs = []

@@ -107,3 +107,19 @@ def measure(recipe: str, float_outputs: Sequence[Any], quant_outputs: Sequence[A
                              == first[1].reshape(-1, first[1].shape[-1]).argmax(-1)))
     return QuantReport(recipe, int(float_bytes), int(quant_bytes), float(err.max()), float(err.max() / scale),
                        cosine, top1)
+
+
+def report_against_eager(prog, captured: dict, recipe: str, float_bytes: int, quant_bytes: int):
+    """The report of a quantized conversion: sizes before and after, and the error of ``prog`` (any
+    runnable) against the float model (torch eager) on the first program's sample inputs."""
+    import torch
+    import torch.utils._pytree as pytree
+    name, cap = next(iter(captured.items()))
+    leaves = list(cap.sample_inputs)
+    for i in sorted(cap.constant_inputs):  # the non-tensor arguments torch.export specialised
+        leaves.insert(i, cap.constant_inputs[i])
+    args, kwargs = pytree.tree_unflatten(leaves, cap.in_spec)
+    with torch.no_grad():
+        ref = cap.exported.module()(*args, **kwargs)
+    got = prog.run_flat(cap.sample_inputs, signature_name=name if len(captured) > 1 else None)
+    return measure(recipe, pytree.tree_leaves(ref), got, float_bytes, quant_bytes)

@@ -80,8 +80,9 @@ def tpu_chips_attached() -> int:
     return chips or len(glob.glob("/dev/accel[0-9]*")) + len(glob.glob("/dev/vfio/[0-9]*"))
 
 
+@functools.cache
 def prepare_environment() -> None:
-    """On a host without TPU chips, tell libtpu so before it loads.
+    """On a host without TPU chips, tell libtpu so before it loads (once per process).
 
     Without this, every process that starts jax with libtpu installed prints libtpu's failed
     attempts to find a TPU, and a second process cannot load libtpu at all (its lockfile

@@ -241,7 +241,7 @@ def _check_digests(manifest: dict, infos: dict, f, mm, path: str) -> None:
 
 
 def _manifest_schema():
-    from .untrusted import BOOL, NAME, NUMBER, STR, Count, Either, Is, ListOf, MapOf, OneOf, Opt, Record, TupleOf
+    from .untrusted import BOOL, NAME, NUMBER, STR, Count, Is, ListOf, MapOf, OneOf, Opt, Record, TupleOf
     axis = Opt(NAME)
     stats = Record({"hbm_bytes": Record({k: NUMBER for k in ("arguments", "outputs", "temporaries", "code", "total")},
                                         {"aliased": NUMBER}),

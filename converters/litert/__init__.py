@@ -15,10 +15,9 @@ from typing import Mapping
 
 import torch
 
-import torchtpu_export
+from torchtpu_export._version import __version__
 from torchtpu_export import treespec
 from torchtpu_export.capture import CapturedProgram, kept_or_plain_core
-from torchtpu_export.core_ops import rewritten_core_ops
 from torchtpu_export.errors import InputError
 from torchtpu_export.litert_format import METADATA_NAME, LiteRTArtifact  # noqa: F401
 
@@ -27,7 +26,7 @@ from .dims import symbol_ranges
 from .lower import AtenProgram, check_supported  # noqa: F401
 from .passes import PIPELINE, REQUIRED, run_pipeline
 from .quantize import constant_bytes, graph_quants
-from .registry import BUILDERS, IO_DTYPES, NOT_SUPPORTED, builds  # noqa: F401
+from .registry import BUILDERS, IO_DTYPES, NOT_SUPPORTED, builds, keep_whole  # noqa: F401
 from .writer import serialize, write
 
 log = logging.getLogger("torchtpu_export")
@@ -36,30 +35,7 @@ aten = torch.ops.aten
 FORMAT = "torchtpu_export.litert"
 FORMAT_VERSION = 1
 
-# Composite ops this target lowers whole instead of letting torch decompose them: each maps
-# to a TFLite builtin (or a short sequence) better than its decomposition does, and a graph
-# made only of these and core ops skips torch's second, full retrace.
-KEEP_WHOLE: list = [
-    aten.linear.default, aten.matmul.default, aten.t.default,
-    aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
-    aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding,
-    aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input,
-    aten.batch_norm.default, aten.layer_norm.default, aten.group_norm.default, aten.rms_norm.default,
-    aten.scaled_dot_product_attention.default, aten.softmax.int, aten.log_softmax.int,
-    aten.silu.default, aten.hardswish.default, aten.hardsigmoid.default, aten.relu6.default, aten.mish.default,
-    aten.max_pool2d.default, aten.max_pool1d.default, aten.adaptive_avg_pool2d.default,
-    aten.dropout.default, aten.feature_dropout.default,
-    aten.flatten.using_ints, aten.unflatten.int, aten.reshape.default, aten.transpose.int, aten.contiguous.default,
-    aten.split.Tensor, aten.chunk.default, aten.unbind.int, aten.stack.default, aten.narrow.default,
-    aten.expand_as.default, aten.type_as.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
-    aten.rsub.Scalar, aten.where.Scalar, aten.where.ScalarSelf, aten.where.ScalarOther,
-    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.arange.default, aten.arange.start,
-    aten.repeat_interleave.self_int, aten.index_copy.default, aten.embedding_bag.padding_idx,
-    aten.pad.default, aten.square.default, aten.zeros_like.default, aten.ones_like.default, aten.roll.default,
-    aten.logsumexp.default, aten.std.correction, aten.var_mean.correction, aten.baddbmm.default,
-]
-# and the core ops torch's table would still rewrite that it has a builder for
-KEEP_WHOLE += [op for op in rewritten_core_ops() if op in BUILDERS and op not in KEEP_WHOLE]
+KEEP_WHOLE: list = keep_whole()
 
 
 # capture decomposes what torch's table would, except the ops kept whole
@@ -107,7 +83,7 @@ def convert(captures: Mapping[str, CapturedProgram], *, quant_config=None, obser
         }
     metadata = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
-        "versions": {"torchtpu_export": torchtpu_export.__version__, "torch": torch.__version__.split("+")[0]},
+        "versions": {"torchtpu_export": __version__, "torch": torch.__version__.split("+")[0]},
         "signatures": signatures,
     }
     quantized = [g.quant for g in graphs if g.quant is not None]

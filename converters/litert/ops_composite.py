@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from .. import cephes, special_math
-from .registry import builds, composite
+from .composite import composite
+from .registry import builds
 
 aten = torch.ops.aten
 _PI = math.pi

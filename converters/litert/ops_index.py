@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .common import strided_slice
 from .dims import broadcast_shapes, is_static
 from .ir import Tensor
 from .registry import BOOL, I32, builds
@@ -180,8 +181,7 @@ def scatter(ctx, x, dim, idx, src, *, reduce=None):
 
 
 def _crop(ctx, t: Tensor, shape) -> Tensor:
-    from .ops_shape import _strided_slice
-    return _strided_slice(ctx, t, {d: (0, n, 1) for d, n in enumerate(shape) if n != t.shape[d]})
+    return strided_slice(ctx, t, {d: (0, n, 1) for d, n in enumerate(shape) if n != t.shape[d]})
 
 
 @builds(aten.scatter_add.default)

@@ -16,7 +16,8 @@ import torch
 
 from torchtpu_export.errors import UnsupportedOpError
 
-from .registry import composite, not_supported
+from .composite import composite
+from .registry import not_supported
 
 aten = torch.ops.aten
 

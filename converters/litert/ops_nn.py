@@ -16,8 +16,10 @@ import torch
 
 from torchtpu_export.torch_semantics import antialiased_linear_resize_matrix, linear_resize_matrix
 
+from .composite import inline
 from .dims import all_static, broadcast_shapes, is_static
 from .ir import Tensor
+from .ops_composite import attention_with_dropout
 from .registry import BOOL, I32, BuildContext, Missing, builds
 from . import schema
 
@@ -174,7 +176,6 @@ def _dense_transposed_weight_ops(ctx, w: Tensor, groups: int, dilation) -> Tenso
 def _conv_transpose(ctx, x, w, b, stride, padding, dilation, output_padding, groups):
     nd = x.rank - 2
     if nd == 3:
-        from .lower import inline
         return inline(ctx, _conv_transpose3d, (x, w, b, stride, padding, dilation, output_padding, groups), {})
     if groups != 1 or any(d != 1 for d in dilation):
         w = ctx.const(_dense_transposed_weight(w.data, groups, dilation)) if w.is_const else \
@@ -913,8 +914,6 @@ def log_softmax(ctx, x, dim, half_to_float=False):
 def scaled_dot_product_attention(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     if dropout_p:   # training-mode attention dropout: the math attention with a random mask
-        from .lower import inline
-        from .ops_composite import attention_with_dropout
         return inline(ctx, attention_with_dropout, (q, k, v),
                       dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale))
     e = q.shape[-1]

@@ -4,8 +4,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .common import strided_slice
+from .composite import inline
 from .dims import all_static, is_static, normalize
-from .ir import Tensor
+from .ops_composite import feature_dropout, native_dropout, view_as_complex, view_as_real
 from .registry import builds
 
 aten = torch.ops.aten
@@ -75,8 +77,6 @@ def identity(ctx, x, *args, **kwargs):
             and len(args) > 1 and args[1] and args[0]:
         if ctx.node.target is aten.alpha_dropout.default:
             raise ctx.unsupported("alpha dropout in training mode (call model.eval() before converting)")
-        from .lower import inline
-        from .ops_composite import feature_dropout, native_dropout
         p = args[0]
         if ctx.node.target is aten.feature_dropout.default:
             return inline(ctx, lambda t: feature_dropout(t, p), (x,), {})
@@ -125,58 +125,18 @@ def slice_(ctx, x, dim=0, start=None, end=None, step=1):
     if all(v is None or is_static(v) for v in (n, start, end)):
         start, end, _ = slice(start, end, step).indices(n) if step > 0 else (0, 0, 0)
         end = max(end, start)
-        return _strided_slice(ctx, x, {dim: (start, end, step)})
+        return strided_slice(ctx, x, {dim: (start, end, step)})
     # a dynamic size or bound: torch's result size (clamping included) says how far the slice reaches
     begin = 0 if start is None else _wrap(ctx, start, n)
     size = ctx.out_shape()[dim]
-    return _strided_slice(ctx, x, {dim: (begin, begin + (size - 1) * step + 1, step)})
-
-
-def _strided_slice(ctx, x: Tensor, ranges: dict) -> Tensor:
-    if not all_static(x.shape) or not all(is_static(v) for r in ranges.values() for v in r):
-        return _dynamic_slice(ctx, x, ranges)
-    begin = [0] * x.rank
-    end = list(x.shape)
-    strides = [1] * x.rank
-    for d, (b, e, s) in ranges.items():
-        begin[d], end[d], strides[d] = b, e, s
-    shape = tuple(max(0, -(-(e - b) // s)) for b, e, s in zip(begin, end, strides))
-    if shape == x.shape:
-        return x
-    if x.is_const:
-        return ctx.const(x.data[tuple(slice(b, e, s) for b, e, s in zip(begin, end, strides))])
-    if all(s == 1 for s in strides):
-        return ctx.op("SLICE", [x, np.asarray(begin, np.int32), np.asarray(shape, np.int32)], shape=shape,
-                      dtype=x.dtype)
-    return ctx.op("STRIDED_SLICE", [x, np.asarray(begin, np.int32), np.asarray(end, np.int32),
-                                    np.asarray(strides, np.int32)], shape=shape, dtype=x.dtype)
-
-
-def _dynamic_slice(ctx, x: Tensor, ranges: dict) -> Tensor:
-    # Only the sliced dims get bounds (computed at run time where dynamic); the others are taken
-    # whole: size -1 in SLICE, end_mask in STRIDED_SLICE. Bounds are in range (torch checked them).
-    begin, end, size, strides = [0] * x.rank, [0] * x.rank, [-1] * x.rank, [1] * x.rank
-    shape, end_mask = list(x.shape), 0
-    for d in range(x.rank):
-        if d not in ranges:
-            end_mask |= 1 << d
-            continue
-        b, e, s = ranges[d]
-        begin[d], end[d], strides[d] = b, e, s
-        shape[d] = size[d] = e - b if s == 1 else (e - b + s - 1) // s
-    if tuple(shape) == x.shape:
-        return x
-    if all(s == 1 for s in strides):
-        return ctx.op("SLICE", [x, ctx.vector(begin), ctx.vector(size)], shape=tuple(shape), dtype=x.dtype)
-    return ctx.op("STRIDED_SLICE", [x, ctx.vector(begin), ctx.vector(end), ctx.vector(strides)], shape=tuple(shape),
-                  dtype=x.dtype, endMask=end_mask)
+    return strided_slice(ctx, x, {dim: (begin, begin + (size - 1) * step + 1, step)})
 
 
 @builds(aten.select.int, aten.select_copy.int)
 def select(ctx, x, dim, index):
     dim = dim % x.rank
     index = index % x.shape[dim] if is_static(x.shape[dim]) else _wrap(ctx, index, x.shape[dim])
-    y = _strided_slice(ctx, x, {dim: (index, index + 1, 1)})
+    y = strided_slice(ctx, x, {dim: (index, index + 1, 1)})
     return ctx.reshape(y, x.shape[:dim] + x.shape[dim + 1:])
 
 
@@ -184,7 +144,7 @@ def select(ctx, x, dim, index):
 def narrow(ctx, x, dim, start, length):
     dim = dim % x.rank
     start = _wrap(ctx, start, x.shape[dim])
-    return _strided_slice(ctx, x, {dim: (start, start + length, 1)})
+    return strided_slice(ctx, x, {dim: (start, start + length, 1)})
 
 
 @builds(aten.split_with_sizes.default, aten.split.Tensor, aten.split_with_sizes_copy.default, aten.split.sizes,
@@ -198,7 +158,7 @@ def split(ctx, x, sizes, dim=0):
         sizes = [ctx.out_shape(i)[dim] for i in range(len(ctx.out))]  # torch's split of a dynamic dim
     outs, pos = [], 0
     for s in sizes:
-        outs.append(_strided_slice(ctx, x, {dim: (pos, pos + s, 1)}))
+        outs.append(strided_slice(ctx, x, {dim: (pos, pos + s, 1)}))
         pos += s
     return outs
 
@@ -287,7 +247,7 @@ def _roll_dynamic(ctx, x, shift, d):
     k = shift if shift >= 0 else n + shift
     if is_static(k) and k == 0:
         return x
-    return ctx.op("CONCATENATION", [_strided_slice(ctx, x, {d: (n - k, n, 1)}), _strided_slice(ctx, x, {d: (0, n - k, 1)})],
+    return ctx.op("CONCATENATION", [strided_slice(ctx, x, {d: (n - k, n, 1)}), strided_slice(ctx, x, {d: (0, n - k, 1)})],
                   shape=x.shape, dtype=x.dtype, axis=d)
 
 
@@ -329,7 +289,7 @@ def _crop_negative(ctx, x, pads):
         if nb or na:
             ranges[d] = (-b if nb else 0, x.shape[d] + a if na else x.shape[d], 1)
     if ranges:
-        x = _strided_slice(ctx, x, ranges)
+        x = strided_slice(ctx, x, ranges)
     return x, [(0 if nb else b, 0 if na else a) for (b, a), (nb, na) in zip(pads, negative)]
 
 
@@ -341,7 +301,6 @@ def constant_pad_nd(ctx, x, pad, value=0):
     if x.dtype == np.complex64:  # TFLite's PAD has no complex kernel: pad the (re, im) float pairs
         if value != 0 or not all(is_static(v) for p in pads for v in p):
             raise ctx.unsupported("a complex padding with a nonzero or dynamic fill")
-        from .ops_composite import view_as_complex, view_as_real
         padded = ctx.op("PAD", [view_as_real(ctx, x), np.asarray(pads + [(0, 0)], np.int32)],
                         shape=ctx.out_shape() + (2,), dtype=np.float32)
         return view_as_complex(ctx, padded)
@@ -391,8 +350,8 @@ def _replicate(ctx, x, pad):
     if not all_static(x.shape):
         # the edge items repeated: broadcasts of one-item slices on each side
         def edges(x, d, b, a, n):
-            first = _strided_slice(ctx, x, {d: (0, 1, 1)})
-            last = _strided_slice(ctx, x, {d: (n - 1, n, 1)})
+            first = strided_slice(ctx, x, {d: (0, 1, 1)})
+            last = strided_slice(ctx, x, {d: (n - 1, n, 1)})
             return [ctx.broadcast_to(first, x.shape[:d] + (b,) + x.shape[d + 1:])] if b else [], \
                 [ctx.broadcast_to(last, x.shape[:d] + (a,) + x.shape[d + 1:])] if a else []
         return _pad_by_concatenation(ctx, x, pad, edges)
@@ -405,8 +364,8 @@ def _circular(ctx, x, pad):
         def ends(x, d, b, a, n):
             if max(b, a) > (ctx.bounds(n)[0] or 0):
                 raise ctx.unsupported("circular padding wider than the smallest size of a dynamic dim")
-            return [_strided_slice(ctx, x, {d: (n - b, n, 1)})] if b else [], \
-                [_strided_slice(ctx, x, {d: (0, a, 1)})] if a else []
+            return [strided_slice(ctx, x, {d: (n - b, n, 1)})] if b else [], \
+                [strided_slice(ctx, x, {d: (0, a, 1)})] if a else []
         return _pad_by_concatenation(ctx, x, pad, ends)
     return _gather_pad(ctx, x, pad, lambda i, n: i % n)
 

@@ -14,6 +14,8 @@ channels-last (CONV_2D, pools, resizes) is wrapped in TRANSPOSEs by
 """
 from __future__ import annotations
 
+import functools
+
 from typing import Callable, Sequence
 
 import numpy as np
@@ -21,6 +23,7 @@ import sympy
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
+from torchtpu_export.core_ops import rewritten_core_ops
 from torchtpu_export.errors import UnsupportedOpError
 
 from .dims import all_static, canon, is_static, normalize, source_of
@@ -38,28 +41,6 @@ def builds(*ops):
         for op in ops:
             BUILDERS[op] = rule
         return rule
-    return register
-
-
-def composite(*ops):
-    """Registers a torch function as the TFLite builder of ``ops``: for each node it is traced on the
-    node's (static) shapes into core ATen, and the other builders lower that graph in place.
-
-    For ops TFLite has no builtin for, written once in torch ops TFLite has (a scan unrolled, a
-    series, a fixed-iteration solver)::
-
-        @composite(aten.cumprod.default)
-        def cumprod(x, dim, dtype=None): ...
-    """
-    def register(fn):
-        def rule(ctx, *args, **kwargs):
-            from .lower import inline
-            return inline(ctx, fn, args, kwargs)
-        rule.__name__ = rule.__qualname__ = fn.__name__
-        rule.composite = fn
-        for op in ops:
-            BUILDERS[op] = rule
-        return fn
     return register
 
 
@@ -184,7 +165,7 @@ class BuildContext:
         return numpy_dtype(compute)
 
     def unsupported(self, reason: str) -> UnsupportedOpError:
-        from torchtpu_export.capture import op_name, user_source_line
+        from torchtpu_export.fxnodes import op_name, user_source_line
         return UnsupportedOpError(op_name(self.node.target), target="litert", reason=reason,
                                   source=user_source_line(self.node))
 
@@ -444,3 +425,37 @@ class BuildContext:
 def ir_shape(shape) -> tuple:
     """A torch shape (ints and SymInts) as an IR shape: ints, and sympy expressions for dynamic dims."""
     return tuple(canon(d) for d in shape)
+
+
+aten = torch.ops.aten
+
+# Composite ops this target lowers whole instead of letting torch decompose them: each maps
+# to a TFLite builtin (or a short sequence) better than its decomposition does, and a graph
+# made only of these and core ops skips torch's second, full retrace.
+_KEPT = [
+    aten.linear.default, aten.matmul.default, aten.t.default,
+    aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+    aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding,
+    aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input,
+    aten.batch_norm.default, aten.layer_norm.default, aten.group_norm.default, aten.rms_norm.default,
+    aten.scaled_dot_product_attention.default, aten.softmax.int, aten.log_softmax.int,
+    aten.silu.default, aten.hardswish.default, aten.hardsigmoid.default, aten.relu6.default, aten.mish.default,
+    aten.max_pool2d.default, aten.max_pool1d.default, aten.adaptive_avg_pool2d.default,
+    aten.dropout.default, aten.feature_dropout.default,
+    aten.flatten.using_ints, aten.unflatten.int, aten.reshape.default, aten.transpose.int, aten.contiguous.default,
+    aten.split.Tensor, aten.chunk.default, aten.unbind.int, aten.stack.default, aten.narrow.default,
+    aten.expand_as.default, aten.type_as.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+    aten.rsub.Scalar, aten.where.Scalar, aten.where.ScalarSelf, aten.where.ScalarOther,
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.arange.default, aten.arange.start,
+    aten.repeat_interleave.self_int, aten.index_copy.default, aten.embedding_bag.padding_idx,
+    aten.pad.default, aten.square.default, aten.zeros_like.default, aten.ones_like.default, aten.roll.default,
+    aten.logsumexp.default, aten.std.correction, aten.var_mean.correction, aten.baddbmm.default,
+]
+
+
+@functools.cache
+def keep_whole() -> list:
+    """The composite ops kept whole (``_KEPT``), and the core ops torch's table would still rewrite
+    that have a builder: what capture (and a composite's trace) must not decompose. Called once
+    every op family has registered its builders."""
+    return _KEPT + [op for op in rewritten_core_ops() if op in BUILDERS and op not in _KEPT]

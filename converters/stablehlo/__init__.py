@@ -8,12 +8,16 @@ import contextlib
 import logging
 from typing import Mapping, Sequence
 
-import jax
-import numpy as np
-import torch
+from torchtpu_export import tpu_compile
 
-import torchtpu_export
-from torchtpu_export import progress, tpu_compile, tpu_format
+tpu_compile.prepare_environment()  # before jax loads libtpu (on a host without TPU chips)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from torchtpu_export import progress, tpu_format  # noqa: E402
+from torchtpu_export._version import __version__  # noqa: E402
 from torchtpu_export.capture import CapturedProgram
 from torchtpu_export.core_ops import core_aten_ops, rewritten_core_ops
 from torchtpu_export.errors import ConversionError, InputError, UnsupportedOpError
@@ -121,7 +125,7 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
     manifest = {
         "format": tpu_format.FORMAT,
         "format_version": tpu_format.FORMAT_VERSION,
-        "versions": {"torchtpu_export": torchtpu_export.__version__, "jax": jax.__version__,
+        "versions": {"torchtpu_export": __version__, "jax": jax.__version__,
                      "jaxlib": tpu_compile.jaxlib_version(),
                      "torch": torch.__version__.split("+")[0]},
         "platforms": list(platforms),

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from torchtpu_export.capture import CapturedProgram, shape_of
+from torchtpu_export.capture import CapturedProgram
+from torchtpu_export.fxnodes import shape_of
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 from torch.fx.node import map_arg
 
-from torchtpu_export.capture import CapturedProgram, op_name, require_rules, user_source_line
+from torchtpu_export.capture import CapturedProgram
+from torchtpu_export.fxnodes import draws_random, op_name, require_rules, user_source_line
 from torchtpu_export.errors import ConversionError, UnsupportedOpError
 
 from .registry import LoweringContext, Ragged, lookup
@@ -57,31 +58,6 @@ def uses_random(captured: CapturedProgram) -> bool:
     """Whether the program draws random numbers (then its function takes a PRNG key after the inputs)."""
     return any(draws_random(n) for n in captured.graph.nodes)
 
-
-_DROPOUTS = {"aten::dropout", "aten::native_dropout", "aten::feature_dropout", "aten::alpha_dropout",
-             "aten::feature_alpha_dropout"}
-
-
-def draws_random(node) -> bool:
-    """Whether a node draws random numbers: a random op, but not a dropout in eval mode (or p = 0)."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) \
-            or torch.Tag.nondeterministic_seeded not in node.target.tags:
-        return False
-    name = node.target._schema.name
-    if name in _DROPOUTS:
-        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-        return bool(train) and p != 0
-    if name in _ATTENTION_DROPOUT:
-        i = _ATTENTION_DROPOUT[name]
-        return bool(node.args[i] if len(node.args) > i else node.kwargs.get("dropout_p", 0.0))
-    return True
-
-
-# attention ops, tagged random for their dropout: the position of dropout_p
-_ATTENTION_DROPOUT = {"aten::scaled_dot_product_attention": 4, "aten::_scaled_dot_product_attention_math": 4,
-                      "aten::_scaled_dot_product_flash_attention_for_cpu": 3,
-                      "aten::_scaled_dot_product_flash_attention": 3}
 
 
 def to_jax_function(captured: CapturedProgram, ctx: LoweringContext, weight_names: dict | None = None,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from torchtpu_export.capture import op_name, user_source_line
+from torchtpu_export.fxnodes import op_name, user_source_line
 from torchtpu_export.errors import UnsupportedOpError
 
 from .pallas import Unfit, compiler_rejects

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 import torch
 
-from torchtpu_export.capture import op_name, user_source_line
+from torchtpu_export.fxnodes import op_name, user_source_line
 from torchtpu_export.errors import UnsupportedOpError
 
 from .registry import Ragged, lowers

@@ -10,7 +10,7 @@ from jax import lax
 
 import torch
 
-from torchtpu_export.capture import op_name, user_source_line
+from torchtpu_export.fxnodes import op_name, user_source_line
 from torchtpu_export.errors import UnsupportedOpError
 
 from .registry import lookup, lowers

@@ -58,6 +58,7 @@ class Column:
     narrows_64bit: bool = False    # int64/float64 results may come back as 32-bit
     quant: str | None = None       # a quantization recipe: the column has cells for the ops it quantizes
     compile_for: str | None = None  # a TPU topology: the cell is whether libtpu compiles the program
+    options: dict = dataclasses.field(default_factory=dict)  # the target's build options
 
     def runs(self, entry) -> bool:
         """Whether the column has a cell for the op (quantized columns: the ops the recipe quantizes)."""
@@ -72,30 +73,28 @@ class Column:
         return None
 
     def keep_whole(self) -> list:
-        from .. import converters
-        return list(converters.converter(self.target).KEEP_WHOLE)
+        from .. import converters, targets
+        return list(converters.converter(targets.get(self.target).converter).KEEP_WHOLE)
 
     def build(self, captured: dict):
-        """The runnable artifact (with ``run_flat``) of already-captured programs."""
-        from .. import api
-        if self.target == "tpu":
-            return api.build("tpu", captured, platforms=("tpu",) if self.compile_for else ("cpu",))
-        if self.target == "onnx":
-            return api.build("onnx", captured)
-        # like tte.convert: one "serving_default" signature
+        """The runnable artifact (with ``run_flat``) of already-captured programs, under the name the
+        target gives a single program (litert's ``serving_default``, as ``tte.convert`` makes it)."""
+        from .. import api, targets
         cap = captured["main"]
-        quant = self.quant
-        if quant == "int8":  # full integer: activation scales from the sample itself
-            quant = {"recipe": "int8", "calibration": [tuple(cap.sample_inputs)]}
-        return api.build("litert", {"serving_default": cap}, quant_config=quant)
+        options = dict(self.options)
+        if self.quant == "int8":  # full integer: activation scales from the sample itself
+            options["quant_config"] = {"recipe": "int8", "calibration": [tuple(cap.sample_inputs)]}
+        elif self.quant:
+            options["quant_config"] = self.quant
+        return api.build(self.target, {targets.get(self.target).signature: cap}, **options)
 
 
 def columns() -> dict[str, Column]:
     import torch
     half = frozenset({torch.float16, torch.bfloat16})
     return {
-        "xla": Column("xla", "tpu", half),
-        "tpu": Column("tpu", "tpu", half, compile_for=TPU_TOPOLOGY),
+        "xla": Column("xla", "tpu", half, options={"platforms": ("cpu",)}),
+        "tpu": Column("tpu", "tpu", half, compile_for=TPU_TOPOLOGY, options={"platforms": ("tpu",)}),
         # ONNX Runtime's CPU provider and the LiteRT interpreter lack half-precision kernels for most
         # ops: their columns are measured on float32, integer and bool samples.
         "litert": Column("litert", "litert", frozenset(), narrows_64bit=True),

@@ -243,7 +243,7 @@ def _random_ops(batch) -> list[str]:
         ep = batch.exported().run_decompositions()
     except Exception:  # the columns will report the capture failure themselves
         return []
-    from converters.stablehlo.interpreter import draws_random
+    from ..fxnodes import draws_random
     return sorted({str(n.target) for n in ep.graph.nodes if draws_random(n)})
 
 

@@ -1,0 +1,144 @@
+"""What every target provides (``Target``) and what every artifact object is (``Runnable``)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..errors import InputError
+from ..specs import TensorSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A deployment target: the one record code goes through for anything that differs by target.
+
+    ``name`` is what users type (``--target NAME``, ``tte.export(target=NAME)``) and the kind
+    ``models.sniff_model`` gives its artifact files; ``converter`` names the package under
+    ``converters/`` and ``runtime`` the module under ``runtimes/``. The callables take:
+    ``build(captures, options) -> Runnable`` (converted, wrapped in its runnable object),
+    ``load(path) -> Runnable``, ``describe(path, topologies) -> dict`` (what ``inspect`` prints),
+    ``cli_options(args, sample_args, sample_kwargs) -> dict`` (the converter's options from the
+    command line's flags, of which ``cli_flags`` are this target's), and ``prepare(module, args,
+    kwargs, options) -> (module, args, kwargs, options)``, what happens before capture (the
+    litert target's channel-last wrapping). ``describe`` takes ``topologies`` only where the target
+    compiles for them (:func:`no_topologies` says so for the others).
+    """
+
+    name: str
+    summary: str
+    converter: str
+    runtime: str
+    suffix: str
+    runnable: type
+    signature: str  # the name of a single captured program ("main", litert-torch's "serving_default")
+    build: Callable
+    load: Callable
+    describe: Callable
+    cli_options: Callable
+    cli_flags: tuple = ()
+    prepare: Callable | None = None
+    compile: Callable | None = None  # `torchtpu-export compile`: (args, output path) -> lines to print
+    local_options: dict = dataclasses.field(default_factory=dict)  # to build what runs on this machine
+    multi_signature: bool = True  # several signatures (tte.signature) in one artifact
+    debuggable: bool = True  # `torchtpu-export debug` compares its intermediates
+
+
+def no_topologies(topologies) -> None:
+    if topologies:
+        raise InputError("--topology applies to .tpu artifacts")
+
+
+class Runnable:
+    """An artifact held in memory and run on its runtime: named signatures, each with torch-side input
+    and output specs and (for artifacts this project wrote) the module's call structure.
+
+    ``obj(*args, signature_name=None, **kwargs)`` takes the module's own (nested) arguments and gives
+    numpy outputs in the module's output structure; ``run_flat`` takes and gives flat lists;
+    ``save(path)`` writes the file atomically. A subclass provides ``signatures``, ``_call_metadata``,
+    ``_io``, ``_run`` and ``save``; it may refine the call (``_bind``, ``_structure``).
+    """
+
+    default_signature: str | None = None  # what a call without signature_name runs, among several
+
+    @property
+    def signatures(self) -> list[str]:
+        raise NotImplementedError
+
+    def _call_metadata(self, sig: str) -> dict | None:
+        """The signature's call metadata (``CapturedProgram.call_metadata``), or None for a file made elsewhere."""
+        raise NotImplementedError
+
+    def _io(self, sig: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """The signature's inputs and outputs as the file itself declares them (files made elsewhere)."""
+        raise NotImplementedError
+
+    def _run(self, sig: str, inputs: list) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def save(self, path: str | os.PathLike) -> None:
+        raise NotImplementedError
+
+    # ---- shared ------------------------------------------------------------------------------
+
+    def signature(self, signature_name: str | None = None) -> str:
+        """The signature a call runs: the one named, else the only one, else the default one."""
+        sigs = self.signatures
+        if signature_name is None:
+            if len(sigs) == 1:
+                return sigs[0]
+            if self.default_signature in sigs:
+                return self.default_signature
+            raise InputError(f"this artifact has several signatures {sigs}"
+                             + (f" and no {self.default_signature!r}" if self.default_signature else "")
+                             + ": pass signature_name=")
+        if signature_name not in sigs:
+            raise InputError(f"no signature {signature_name!r}; this artifact has {sigs}")
+        return signature_name
+
+    def inputs(self, signature_name: str | None = None) -> list[TensorSpec]:
+        """The inputs as the original module takes them (torch's names, shapes and dtypes)."""
+        sig = self.signature(signature_name)
+        meta = self._call_metadata(sig)
+        return [TensorSpec.from_json(d) for d in meta["inputs"]] if meta else list(self._io(sig)[0])
+
+    def outputs(self, signature_name: str | None = None) -> list[TensorSpec]:
+        sig = self.signature(signature_name)
+        meta = self._call_metadata(sig)
+        return [TensorSpec.from_json(d) for d in meta["outputs"]] if meta else list(self._io(sig)[1])
+
+    def run_flat(self, inputs: Sequence, signature_name: str | None = None) -> list[np.ndarray]:
+        """Runs on already-flattened inputs (the signature's input order); returns the flat outputs."""
+        sig = self.signature(signature_name)
+        return self._run(sig, list(inputs))
+
+    def __call__(self, *args, signature_name: str | None = None, **kwargs):
+        sig = self.signature(signature_name)
+        meta = self._call_metadata(sig)
+        flat = self._bind(sig, args, kwargs)
+        if meta is None:  # a file from elsewhere: flat inputs (positional or by name), flat outputs
+            if flat is None and kwargs:
+                raise InputError(f"pass the inputs positionally or by their names "
+                                 f"{[s.name for s in self.inputs(sig)]}")
+            outs = self.run_flat(list(args) if flat is None else flat, sig)
+            return outs[0] if len(outs) == 1 else tuple(outs)
+        if flat is None:
+            from ..capture import flatten_call_args
+            flat = flatten_call_args(meta["in_spec"], meta.get("constant_inputs", {}), args, kwargs)
+        return self._structure(sig, self.run_flat(flat, sig))
+
+    def _bind(self, sig: str, args, kwargs) -> list | None:
+        """The flat inputs when the call names them the file's way, else None (the module's way)."""
+        return None
+
+    def _structure(self, sig: str, outs: list):
+        """The flat outputs in the module's output structure."""
+        import torch.utils._pytree as pytree
+
+        from .. import treespec
+        return pytree.tree_unflatten(outs, treespec.loads(self._call_metadata(sig)["out_spec"]))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(signatures={self.signatures})"

@@ -1,0 +1,195 @@
+"""The tpu target: datacenter serving on TPUs (and any PJRT backend).
+
+Everything it is made of, named here:
+- converter: ``converters/stablehlo`` (a JAX lowering per ATen op, hot ops as Pallas kernels,
+  ``jax.export`` per platform);
+- artifact: ``.tpu`` (``tpu_format``: a stored zip of a manifest, programs, StableHLO text and
+  safetensors weights), compiled ahead of time for TPU topologies by ``tpu_compile`` (libtpu);
+- runtime: ``runtimes/xla`` (PJRT: cpu here, tpu or cuda where present);
+- runnable: :class:`TpuProgram`; describer: :func:`describe`.
+"""
+from __future__ import annotations
+
+import os
+import zipfile
+
+import numpy as np
+
+from .. import tpu_format
+from ..errors import InputError
+from .base import Runnable, Target
+
+
+class TpuProgram(Runnable):
+    """A ``.tpu`` artifact: StableHLO programs for each platform, plus weights.
+
+    ``prog(*args)`` runs a program on the local PJRT backend (cpu on a machine without TPU) and
+    returns numpy arrays in the model's output structure. With several programs
+    (``tte.signature``), pick one with ``signature_name``.
+    """
+
+    default_signature = "main"
+
+    def __init__(self, artifact: tpu_format.TpuArtifact):
+        self.artifact = artifact
+        self._runners: dict = {}
+        self.quant_report = None  # set by export(..., quant_config=...)
+
+    @property
+    def manifest(self) -> dict:
+        return self.artifact.manifest
+
+    @property
+    def signatures(self) -> list[str]:
+        return list(self.manifest["programs"])
+
+    def _call_metadata(self, sig: str) -> dict:
+        return self.manifest["programs"][sig]
+
+    def _run(self, sig: str, inputs: list) -> list[np.ndarray]:
+        return self.runner(sig).run(inputs)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the ``.tpu`` file atomically."""
+        self.artifact.save(path)
+
+    def runner(self, signature_name: str | None = None, platform: str | None = None):
+        """The runtime of one program on one PJRT platform (the local one by default)."""
+        from ..runtimes.xla import XlaRunner
+        key = (self.signature(signature_name), platform)
+        if key not in self._runners:
+            self._runners[key] = XlaRunner(self.artifact, key[0], platform)
+        return self._runners[key]
+
+    def stablehlo_text(self, platform: str = "tpu", signature_name: str | None = None) -> str:
+        """The StableHLO module of one platform, as MLIR text."""
+        texts = self.artifact.mlir[self.signature(signature_name)]
+        if platform not in texts:
+            raise InputError(f"no {platform} program in this artifact; it has {sorted(texts)}")
+        return texts[platform]
+
+    def compile(self, topology="v5e:2x2", signature_name: str | None = None) -> "TpuProgram":
+        """Compiles the tpu program(s) for TPU topologies (``"v5e:2x2"``, ``"v5e:2x2,v6e:2x2"`` or a
+        sequence) with libtpu, ahead of time (no TPU needed), and stores each executable in the
+        artifact (``save`` writes them; ``load`` on a matching TPU host runs them without compiling).
+        Raises ConversionError with the compiler's message if it rejects a program."""
+        from .. import tpu_compile
+        programs = None if signature_name is None else [self.signature(signature_name)]
+        for topo in tpu_compile.parse_topologies(topology):
+            tpu_compile.compile_artifact(self.artifact, topo, programs)
+        return self
+
+    def compiled_stats(self, topology: str = "v5e:2x2", signature_name: str | None = None) -> dict:
+        """What the TPU compiler says about one program on a topology's chips: HBM bytes (arguments,
+        outputs, temporaries, code) and whether they fit, FLOPs, bytes accessed, and a roofline estimate
+        from the generation's published peak FLOP/s and HBM bandwidth. Compiles (and stores) if needed."""
+        from .. import tpu_compile
+        prog = self.signature(signature_name)
+        (topo,) = tpu_compile.parse_topologies(topology)
+        entry = self.manifest.get("compiled", {}).get(topo, {}).get(prog)
+        if entry is None or entry.get("libtpu") != tpu_compile.libtpu_version():
+            self.compile(topo, signature_name=prog)
+            entry = self.manifest["compiled"][topo][prog]
+        return entry["stats"]
+
+    def kernels(self) -> list[dict]:
+        """Per hot node: the Pallas kernel chosen, or why it fell back to XLA."""
+        return [dict(k, program=p) for p, spec in self.manifest["programs"].items() for k in spec.get("kernels", [])]
+
+    def __repr__(self) -> str:
+        return f"TpuProgram(programs={self.signatures}, platforms={self.manifest['platforms']})"
+
+
+_OPTIONS = ("platforms", "kernels", "narrow_64bit", "quant_config", "mesh", "sharding", "precompile")
+
+
+def build(captures: dict, options: dict) -> TpuProgram:
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"export() got an unexpected keyword argument {unknown[0]!r} for the tpu target")
+    from .. import converters
+    prog = TpuProgram(converters.converter(TARGET.converter).convert(captures, **options))
+    quant_config, platforms = options.get("quant_config"), options.get("platforms", ("tpu", "cpu"))
+    if quant_config is not None and "cpu" in platforms:
+        from ..quant import parse, report_against_eager
+        float_bytes = sum(t.numel() * t.element_size() for c in captures.values() for t in c.weights.values())
+        prog.quant_report = report_against_eager(prog, captures, parse(quant_config, "tpu").recipe, float_bytes,
+                                                 sum(w.nbytes for w in prog.artifact.weights.values()))
+    return prog
+
+
+def load(path) -> TpuProgram:
+    return TpuProgram(tpu_format.read(path))
+
+
+def describe(path: str, topologies=None) -> dict:
+    """What ``inspect`` shows of a ``.tpu``; with ``topologies``, also what the TPU compiler says about
+    each program on them (compiled here with libtpu, nothing written)."""
+    from .. import tpu_compile
+    art = tpu_format.read(path)
+    for topo in tpu_compile.parse_topologies(topologies) if topologies else ():
+        tpu_compile.require_libtpu("--topology")
+        tpu_compile.compile_artifact(art, topo, store=False)
+    with zipfile.ZipFile(path) as zf:
+        entries = {i.filename: i.file_size for i in zf.infolist()}
+    m = art.manifest
+    programs = {}
+    for name, spec in m["programs"].items():
+        programs[name] = {
+            "inputs": spec["inputs"], "outputs": spec["outputs"],
+            "platforms": sorted(spec["files"]),
+            "weights": len(spec["weights"]),
+            "op_histogram": spec.get("op_histogram", {}),
+            "kernels": spec.get("kernels", []),
+            "narrow_64bit": spec.get("narrow_64bit", False),
+            "sharding": spec.get("sharding"),
+            "compiled": {topo: per[name] for topo, per in sorted(m.get("compiled", {}).items()) if name in per},
+        }
+    return {
+        "path": path, "kind": "tpu", "size": os.path.getsize(path), "format_version": m["format_version"],
+        "versions": m.get("versions", {}), "platforms": m.get("platforms", []), "programs": programs,
+        "weights": m.get("weights", {}), "entries": entries, "mesh": m.get("mesh"),
+    }
+
+
+def compile_cli(args, output: str) -> list[str]:
+    """``torchtpu-export compile model.tpu --topology ...``: compiles, stores the executables in
+    ``output``, and returns a line per program and topology."""
+    from .. import tpu_compile
+    topologies = tpu_compile.parse_topologies(args.topology)
+    tpu_compile.require_libtpu("torchtpu-export compile")
+    prog = load(args.artifact)
+    prog.compile(topologies, signature_name=args.signature)
+    prog.save(output)
+    lines = []
+    for topo in topologies:
+        for name, entry in sorted(prog.manifest["compiled"][topo].items()):
+            stored = "executable stored" if entry.get("executable") else entry.get("executable_reason", "not stored")
+            lines.append(f"{topo} {name}: {tpu_compile.describe_stats(entry['stats'])} [{stored}]")
+    return lines
+
+
+def cli_options(args, sample_args, sample_kwargs) -> dict:
+    options = dict(platforms=tuple(p for p in args.platforms.split(",") if p), kernels=args.kernels,
+                   narrow_64bit=args.narrow_64bit, mesh=_parse_mesh(args.mesh), sharding=args.sharding)
+    if args.quantize:
+        options["quant_config"] = args.quantize
+    return options
+
+
+def _parse_mesh(text: str | None):
+    if not text:
+        return None
+    try:
+        return tuple((name, int(size)) for name, size in (item.split("=") for item in text.split(",")))
+    except ValueError:
+        raise InputError(f"bad --mesh {text!r}", hint="use AXIS=SIZE pairs, e.g. --mesh data=1,model=8") from None
+
+
+TARGET = Target(
+    name="tpu", summary="TPU StableHLO executables (.tpu), run on PJRT (cpu here, tpu or gpu where present)",
+    converter="stablehlo", runtime="xla", suffix=".tpu", runnable=TpuProgram, signature="main",
+    build=build, load=load, describe=describe, cli_options=cli_options, compile=compile_cli,
+    cli_flags=("platforms", "kernels", "narrow_64bit", "mesh", "sharding", "quantize"),
+    local_options={"platforms": ("cpu",)},
+)
