@@ -3,6 +3,7 @@ folder of its own, run from another folder (coverage, a conversion, serve-web's 
 and LiteRT.js fetched with npm into the user cache when no checkout provides it."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -12,6 +13,8 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKOUT_LITERTJS = os.path.join(REPO, "examples", "web", "node_modules")
+# one worker builds the wheel once for every test here (two pip builds of one checkout at once collide)
+pytestmark = pytest.mark.xdist_group("install")
 
 FACTORY = '''
 import torch
@@ -26,12 +29,18 @@ def tiny():
 def installed(tmp_path_factory):
     """(site folder, a working folder outside the checkout, env that sees only the installed package)."""
     root = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(root / "dist"), REPO], check=True, capture_output=True, timeout=600)
+    # built from a copy: setuptools' build/ folder in the checkout is left alone (and never shared)
+    src = root / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "node_modules", "*.egg-info",
+                                                             "__pycache__", ".pytest_cache", "dist"))
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                        str(root / "dist"), str(src)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
     (wheel,) = (root / "dist").glob("torchtpu_export-*.whl")
     site = root / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
-                   check=True, capture_output=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
     work = root / "work"
     work.mkdir()
     (work / "tiny.py").write_text(FACTORY)

@@ -95,7 +95,8 @@ class Runnable:
                              + (f" and no {self.default_signature!r}" if self.default_signature else "")
                              + ": pass signature_name=")
         if signature_name not in sigs:
-            raise InputError(f"no signature {signature_name!r}; this artifact has {sigs}")
+            raise InputError(f"no signature {signature_name!r}; " + (
+                f"this artifact holds one program, {sigs[0]!r}" if len(sigs) == 1 else f"this artifact has {sigs}"))
         return signature_name
 
     def inputs(self, signature_name: str | None = None) -> list[TensorSpec]:
