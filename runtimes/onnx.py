@@ -29,7 +29,11 @@ class OnnxRunner:
         try:
             self.session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own Fail / NotImplemented / InvalidGraph classes
-            raise ArtifactError(f"ONNX Runtime cannot load the model: {_first_line(e)}") from e
+            missing = "NOT_IMPLEMENTED" in str(e) or type(e).__name__ == "NotImplemented"
+            raise ArtifactError(f"ONNX Runtime cannot load the model: {_first_line(e)}",
+                                hint="ONNX Runtime's CPU provider has no kernel for this op in this dtype "
+                                     "(it has few bfloat16/float16 kernels): export the model in float32 for "
+                                     "--target onnx, or use --target tpu or litert" if missing else None) from e
         self.inputs, self.outputs = list(inputs), list(outputs)
         self._names = [i.name for i in self.session.get_inputs()]
         if len(self._names) != len(self.inputs):

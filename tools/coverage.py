@@ -3,8 +3,11 @@
     python tools/coverage.py                      # the whole table: docs/coverage.{json,md}, README totals,
                                                   # tests/coverage_expected.json
     python tools/coverage.py --ops 'aten.add.*'   # only these ops' rows, the rest kept as committed
+    python tools/coverage.py --runtimes xla_bf16  # only these columns, the rest kept as committed
     python tools/coverage.py --opinfo             # PyTorch's OpInfo samples: docs/coverage_opinfo.{json.gz,md}
     python tools/coverage.py --opinfo --ops fft   # only the OpInfos whose names contain 'fft' (or match a glob)
+    python tools/coverage.py --opinfo --dtype bfloat16   # their bfloat16 samples on the tpu target's CPU program
+                                                  # (xla column): docs/coverage_opinfo_bf16.{json.gz,md}
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ DOCS_JSON = os.path.join(REPO, "docs", "coverage.json")
 DOCS_MD = os.path.join(REPO, "docs", "coverage.md")
 OPINFO_JSON = os.path.join(REPO, "docs", "coverage_opinfo.json.gz")
 OPINFO_MD = os.path.join(REPO, "docs", "coverage_opinfo.md")
+OPINFO_BF16_JSON = os.path.join(REPO, "docs", "coverage_opinfo_bf16.json.gz")
+OPINFO_BF16_MD = os.path.join(REPO, "docs", "coverage_opinfo_bf16.md")
 README = os.path.join(REPO, "README.md")
 BEGIN, END = "<!-- coverage-totals:begin -->", "<!-- coverage-totals:end -->"
 
@@ -35,18 +40,23 @@ def _write(path: str, text: str) -> None:
     write_bytes_atomic(path, text.encode())
 
 
-def table(pattern: str | None, jobs: int) -> None:
+def table(pattern: str | None, jobs: int, runtimes: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     ops = coverage.select_ops(pattern)
-    fresh = coverage.run_matrix(ops, list(coverage.RUNTIMES), jobs=jobs, progress=True)
-    if pattern:  # splice the new rows into the committed report
+    fresh = coverage.run_matrix(ops, runtimes or list(coverage.RUNTIMES), jobs=jobs, progress=True)
+    if pattern or runtimes:  # splice the new rows (or the new columns of them) into the committed report
         with open(DOCS_JSON) as f:
             report = json.load(f)
         rows = {r["op"]: r for r in fresh["ops"]}
         names = coverage.select_ops(None)
         old = {r["op"]: r for r in report["ops"]}
+        if runtimes:
+            for name, row in rows.items():
+                if name in old:
+                    cells = {**old[name]["cells"], **row["cells"]}
+                    row["cells"] = {rt: cells[rt] for rt in coverage.RUNTIMES if rt in cells}
         report["ops"] = [rows.get(n) or old[n] for n in names if n in rows or n in old]
-        report["runtimes"] = fresh["runtimes"]
+        report["runtimes"] = list(coverage.RUNTIMES)
     else:
         report = fresh
     _write(DOCS_JSON, json.dumps(report, indent=1) + "\n")
@@ -73,17 +83,20 @@ def _readme_totals(report: dict) -> None:
     _write(README, head + BEGIN + "\n" + "\n".join(lines) + "\n" + END + tail)
 
 
-def opinfo_source(pattern: str | None, jobs: int) -> None:
-    report = opinfo.run(list(coverage.FLOAT_RUNTIMES), pattern=pattern, jobs=jobs, progress=True)
+def opinfo_source(pattern: str | None, jobs: int, dtype: str = "float32") -> None:
+    bf16 = dtype != "float32"
+    runtimes = ["xla"] if bf16 else list(coverage.FLOAT_RUNTIMES)
+    json_path, md_path = (OPINFO_BF16_JSON, OPINFO_BF16_MD) if bf16 else (OPINFO_JSON, OPINFO_MD)
+    report = opinfo.run(runtimes, pattern=pattern, jobs=jobs, progress=True, dtype=dtype)
     if pattern:  # splice the new rows into the committed report
-        with gzip.open(OPINFO_JSON, "rt") as f:
+        with gzip.open(json_path, "rt") as f:
             old = json.load(f)
         rows = {r["op"]: r for r in report["ops"]}
         old["ops"] = [rows.pop(r["op"], r) for r in old["ops"]] + list(rows.values())
         old["ops"].sort(key=lambda r: r["op"])
         report = old
-    write_bytes_atomic(OPINFO_JSON, gzip.compress(opinfo.dump(report).encode(), mtime=0))
-    _write(OPINFO_MD, opinfo.to_markdown(report))
+    write_bytes_atomic(json_path, gzip.compress(opinfo.dump(report).encode(), mtime=0))
+    _write(md_path, opinfo.to_markdown(report))
     print(opinfo.summary(report), file=sys.stderr)
 
 
@@ -91,12 +104,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ops", default=None, metavar="PATTERN", help="regenerate only these ops' rows")
     p.add_argument("--opinfo", action="store_true", help="the OpInfo report instead of the table (slow)")
+    p.add_argument("--dtype", default="float32", choices=sorted(opinfo.DTYPES),
+                   help="with --opinfo: the samples' float dtype (bfloat16 runs the xla column only)")
+    p.add_argument("--runtimes", default=None, help="the table: regenerate only these columns (comma-separated)")
     p.add_argument("--jobs", type=int, default=2)
     args = p.parse_args(argv)
     if args.opinfo:
-        opinfo_source(args.ops, args.jobs)
+        opinfo_source(args.ops, args.jobs, args.dtype)
     else:
-        table(args.ops, args.jobs)
+        table(args.ops, args.jobs, coverage.parse_runtimes(args.runtimes) if args.runtimes else None)
     return 0
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .errors import ArtifactError, InputError, UnsafeInputError
-from .specs import numpy_dtype, require_memory
+from .specs import dtype_kind, numpy_dtype, require_memory
 
 _SPEC_RE = re.compile(r"^(?P<shape>scalar|\d+(?:x\d+)*):(?P<dtype>[a-z0-9]+)(?::(?P<low>-?\d+):(?P<high>-?\d+))?$")
 
@@ -351,7 +351,7 @@ def parse_inputs(specs: Sequence[str], seed: int = 0, expected: Sequence | None 
         shape = () if m["shape"] == "scalar" else tuple(int(d) for d in m["shape"].split("x"))
         dtype = numpy_dtype(m["dtype"])
         require_memory(shape, dtype, f"--inputs {spec}")
-        if dtype.kind == "f":
+        if dtype_kind(dtype) == "f":  # (bfloat16 included)
             a = rng.standard_normal(shape).astype(dtype)
         elif dtype.kind in "iu":
             low = int(m["low"]) if m["low"] is not None else 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import warnings
 from typing import BinaryIO, Iterable, Mapping
 
 import ml_dtypes
@@ -27,9 +28,10 @@ MAX_HEADER_BYTES = 100 << 20  # the safetensors package's own cap
 
 
 def to_numpy(t) -> np.ndarray:
-    """A CPU tensor (bf16 included) as a numpy array sharing memory where possible."""
-    if isinstance(t, np.ndarray):
-        return t
+    """A tensor (bf16 included), or anything numpy reads (a JAX array: ``ml_dtypes`` types stay as they
+    are), as a numpy array sharing memory where possible."""
+    if not isinstance(t, torch.Tensor):
+        return np.asarray(t)
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -44,9 +46,13 @@ def from_numpy(a) -> torch.Tensor:
     a = np.asarray(a, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
     if not a.dtype.isnative:
         a = a.astype(a.dtype.newbyteorder("="))
-    if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
+    with warnings.catch_warnings():
+        # a read-only array (a runtime's output, a memory-mapped file) is shared, not copied: torch warns
+        # that writing to the tensor would be undefined, and nothing here writes to inputs
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        if a.dtype == ml_dtypes.bfloat16:
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
 
 
 def header_for(arrays: Iterable[tuple[str, np.ndarray]], metadata: Mapping[str, str] | None = None) -> bytes:
@@ -72,7 +78,8 @@ def write(f: BinaryIO, tensors: Mapping[str, object], metadata: Mapping[str, str
     f.write(head)
     total = len(head)
     for _, a in arrays:
-        f.write(memoryview(np.asarray(a, order="C")).cast("B"))
+        # bytes, not the array's buffer: the buffer protocol has no code for ml_dtypes' bfloat16
+        f.write(memoryview(np.asarray(a, order="C").reshape(-1).view(np.uint8)))
         total += a.nbytes
     return total
 

@@ -116,23 +116,33 @@ def jsonable(v):
 
 
 def as_numpy(x) -> np.ndarray:
-    """A torch tensor, numpy array or Python number as a numpy array."""
-    if isinstance(x, torch.Tensor):
-        from .safetensors_io import to_numpy
-        return to_numpy(x)
-    return np.asarray(x)
+    """A torch tensor, numpy array, JAX array or Python number as a numpy array (bfloat16 as
+    ``ml_dtypes.bfloat16``)."""
+    from .safetensors_io import to_numpy
+    return to_numpy(x)
+
+
+def dtype_kind(dtype) -> str:
+    """numpy's kind letter, with ml_dtypes' floats (bfloat16, float8s: kind ``V`` to numpy) as ``f``."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "V" and dtype.type.__module__.startswith("ml_dtypes") and "float" in dtype.name:
+        return "f"
+    return dtype.kind
 
 
 def coerce_input(spec: TensorSpec, x, *, dtype: str | None = None) -> np.ndarray:
-    """Checks an input against its spec; converts within a dtype kind (float64 -> float32, int64 -> int32)."""
+    """Checks an input against its spec; converts within a dtype kind (float64 -> float32, int64 -> int32,
+    bfloat16 <-> float32: one cast, never through a third dtype). Takes numpy arrays (``ml_dtypes``
+    bfloat16 included), torch tensors of any dtype, JAX arrays and Python numbers."""
     a = as_numpy(x)
     want = numpy_dtype(dtype or spec.dtype)
     if len(a.shape) != len(spec.shape) or any(isinstance(d, int) and d != n for d, n in zip(spec.shape, a.shape)):
         raise InputError(f"input {spec.name}: expected shape {list(spec.shape)}, got {list(a.shape)}")
     if a.dtype != want:
-        if a.dtype.kind != want.kind and not (a.dtype.kind in "iub" and want.kind in "iu"):
+        have_kind, want_kind = dtype_kind(a.dtype), dtype_kind(want)
+        if have_kind != want_kind and not (have_kind in "iub" and want_kind in "iu"):
             raise InputError(f"input {spec.name}: expected {spec.dtype}, got {a.dtype.name}")
-        if want.kind in "iu" and a.size:
+        if want_kind in "iu" and a.size:
             info = np.iinfo(want)
             if a.min() < info.min or a.max() > info.max:
                 raise InputError(f"input {spec.name}: values do not fit in {want.name}")

@@ -227,6 +227,8 @@ def linalg_matrix_exp(ctx, a):
     if a.shape[-1] == 0:
         return a
     flat = a.reshape((-1,) + a.shape[-2:])
+    if flat.dtype in (jnp.bfloat16, jnp.float16):  # JAX's expm takes float32/64: computed there, rounded once
+        return jax.vmap(jax.scipy.linalg.expm)(flat.astype(jnp.float32)).astype(a.dtype).reshape(a.shape)
     return jax.vmap(jax.scipy.linalg.expm)(flat).reshape(a.shape)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -382,9 +383,75 @@ def addmv(ctx, bias, mat, vec, *, beta=1, alpha=1):
 
 @lowers(aten.addbmm.default)
 def addbmm(ctx, bias, batch1, batch2, *, beta=1, alpha=1):
+    dtype = ctx.out_dtype()
+    if _acc(dtype) != dtype and batch1.shape[0]:
+        # torch's CPU kernel is a chain of addmm over the batches: each step adds one product to the
+        # half-precision result in float32 and rounds it, so the rounding of every step is torch's too
+        acc = jnp.broadcast_to(bias, batch1.shape[1:2] + batch2.shape[2:]).astype(jnp.float32)
+        first = jnp.zeros_like(acc) if beta == 0 else acc * beta
+
+        def step(c, ab):
+            prod = jnp.matmul(ab[0], ab[1], preferred_element_type=jnp.float32)
+            return (c.astype(jnp.float32) + (prod * alpha if alpha != 1 else prod)).astype(dtype), None
+        head = step(first, (batch1[0], batch2[0]))[0]
+        return lax.scan(step, head, (batch1[1:], batch2[1:]))[0]
     out = jnp.einsum("bij,bjk->ik", batch1, batch2, preferred_element_type=_acc(batch1.dtype))
     out = out * alpha if alpha != 1 else out
-    return (out if beta == 0 else out + (bias if beta == 1 else bias * beta)).astype(ctx.out_dtype())
+    return (out if beta == 0 else out + (bias if beta == 1 else bias * beta)).astype(dtype)
+
+
+@lowers(aten.fractional_max_pool2d.default, aten.fractional_max_pool3d.default)
+def fractional_max_pool(ctx, x, kernel_size, output_size, random_samples):
+    """torch's fractional max pooling at the given ``random_samples`` (one per plane and spatial dim):
+    window starts ``int((i + u) * alpha) - int(u * alpha)``, alpha = (in - pool) / (out - 1), the last
+    window at the end; the max of each window and its flat index in the plane (the first maximum,
+    or the last NaN, as torch's loop finds them)."""
+    k = len(kernel_size)
+    batched = x.ndim == k + 2
+    if not batched:
+        x = x[None]
+    n, c, spatial = x.shape[0], x.shape[1], x.shape[2:]
+    u = random_samples.astype(jnp.float32).reshape((n, c, k))
+    if x.dtype in (jnp.bfloat16, jnp.float16):  # torch's kernel does this arithmetic in the half type
+        finfo = jnp.finfo(x.dtype)
+
+        def r(v):
+            return lax.reduce_precision(v, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
+    else:
+        def r(v):
+            return v
+    # torch reads the samples W, H for 2-D planes and T, H, W for 3-D ones
+    order = [1, 0] if k == 2 else list(range(k))
+    flat_index = None
+    strides = [int(np.prod(spatial[d + 1:])) for d in range(k)]
+    for d in range(k):
+        size_in, size_out, pool = spatial[d], output_size[d], kernel_size[d]
+        ud = u[..., order[d]][..., None]  # (n, c, 1)
+        if size_out > 1:
+            alpha = r(r(jnp.float32(size_in - pool)) / r(jnp.float32(size_out - 1)))
+            i = jnp.arange(size_out, dtype=jnp.float32)
+            starts = (jnp.trunc(r(r(i + ud) * alpha)) - jnp.trunc(r(ud * alpha))).astype(jnp.int32)
+            starts = starts.at[..., -1].set(size_in - pool)
+        else:
+            starts = jnp.full((n, c, 1), size_in - pool, jnp.int32)
+        pos = starts[..., :, None] + jnp.arange(pool, dtype=jnp.int32)  # (n, c, out_d, pool_d)
+        # on the axes (n, c, out_0.., out_{k-1}, pool_0.., pool_{k-1}): this dim's positions, the rest 1
+        term = pos.reshape((n, c) + tuple(size_out if j == d else 1 for j in range(k))
+                           + tuple(pool if j == d else 1 for j in range(k))) * strides[d]
+        flat_index = term if flat_index is None else flat_index + term
+    outs, pools = tuple(output_size), tuple(kernel_size)
+    flat_index = jnp.broadcast_to(flat_index, (n, c) + outs + pools).reshape((n, c) + outs + (-1,))
+    plane = x.reshape((n, c, -1))
+    vals = jnp.take_along_axis(plane, flat_index.reshape((n, c, -1)), axis=2).reshape(flat_index.shape)
+    nan = jnp.isnan(vals)
+    window = vals.shape[-1]
+    last_nan = window - 1 - jnp.argmax(nan[..., ::-1], axis=-1)
+    pick = jnp.where(nan.any(-1), last_nan, jnp.argmax(jnp.where(nan, -jnp.inf, vals), axis=-1))
+    out = jnp.take_along_axis(vals, pick[..., None], axis=-1)[..., 0]
+    idx = jnp.take_along_axis(flat_index, pick[..., None], axis=-1)[..., 0].astype(ctx.out_dtype(1))
+    if not batched:
+        out, idx = out[0], idx[0]
+    return out.astype(x.dtype), idx
 
 
 @lowers(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
@@ -424,3 +491,57 @@ def adaptive_max_pool(ctx, x, output_size):
     out = jnp.take_along_axis(vals, best[..., None], axis=-1)[..., 0]
     index = jnp.take_along_axis(jnp.broadcast_to(flat, vals.shape), best[..., None], axis=-1)[..., 0]
     return out, index
+
+
+# ---- torch.nn.functional.linear_cross_entropy's chunked custom ops (torch 2.13) -----------------
+
+def _linear_cross_entropy_ops():
+    try:
+        from torch.nn.modules import linear_cross_entropy  # noqa: F401  (registers the torch_nn ops)
+        ns = torch.ops.torch_nn
+        return ns._linear_cross_entropy_batch_chunked.default, ns._linear_cross_entropy_batch_chunked_no_reduction.default
+    except (ImportError, AttributeError):  # a torch without them
+        return ()
+
+
+def _linear_cross_entropy(x, w, target, bias, weight, reduction, ignore_index, label_smoothing):
+    """cross_entropy(x @ w.T + bias, target) with class weights, ignore_index and label smoothing, in
+    float32 for half inputs (the chunked op's float32 accumulation; its chunks are a memory schedule)."""
+    acc = _acc(x.dtype)
+    logits = jnp.matmul(x.astype(acc), w.astype(acc).T, preferred_element_type=acc)
+    if bias is not None:
+        logits = logits + bias.astype(acc)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    n_classes = logits.shape[-1]
+    keep = target != ignore_index
+    safe = jnp.where(keep, target, 0).astype(jnp.int32)
+    cw = jnp.ones((n_classes,), acc) if weight is None else weight.astype(acc)
+    w_t = jnp.where(keep, cw[safe], 0)
+    nll = -jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0] * w_t
+    loss = nll
+    if label_smoothing:
+        smooth = jnp.where(keep, -(logp * cw).sum(-1) / n_classes, 0)
+        loss = (1 - label_smoothing) * nll + label_smoothing * smooth
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        return loss.sum() / w_t.sum()
+    return loss
+
+
+def _lce_chunked(ctx, x, w, target, bias, weight, reduction, ignore_index, label_smoothing, *rest):
+    if ctx.used_outputs() - {0}:
+        raise NotImplementedError("linear_cross_entropy's precomputed gradients (a training graph)")
+    loss = _linear_cross_entropy(x, w, target, bias, weight, reduction, ignore_index, label_smoothing)
+    grads = [jnp.zeros(ctx.out_shape(i), ctx.out_dtype(i)) for i in (1, 2, 3)]
+    return (loss.astype(ctx.out_dtype(0)), *grads)
+
+
+def _lce_chunked_none(ctx, x, w, target, bias, weight, ignore_index, *rest):
+    return _linear_cross_entropy(x, w, target, bias, weight, "none", ignore_index, 0.0).astype(ctx.out_dtype())
+
+
+_LCE = _linear_cross_entropy_ops()
+if _LCE:
+    lowers(_LCE[0])(_lce_chunked)
+    lowers(_LCE[1])(_lce_chunked_none)

@@ -16,16 +16,31 @@ from .registry import lowers
 aten = torch.ops.aten
 
 
+_HALF = (jnp.bfloat16, jnp.float16)
+
+
 def _uniform(ctx, shape, dtype=None):
+    # half floats: drawn from the half type's own bits, as torch's CPU generator makes them (in
+    # [0, 1), never rounded up to 1.0; torch's bfloat16 rand has mean 0.498)
     dtype = dtype or ctx.out_dtype()
     floating = jnp.issubdtype(dtype, jnp.floating)
     return jax.random.uniform(ctx.random_key(), tuple(shape), dtype if floating else jnp.float32)
 
 
 def _normal(ctx, shape, dtype=None):
+    # half floats: a float32 draw rounded to the half type
     dtype = dtype or ctx.out_dtype()
     floating = jnp.issubdtype(dtype, jnp.floating)
-    return jax.random.normal(ctx.random_key(), tuple(shape), dtype if floating else jnp.float32)
+    draw = jnp.float32 if not floating or dtype in _HALF else dtype
+    z = jax.random.normal(ctx.random_key(), tuple(shape), draw)
+    return z.astype(dtype) if floating and dtype in _HALF else z
+
+
+def _math_dtype(ctx):
+    """The dtype a transformed draw is computed in: float32 for half floats (as torch's CPU kernels,
+    which transform a float draw and round once), else the output's."""
+    dtype = ctx.out_dtype()
+    return jnp.float32 if dtype in _HALF else dtype
 
 
 @lowers(aten.rand.default, aten.rand.generator)
@@ -98,27 +113,27 @@ def bernoulli_p(ctx, x, p, *, generator=None):
 
 @lowers(aten.uniform.default)
 def uniform(ctx, x, low=0.0, high=1.0, *, generator=None):
-    return (_uniform(ctx, x.shape) * (high - low) + low).astype(ctx.out_dtype())
+    return (_uniform(ctx, x.shape, _math_dtype(ctx)) * (high - low) + low).astype(ctx.out_dtype())
 
 
 @lowers(aten.normal_functional.default)
 def normal_functional(ctx, x, mean=0.0, std=1.0, *, generator=None):
-    return (_normal(ctx, x.shape) * std + mean).astype(ctx.out_dtype())
+    return (_normal(ctx, x.shape, _math_dtype(ctx)) * std + mean).astype(ctx.out_dtype())
 
 
 @lowers(aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor)
 def normal(ctx, mean, std=1.0, *, generator=None):
-    return (_normal(ctx, ctx.out_shape()) * std + mean).astype(ctx.out_dtype())
+    return (_normal(ctx, ctx.out_shape(), _math_dtype(ctx)) * std + mean).astype(ctx.out_dtype())
 
 
 @lowers(aten.normal.float_float)
 def normal_float(ctx, mean, std, size, *args, **kwargs):
-    return (_normal(ctx, size) * std + mean).astype(ctx.out_dtype())
+    return (_normal(ctx, size, _math_dtype(ctx)) * std + mean).astype(ctx.out_dtype())
 
 
 @lowers(aten.exponential.default)
 def exponential(ctx, x, lambd=1.0, *, generator=None):
-    u = _uniform(ctx, x.shape)
+    u = _uniform(ctx, x.shape, _math_dtype(ctx))
     return (-jnp.log1p(-u) / lambd).astype(ctx.out_dtype())
 
 
@@ -132,13 +147,13 @@ def geometric(ctx, x, p, *, generator=None):
 
 @lowers(aten.cauchy.default)
 def cauchy(ctx, x, median=0.0, sigma=1.0, *, generator=None):
-    u = _uniform(ctx, x.shape)
+    u = _uniform(ctx, x.shape, _math_dtype(ctx))
     return (median + sigma * jnp.tan(np.pi * (u - 0.5))).astype(ctx.out_dtype())
 
 
 @lowers(aten.log_normal.default)
 def log_normal(ctx, x, mean=1.0, std=2.0, *, generator=None):
-    return jnp.exp(_normal(ctx, x.shape) * std + mean).astype(ctx.out_dtype())
+    return jnp.exp(_normal(ctx, x.shape, _math_dtype(ctx)) * std + mean).astype(ctx.out_dtype())
 
 
 @lowers(aten.multinomial.default)

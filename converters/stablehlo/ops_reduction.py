@@ -5,6 +5,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import torch
@@ -413,3 +414,23 @@ def segment_reduce(ctx, data, reduce, *, lengths=None, indices=None, offsets=Non
     else:
         raise ValueError(f"unknown reduce {reduce!r}")
     return jnp.moveaxis(out, 0, axis)
+
+
+@lowers(aten.hash_tensor.default)
+def hash_tensor(ctx, x, dim=(), *, keepdim=False, mode=0):
+    """torch's hash (mode 0): the XOR of every element's 64-bit pattern over ``dim`` (floats as float64
+    bits, integers and bools sign-extended to int64), as uint64."""
+    if mode != 0:
+        raise NotImplementedError(f"hash_tensor mode {mode} (torch defines mode 0, an XOR reduction)")
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        raise NotImplementedError("hash_tensor of a complex tensor")
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        bits = lax.bitcast_convert_type(x.astype(jnp.float64), jnp.uint64)
+    else:
+        bits = lax.bitcast_convert_type(x.astype(jnp.int64), jnp.uint64)
+    ax = axes(x, dim)
+    ax = tuple(range(x.ndim)) if ax is None else ax
+    out = lax.reduce(bits, np.uint64(0), lax.bitwise_xor, ax)
+    if keepdim:
+        out = jnp.expand_dims(out, ax) if x.ndim else out
+    return out

@@ -49,8 +49,91 @@ def _cubic_weights(t):
     return far(t + 1), near(t), near(1 - t), far(2 - t)
 
 
+def _grid_sampler_2d_half(x, grid, interpolation_mode, padding_mode, align_corners):
+    """torch's CPU kernel in float16/bfloat16: vectorised arithmetic in the half type, every operation
+    rounded to it (coordinates, weights, each product and sum of the interpolation, in torch's order).
+    Computed in float32 here with an explicit rounding after each step, which XLA keeps."""
+    finfo = jnp.finfo(x.dtype)
+    exp_bits, man_bits = finfo.nexp, finfo.nmant
+
+    def r(v):
+        return lax.reduce_precision(v, exponent_bits=exp_bits, mantissa_bits=man_bits)
+
+    n, c, h, w = x.shape
+    xf, grid = x.astype(jnp.float32), grid.astype(jnp.float32)
+    batch = jnp.arange(n).reshape((n, 1, 1))
+
+    def unnormalize(v, size):
+        if align_corners:
+            return r(r(v + 1) * r(jnp.float32((size - 1) / 2)))
+        return r(r(r(v + 1) * r(jnp.float32(size / 2))) - 0.5)
+
+    def pad(v, size):
+        if padding_mode == _REFLECTION:
+            if align_corners:
+                if size <= 1:
+                    return jnp.zeros_like(v)
+                span, low = r(jnp.float32((size - 1) * 2)), None
+                a = jnp.abs(v)
+            else:
+                span, low = r(jnp.float32(size * 2)), -0.5
+                a = jnp.abs(r(v - low))
+            extra = r(a - r(jnp.trunc(r(a / span)) * span))
+            v = jnp.minimum(extra, r(span - extra))
+            v = v if low is None else r(v + low)
+        if padding_mode in (_BORDER, _REFLECTION):
+            v = jnp.clip(v, 0, size - 1)  # (NaN to 0, as torch's clamp order does)
+            v = jnp.where(jnp.isnan(v), 0, v)
+        return v
+
+    def gather(ix, iy):
+        """x[:, :, iy, ix] as (n, oh, ow, c), zero where (ix, iy) is outside the input."""
+        inside = (ix >= 0) & (ix < w) & (iy >= 0) & (iy < h)
+        xi = jnp.where(inside, ix, 0).astype(jnp.int32)
+        yi = jnp.where(inside, iy, 0).astype(jnp.int32)
+        return jnp.where(inside[..., None], xf[batch, :, yi, xi], 0)
+
+    gx, gy = grid[..., 0], grid[..., 1]
+    if interpolation_mode == _BICUBIC:
+        ix, iy = unnormalize(gx, w), unnormalize(gy, h)
+        x0, y0 = jnp.floor(ix), jnp.floor(iy)
+
+        def coefficients(t):
+            a = -0.75
+            def far(v):
+                return r(r(r(r(r(r(a * v) - 5 * a) * v) + 8 * a) * v) - 4 * a)
+            def near(v):
+                return r(r(r(r(r((a + 2) * v) - (a + 3)) * v) * v) + 1)
+            return far(r(t + 1)), near(t), near(r(1 - t)), far(r(2 - t))
+        cx, cy = coefficients(r(ix - x0)), coefficients(r(iy - y0))
+        out = None
+        for j in range(4):
+            yy = pad(y0 - 1 + j, h)
+            row = None
+            for i in range(4):
+                term = r(cx[i][..., None] * gather(pad(x0 - 1 + i, w), yy))
+                row = term if row is None else r(row + term)
+            term = r(cy[j][..., None] * row)
+            out = term if out is None else r(out + term)
+        return jnp.moveaxis(out, -1, 1).astype(x.dtype)
+    ix, iy = pad(unnormalize(gx, w), w), pad(unnormalize(gy, h), h)
+    if interpolation_mode == _NEAREST:
+        return jnp.moveaxis(gather(jnp.round(ix), jnp.round(iy)), -1, 1).astype(x.dtype)
+    x0, y0 = jnp.floor(ix), jnp.floor(iy)
+    we, no = r(ix - x0), r(iy - y0)
+    ea, so = r(1 - we), r(1 - no)
+    out = None
+    for (xx, yy), weight in (((x0, y0), r(so * ea)), ((x0 + 1, y0), r(so * we)),
+                             ((x0, y0 + 1), r(no * ea)), ((x0 + 1, y0 + 1), r(no * we))):
+        term = r(gather(xx, yy) * weight[..., None])
+        out = term if out is None else r(out + term)
+    return jnp.moveaxis(out, -1, 1).astype(x.dtype)
+
+
 @lowers(aten.grid_sampler_2d.default)
 def grid_sampler_2d(ctx, x, grid, interpolation_mode, padding_mode, align_corners):
+    if x.dtype in (jnp.bfloat16, jnp.float16):
+        return _grid_sampler_2d_half(x, grid, interpolation_mode, padding_mode, align_corners)
     acc = _acc(x.dtype)
     xf, grid = x.astype(acc), grid.astype(acc)
     n, c, h, w = x.shape
@@ -115,6 +198,8 @@ def grid_sampler_3d(ctx, x, grid, interpolation_mode, padding_mode, align_corner
     """Trilinear or nearest sampling of (n, c, d, h, w) at grid (n, od, oh, ow, 3) = (x, y, z) points."""
     if interpolation_mode == _BICUBIC:
         raise NotImplementedError("grid_sampler_3d with bicubic interpolation (torch does not support it either)")
+    if x.dtype in (jnp.bfloat16, jnp.float16):
+        return _grid_sampler_3d_half(x, grid, interpolation_mode, padding_mode, align_corners)
     acc = _acc(x.dtype)
     xf, grid = x.astype(acc), grid.astype(acc)
     n, c, d, h, w = x.shape
@@ -141,3 +226,55 @@ def grid_sampler_3d(ctx, x, grid, interpolation_mode, padding_mode, align_corner
                 wx = (ix - x0) if dx else (x0 + 1 - ix)
                 out = out + tap(x0 + dx, y0 + dy, z0 + dz, wx * wy * wz)
     return out.astype(x.dtype)
+
+
+def _grid_sampler_3d_half(x, grid, interpolation_mode, padding_mode, align_corners):
+    """torch's scalar CPU kernel in float16/bfloat16: every operation in the half type, rounded
+    (``((coord + 1) * size - 1) / 2``, reflection by fmod, corner weights as products of distances,
+    the eight taps added in torch's order); computed in float32 with an explicit rounding per step."""
+    finfo = jnp.finfo(x.dtype)
+    exp_bits, man_bits = finfo.nexp, finfo.nmant
+
+    def r(v):
+        return lax.reduce_precision(v, exponent_bits=exp_bits, mantissa_bits=man_bits)
+
+    n, c, d, h, w = x.shape
+    xf, grid = x.astype(jnp.float32), grid.astype(jnp.float32)
+    batch = jnp.arange(n).reshape((n, 1, 1, 1))
+
+    def source_index(v, size):
+        v = r(r(r(v + 1) / 2) * (size - 1)) if align_corners else r(r(r(r(v + 1) * size) - 1) / 2)
+        if padding_mode == _REFLECTION:
+            twice_low, twice_high = (0, 2 * (size - 1)) if align_corners else (-1, 2 * size - 1)
+            if twice_low == twice_high:
+                v = jnp.zeros_like(v)
+            else:
+                low, span = r(jnp.float32(twice_low) / 2), r(jnp.float32(twice_high - twice_low) / 2)
+                a = jnp.abs(r(v - low))
+                extra = jnp.fmod(a, span)
+                flips = jnp.floor(r(a / span)).astype(jnp.int32)
+                v = jnp.where(flips % 2 == 0, r(extra + low), r(r(span - extra) + low))
+        if padding_mode in (_BORDER, _REFLECTION):
+            v = jnp.minimum(jnp.float32(size - 1), jnp.maximum(v, 0))
+        return v
+
+    ix, iy, iz = (source_index(grid[..., k], size) for k, size in enumerate((w, h, d)))
+
+    def gather(xx, yy, zz):
+        inside = (xx >= 0) & (xx < w) & (yy >= 0) & (yy < h) & (zz >= 0) & (zz < d)
+        xi, yi, zi = (jnp.where(inside, v, 0).astype(jnp.int32) for v in (xx, yy, zz))
+        return jnp.where(inside[..., None], xf[batch, :, zi, yi, xi], 0)  # (n, od, oh, ow, c)
+
+    if interpolation_mode == _NEAREST:
+        return jnp.moveaxis(gather(jnp.round(ix), jnp.round(iy), jnp.round(iz)), -1, 1).astype(x.dtype)
+    x0, y0, z0 = jnp.floor(ix), jnp.floor(iy), jnp.floor(iz)
+    near = [r(x0 + 1 - ix), r(y0 + 1 - iy), r(z0 + 1 - iz)]  # distance to the far corner: the near weight
+    far = [r(ix - x0), r(iy - y0), r(iz - z0)]
+    out = None
+    for dz in (0, 1):          # torch's order: tnw, tne, tsw, tse, bnw, bne, bsw, bse
+        for dy in (0, 1):
+            for dx in (0, 1):
+                wx, wy, wz = (far if dx else near)[0], (far if dy else near)[1], (far if dz else near)[2]
+                term = r(gather(x0 + dx, y0 + dy, z0 + dz) * r(r(wx * wy) * wz)[..., None])
+                out = term if out is None else r(out + term)
+    return jnp.moveaxis(out, -1, 1).astype(x.dtype)

@@ -165,8 +165,9 @@ def copy(ctx, x, src, non_blocking=False):
     return jnp.broadcast_to(ctx.cast(src, x.dtype), x.shape)
 
 
-@lowers(aten._to_copy.default)
-def to_copy(ctx, x, **kwargs):
+@lowers(aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+def to_copy(ctx, x, *args, **kwargs):
+    # prims.convert_element_type(x, dtype): what some decompositions (renorm's, in bfloat16) leave
     return ctx.cast(x, ctx.out_dtype())
 
 

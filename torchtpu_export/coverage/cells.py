@@ -12,7 +12,8 @@ STATUSES = ("pass", "mismatch", "unsupported", "error")
 FLOAT_RUNTIMES = ("xla", "litert", "onnx")
 # tpu: the xla column's program compiled for a TPU by libtpu (pass = the TPU compiler accepts it);
 # then the quantized LiteRT columns
-RUNTIMES = ("xla", "tpu", "litert", "onnx", "litert_dynamic_int8", "litert_int8")
+# xla_bf16/tpu_bf16: the xla and tpu columns on the table's bfloat16 samples alone (the dtype TPUs serve in)
+RUNTIMES = ("xla", "tpu", "xla_bf16", "tpu_bf16", "litert", "onnx", "litert_dynamic_int8", "litert_int8")
 TPU_TOPOLOGY = "v5e:2x2"
 # Quantization costs accuracy by design: a cell passes when the error relative to the output's
 # scale and the cosine similarity to torch stay within the recipe's bound (8-bit steps are 1/127).
@@ -59,9 +60,13 @@ class Column:
     quant: str | None = None       # a quantization recipe: the column has cells for the ops it quantizes
     compile_for: str | None = None  # a TPU topology: the cell is whether libtpu compiles the program
     options: dict = dataclasses.field(default_factory=dict)  # the target's build options
+    only: object = None            # a torch dtype: the column runs the samples of that dtype alone
 
     def runs(self, entry) -> bool:
-        """Whether the column has a cell for the op (quantized columns: the ops the recipe quantizes)."""
+        """Whether the column has a cell for the op (quantized columns: the ops the recipe quantizes;
+        a one-dtype column: the ops with samples of its dtype)."""
+        if self.only is not None:
+            return any(self.only in s.dtypes() for s in entry.all_samples())
         return self.quant is None or self.quant in entry.quantized_by
 
     def missing(self) -> str | None:
@@ -95,6 +100,10 @@ def columns() -> dict[str, Column]:
     return {
         "xla": Column("xla", "tpu", half, options={"platforms": ("cpu",)}),
         "tpu": Column("tpu", "tpu", half, compile_for=TPU_TOPOLOGY, options={"platforms": ("tpu",)}),
+        "xla_bf16": Column("xla_bf16", "tpu", frozenset({torch.bfloat16}), options={"platforms": ("cpu",)},
+                           only=torch.bfloat16),
+        "tpu_bf16": Column("tpu_bf16", "tpu", frozenset({torch.bfloat16}), compile_for=TPU_TOPOLOGY,
+                           options={"platforms": ("tpu",)}, only=torch.bfloat16),
         # ONNX Runtime's CPU provider and the LiteRT interpreter lack half-precision kernels for most
         # ops: their columns are measured on float32, integer and bool samples.
         "litert": Column("litert", "litert", frozenset(), narrows_64bit=True),

@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=CELL_TIMEOUT_S, help="seconds per cell before it is an error")
     p.add_argument("--source", default="table", choices=["table", "opinfo"],
                    help="table: the project's op table; opinfo: PyTorch's OpInfo samples (reported separately)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="with --source opinfo: the samples' float dtype (bfloat16: the xla column)")
 
 
 def run(args) -> int:
@@ -34,14 +36,18 @@ def run(args) -> int:
     if args.jobs < 1:
         raise InputError("--jobs must be at least 1")
     t0 = time.perf_counter()
+    if args.dtype != "float32" and args.source != "opinfo":
+        raise InputError("--dtype applies to --source opinfo (the op table has its own float16/bfloat16 samples)")
     if args.source == "opinfo":
         from . import opinfo
         quantized = [rt for rt in runtimes if rt not in FLOAT_RUNTIMES]
         if quantized and args.targets:
             raise InputError(f"--source opinfo runs the float columns only, not {', '.join(quantized)}")
         runtimes = [rt for rt in runtimes if rt in FLOAT_RUNTIMES]
+        if args.dtype != "float32" and not args.targets:
+            runtimes = ["xla"]  # the edge runtimes have few half-precision kernels (see docs/coverage.md)
         report = opinfo.run(runtimes, pattern=args.ops, jobs=args.jobs, timeout=args.timeout,
-                            progress=args.verbose > 0)
+                            progress=args.verbose > 0, dtype=args.dtype)
         text = opinfo.dump(report) if args.format == "json" else opinfo.to_markdown(report)
     else:
         report = run_matrix(select_ops(args.ops), runtimes, jobs=args.jobs, timeout=args.timeout,

@@ -157,6 +157,8 @@ def column_samples(entry, column: Column, samples=None) -> list:
     import torch
     half = frozenset({torch.float16, torch.bfloat16}) - column.lowp
     chosen = [s for s in (entry.all_samples() if samples is None else samples) if not (s.dtypes() & half)]
+    if column.only is not None:
+        chosen = [s for s in chosen if column.only in s.dtypes()]
     if column.quant is None:
         return chosen
     if entry.quant_samples is not None:

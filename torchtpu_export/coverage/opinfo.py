@@ -26,6 +26,10 @@ from .report import cell_text, totals, totals_line
 
 SAMPLES_PER_OP = 3
 TOLERANCE = 1e-5   # relative to the output scale, float32
+# ``--dtype bfloat16``: the same OpInfos on their bfloat16 samples, on the xla column (the tpu target's
+# CPU program). torch computes bf16 ops in float32 and rounds once; a lowering that rounds at another
+# step differs by a few bf16 steps (2**-8 each), so the bound is 2e-2 of the output's scale.
+DTYPES = {"float32": TOLERANCE, "bfloat16": 2e-2}
 
 
 @functools.cache
@@ -53,25 +57,30 @@ class OpInfoEntry:
     compare: None = None
     compared: None = None
     core: bool = False
+    tol: float = TOLERANCE
 
     def invoke(self, *args, **kwargs):
         return self.op(*args, **kwargs)
 
     def tolerance(self, sample) -> float:
-        return TOLERANCE
+        return self.tol
 
 
-def sample_dtype(opinfo):
-    """float32 where the op takes it, else the first of int64, int32, bool it takes (None: none)."""
+def sample_dtype(opinfo, dtype: str = "float32"):
+    """float32 where the op takes it, else the first of int64, int32, bool it takes (None: none);
+    with ``dtype="bfloat16"``, bfloat16 or None."""
     import torch
     supported = opinfo.supported_dtypes("cpu")
+    if dtype == "bfloat16":
+        return torch.bfloat16 if torch.bfloat16 in supported else None
     return next((d for d in (torch.float32, torch.int64, torch.int32, torch.bool) if d in supported), None)
 
 
-def samples(opinfo, limit: int = SAMPLES_PER_OP) -> list:
-    """The first samples of an OpInfo (float32, or the integer/bool dtype it takes), as op-table samples."""
+def samples(opinfo, limit: int = SAMPLES_PER_OP, dtype: str = "float32") -> list:
+    """The first samples of an OpInfo (float32, or the integer/bool dtype it takes; or bfloat16), as
+    op-table samples."""
     from ..optable import Sample
-    dtype = sample_dtype(opinfo)
+    dtype = sample_dtype(opinfo, dtype)
     if dtype is None:
         return []
     out = []
@@ -85,6 +94,10 @@ def samples(opinfo, limit: int = SAMPLES_PER_OP) -> list:
 # OpInfos whose outputs hold vectors defined only up to sign (eigenvectors, singular vectors, as
 # LAPACK returns them): output index -> the axis along which each vector lies (-2: columns, -1: rows)
 SIGN_FREE = {"linalg.eigh": {1: -2}, "linalg.svd": {0: -2, 2: -1}, "svd": {0: -2, 2: -2}}
+
+# OpInfos whose index outputs torch leaves unspecified among equal values (unstable sorts,
+# selections): output indices and the position of the dim argument (see optable.ties_in_any_order)
+TIES_ANY_ORDER = {"sort": ((1,), 1), "argsort": ((0,), 1), "topk": ((1,), 2)}
 
 # random ops whose matrix results are sets of vectors, each defined up to its sign (randomised SVDs):
 # compared by distribution after each vector is turned to make its largest component positive
@@ -110,14 +123,14 @@ def _up_to_sign(axes: dict):
     """A comparison that first flips each vector of the ``axes`` outputs to the sign of torch's."""
     from ..numerics import compare
 
-    def compare_signs(outs, refs, sample):
+    def compare_signs(outs, refs, sample, rtol=TOLERANCE):
         outs = list(outs)
         for i, axis in axes.items():
             if i < len(outs) and np.asarray(outs[i]).size:
                 o, r = np.asarray(outs[i]), np.asarray(refs[i])
                 dot = np.sum(o * r, axis=axis, keepdims=True)
                 outs[i] = np.where(dot < 0, -o, o)
-        return compare(outs, refs, rtol=TOLERANCE)
+        return compare(outs, refs, rtol=rtol)
     return compare_signs
 
 
@@ -126,21 +139,25 @@ def _shape_only(outs, refs, sample):
     return Agreement(ok=True)
 
 
-def prepare(name: str):
+def prepare(name: str, dtype: str = "float32"):
     """The case of one OpInfo, ``(entry, samples, batch, kind)``, or the Cell that says why it has
     none to compare (no sample, eager fails). ``kind`` is None (compared by value), "random" (random
     ops: compared by distribution over repeated calls) or "uninitialised" (shapes and dtypes only)."""
     import torch
     opinfo = _op_db()[name]
-    entry = OpInfoEntry(name, opinfo.op)
+    entry = OpInfoEntry(name, opinfo.op, tol=DTYPES[dtype])
     if name in SIGN_FREE:
-        entry.compare = _up_to_sign(SIGN_FREE[name])
+        entry.compare = functools.partial(_up_to_sign(SIGN_FREE[name]), rtol=entry.tol)
+    if name in TIES_ANY_ORDER:
+        from ..optable import ties_in_any_order
+        entry.compare = functools.partial(ties_in_any_order(*TIES_ANY_ORDER[name]), rtol=entry.tol)
     try:
-        cases = samples(opinfo)
+        cases = samples(opinfo, dtype=dtype)
     except Exception as e:
         return Cell("error", reason=f"sample_inputs: {first_line(e)}")
     if not cases:
-        return Cell("unsupported", reason="the OpInfo has no float32, integer or bool sample")
+        return Cell("unsupported", reason="the OpInfo has no float32, integer or bool sample" if dtype == "float32"
+                    else f"the OpInfo has no {dtype} sample (torch's CPU kernel does not take it)")
     try:
         batch = Batch(entry, cases)
         with torch.no_grad():
@@ -154,7 +171,42 @@ def prepare(name: str):
             entry.compare = _shape_only
             return entry, cases, batch, "uninitialised"
         return Cell("unsupported", reason="random: eager gives different values on each call")
+    if dtype != "float32":
+        off = _reference_off(batch)
+        if off:
+            return Cell("error", reason=f"eager: torch's {dtype} result is no reference here: {off}")
     return entry, cases, batch, None
+
+
+REFERENCE_OFF = 0.25  # a half-precision eager result this far (of the output's scale) from float32 eager
+
+
+def _reference_off(batch) -> str | None:
+    """Why torch's own half-precision result cannot judge a program (None when it can): it is off its
+    float32 result by far more than half precision explains (torch's bfloat16 ``matrix_exp`` on CPU
+    returns 1e30 or NaN for matrices of norm ~1), or it is not finite where float32 is."""
+    import torch
+    import torch.utils._pytree as pytree
+    from ..numerics import compare
+    try:
+        with torch.no_grad():
+            wide = batch.module(*[t.float() if t.is_floating_point() else t.clone() for t in batch.inputs])
+    except Exception:
+        return None
+    refs = [r for r in pytree.tree_leaves(batch.refs) if isinstance(r, torch.Tensor) and r.is_floating_point()]
+    wides = [w for w in pytree.tree_leaves(wide) if isinstance(w, torch.Tensor) and w.is_floating_point()]
+    if len(refs) != len(wides) or not refs:
+        return None
+    for i, (r, w) in enumerate(zip(refs, wides)):
+        if r.shape != w.shape:
+            return None
+        r, w = r.float().numpy(), w.float().numpy()  # (a factory op's "float32" run is still half)
+        if (np.isfinite(w) & ~np.isfinite(r)).any():
+            return f"output {i} is not finite where torch's float32 result is"
+        verdict = compare([r], [w], rtol=REFERENCE_OFF)
+        if not verdict.ok:
+            return f"output {i} is off torch's float32 result by {verdict.max_rel_err:.3g} of its scale"
+    return None
 
 
 def run_column(case, column) -> Cell:
@@ -222,15 +274,15 @@ def random_cell(batch, column) -> Cell:
                         reason=f"output {i}: {o.dtype.name}{list(o.shape)}, torch {r.dtype.name}{list(r.shape)}")
     if batch.entry.name in SIGN_FREE_RANDOM:
         eager, runs = [_canonical_signs(e) for e in eager], [_canonical_signs(r) for r in runs]
-    verdict = same_distribution(eager, runs, rtol=TOLERANCE)
+    verdict = same_distribution(eager, runs, rtol=batch.entry.tolerance(None))
     if not verdict.ok:
         return Cell("mismatch", verdict.max_abs_err, verdict.max_rel_err, batch.label, verdict.detail, note=note)
     return Cell("pass", verdict.max_abs_err, verdict.max_rel_err, None, None, len(batch.samples), note)
 
 
-def run_opinfo(name: str, runtimes: Sequence[str]) -> dict:
+def run_opinfo(name: str, runtimes: Sequence[str], dtype: str = "float32") -> dict:
     """One OpInfo on each runtime (in this process), as JSON-able cells."""
-    case = prepare(name)
+    case = prepare(name, dtype)
     if isinstance(case, Cell):
         return {rt: case.to_json() for rt in runtimes}
     all_columns = columns()
@@ -266,16 +318,18 @@ def _same(a, b) -> bool:
 
 
 def run(runtimes: Sequence[str], *, pattern: str | None = None, jobs: int = 2, timeout: float = 180.0,
-        progress: bool = False) -> dict:
-    """The OpInfo report: {"torch", "runtimes", "source": "opinfo", "ops": [{"op", "cells"}]}."""
+        progress: bool = False, dtype: str = "float32") -> dict:
+    """The OpInfo report: {"torch", "runtimes", "source": "opinfo", "dtype", "ops": [{"op", "cells"}]}."""
     import torch
+    if dtype not in DTYPES:
+        raise InputError(f"OpInfo samples come in {', '.join(DTYPES)}, not {dtype!r}")
     names = sorted(_op_db())
     if pattern:
         wild = any(c in pattern for c in "*?[")
         names = [n for n in names if (fnmatch.fnmatchcase(n, pattern) if wild else pattern in n)]
         if not names:
             raise InputError(f"no OpInfo matches {pattern!r}")
-    tasks = [("torchtpu_export.coverage.opinfo:run_opinfo", (n, list(runtimes))) for n in names]
+    tasks = [("torchtpu_export.coverage.opinfo:run_opinfo", (n, list(runtimes), dtype)) for n in names]
     t0 = time.monotonic()
 
     def report(i, result, seconds):
@@ -288,7 +342,8 @@ def run(runtimes: Sequence[str], *, pattern: str | None = None, jobs: int = 2, t
     for n, result in zip(names, results):
         cells = {rt: Cell.from_json(result.get(rt, result)).to_json() for rt in runtimes}
         ops.append({"op": n, "core": False, "cells": cells})
-    return {"torch": torch.__version__.split("+")[0], "source": "opinfo", "runtimes": list(runtimes), "ops": ops,
+    return {"torch": torch.__version__.split("+")[0], "source": "opinfo", "dtype": dtype,
+            "runtimes": list(runtimes), "ops": ops,
             "samples_per_op": SAMPLES_PER_OP, "seconds": round(time.monotonic() - t0)}
 
 
@@ -299,7 +354,8 @@ _NOT_A_CASE = ("eager:", "the OpInfo has no")
 # reasons that name a limit of the runtime: its tensor types, static shapes, operators, float kernels
 _RUNTIME_LIMITS = ("TFLite has no", "has no such tensor type", "static shapes", "no JAX equivalent",
                    "depends on the input's values", "complex results that TFLite kernels cannot",
-                   "torch bfloat16", "Sparse", "ONNX has no")
+                   "torch bfloat16", "Sparse", "ONNX has no",
+                   "aten._sparse_")  # ATen's kernels on sparse layouts: no runtime here has sparse tensors
 
 
 def cause(cell: dict) -> str | None:
@@ -337,13 +393,17 @@ def to_markdown(report: dict) -> str:
     tot = totals(report)
     rates = captured_rates(report)
     by_cause = {rt: {c: sum(cause(row["cells"][rt]) == c for row in report["ops"]) for c in CAUSES} for rt in rts}
-    lines = ["# Op coverage: PyTorch OpInfo samples", "",
-             "Generated by `python tools/coverage.py --opinfo`; do not edit by hand.", "",
-             f"The first {report.get('samples_per_op', SAMPLES_PER_OP)} float32 samples (integer or bool for "
-             "ops without float32) of each of the "
+    dtype = report.get("dtype", "float32")
+    n = report.get('samples_per_op', SAMPLES_PER_OP)
+    what = (f"The first {n} float32 samples (integer or bool for ops without float32)" if dtype == "float32" else
+            f"The first {n} {dtype} samples (OpInfos whose CPU kernel does not take {dtype} have none)")
+    lines = [f"# Op coverage: PyTorch OpInfo samples{'' if dtype == 'float32' else ' in ' + dtype}", "",
+             f"Generated by `python tools/coverage.py --opinfo{'' if dtype == 'float32' else ' --dtype ' + dtype}`; "
+             "do not edit by hand.", "",
+             f"{what} of each of the "
              f"{len(report['ops'])} OpInfos in torch {report['torch']}'s `op_db`, batched into one module per "
              "op, captured, converted for each runtime and compared with torch eager (max error within "
-             f"{TOLERANCE:g} of the output's scale; integers and bools exactly). These are torch functions, not "
+             f"{DTYPES[dtype]:g} of the output's scale; integers and bools exactly). These are torch functions, not "
              "ATen overloads: one OpInfo may exercise several core ops. Every cell that does not pass says why.",
              "", "| runtime | " + " | ".join(STATUSES) + " |", "|---|" + "---|" * len(STATUSES)]
     lines += [f"| {rt} | " + " | ".join(str(tot[rt][s]) for s in STATUSES) + " |" for rt in rts]

@@ -112,6 +112,45 @@ def S(*args, desc: str, dynamic: dict | None = None, lowp: bool = True, **kwargs
 Comparator = Callable[[list, list, Sample], Agreement]  # how one sample's outputs compare with torch's
 
 
+def ties_in_any_order(index_outputs: tuple[int, ...], dim_position: int) -> Comparator:
+    """A comparison for sorts and selections whose indices torch leaves unspecified among equal
+    values (``sort``/``argsort`` without ``stable=True``, ``topk``): torch's CPU kernels are not
+    stable (an introsort past 16 elements), and half-precision samples tie often. An index output
+    passes when its indices are distinct, in range, and select the same values as torch's; the
+    other outputs are compared as usual. A stable sort is compared exactly."""
+    import numpy as np
+
+    from ..numerics import compare
+
+    def comparator(outs, refs, sample, rtol: float = 0.0):
+        x = sample.args[0]
+        if isinstance(x, View):
+            x = view_of(x.base, x.how)
+        stable = sample.kwargs.get("stable") or (len(sample.args) > 3 and dim_position == 1 and sample.args[3])
+        if not isinstance(x, torch.Tensor) or x.ndim == 0 or stable:
+            return compare(outs, refs, rtol=rtol)
+        dim = sample.kwargs.get("dim", sample.args[dim_position] if len(sample.args) > dim_position else -1)
+        values = x.detach().float().numpy() if x.is_floating_point() else x.detach().numpy()
+        axis = int(dim) % values.ndim
+        outs = list(outs)
+        for i in index_outputs:
+            if i >= min(len(outs), len(refs)):
+                continue
+            ours, theirs = np.asarray(outs[i]), np.asarray(refs[i])
+            if ours.shape != theirs.shape or ours.dtype.kind not in "iu" or not ours.size:
+                continue
+            n = values.shape[axis]
+            distinct = np.all(np.diff(np.sort(ours, axis=axis), axis=axis) > 0) if ours.shape[axis] > 1 else True
+            if not (distinct and ours.min() >= 0 and ours.max() < n):
+                continue
+            picked = np.take_along_axis(values, ours.astype(np.int64), axis)
+            wanted = np.take_along_axis(values, theirs.astype(np.int64), axis)
+            if np.array_equal(picked, wanted, equal_nan=values.dtype.kind == "f"):
+                outs[i] = theirs  # the same values: an order of ties torch could have given
+        return compare(outs, refs, rtol=rtol)
+    return comparator
+
+
 @dataclasses.dataclass
 class Entry:
     """One op of the table.

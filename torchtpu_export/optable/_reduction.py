@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from . import EXACT, F32_ACCUM, F32_ULPS, S, aten, edge_values, entry
+from . import EXACT, F32_ACCUM, F32_ULPS, S, aten, edge_values, entry, ties_in_any_order
 
 _SUM = "float32 sums: the summation order differs (pairwise vs tree)"
 
@@ -176,7 +176,8 @@ def _sort(g):
             S(g.t(g.f(3, 5)), desc="transposed")]
 
 
-entry(aten.sort.default, _sort, tol=EXACT, why="a permutation of the input; indices")
+entry(aten.sort.default, _sort, tol=EXACT, why="a permutation of the input; indices (in any order among ties, "
+      "as torch's unstable sort)", compare=ties_in_any_order((1,), 1))
 
 
 def _topk(g):
@@ -186,4 +187,5 @@ def _topk(g):
             S(g.f(), 1, desc="0-d")]
 
 
-entry(aten.topk.default, _topk, tol=EXACT, why="selects inputs; indices")
+entry(aten.topk.default, _topk, tol=EXACT, why="selects inputs; indices (in any order among ties)",
+      compare=ties_in_any_order((1,), 2))
