@@ -221,12 +221,26 @@ def _inspect_args(p):
     p.add_argument("--json", action="store_true", help="print the description as JSON")
     p.add_argument("--topology", default=None, metavar="T[,T...]",
                    help=".tpu: compile for these TPU topologies (libtpu) and show what the compiler says")
+    p.add_argument("--gpu", action="store_true",
+                   help=".tflite: LiteRT's GPU-delegate compatibility check (its model analyzer) of every op")
 
 
 def _inspect(args) -> int:
     from .describe import describe, format_description
+    target = targets.for_file(args.artifact)
+    if args.gpu and (target is None or target.gpu_check is None):
+        takers = [t.suffix for t in targets.all_targets().values() if t.gpu_check is not None]
+        raise InputError(f"--gpu applies to {' and '.join(takers)} files (a GPU delegate's compatibility check)")
     desc = describe(args.artifact, topologies=args.topology)
-    print(json.dumps(desc, indent=1, sort_keys=True) if args.json else format_description(desc))
+    if args.gpu:
+        desc["gpu_delegate"] = target.gpu_check(args.artifact)
+    text = json.dumps(desc, indent=1, sort_keys=True) if args.json else format_description(desc)
+    if args.gpu and not args.json:
+        gpu = desc["gpu_delegate"]
+        text += "\nGPU delegate: " + ("every op compatible" if gpu["compatible"] else
+                                                         "not compatible") + \
+            "".join(f"\n  {printable(line)}" for line in gpu["problems"])
+    print(text)
     return 0
 
 

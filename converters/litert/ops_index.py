@@ -344,6 +344,24 @@ def masked_scatter(ctx, x, mask, src):
     return ctx.op("SELECT_V2", [m, ctx.reshape(g, shape), xb], shape=shape, dtype=x.dtype)
 
 
+ONE_HOT_BAGS = 1 << 16  # bags x indices up to which a bag sum is a matmul with a one-hot matrix
+
+
+def _bag_sum(ctx, ids: Tensor, n: int, bags: int, dtype):
+    """``f(values (n, d), d) -> (bags, d)``: the sum of the rows of each bag (``ids``: the bag of each row).
+
+    Small enough, a BATCH_MATMUL with the (bags, n) one-hot matrix of ``ids``: ops every reader and the
+    GPU delegate have (UNSORTED_SEGMENT_SUM is in neither OpenVINO's TFLite frontend nor the GPU's set).
+    Past ONE_HOT_BAGS the matrix would cost more than the segment op, which is used instead."""
+    if bags * n > ONE_HOT_BAGS:
+        num = ctx.const(np.asarray([bags], np.int32))
+        return lambda values, d: ctx.op("UNSORTED_SEGMENT_SUM", [values, ids, num], shape=(bags, d), dtype=dtype)
+    hot = ctx.op("EQUAL", [ctx.reshape(ids, (1, n)), ctx.const(np.arange(bags, dtype=np.int32).reshape(bags, 1))],
+                 shape=(bags, n), dtype=BOOL)
+    onehot = ctx.cast(hot, dtype)
+    return lambda values, d: ctx.op("BATCH_MATMUL", [onehot, values], shape=(bags, d), dtype=dtype)
+
+
 @builds(aten._embedding_bag.default, aten.embedding_bag.padding_idx, aten.embedding_bag.default,
         aten._embedding_bag_forward_only.default)
 def embedding_bag(ctx, weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
@@ -374,18 +392,32 @@ def embedding_bag(ctx, weight, indices, offsets, scale_grad_by_freq=False, mode=
                       dtype=weight.dtype)
     if per_sample_weights is not None:
         rows = ctx.op("MUL", [rows, ctx.reshape(per_sample_weights, (n, 1))], shape=(n, dim), dtype=weight.dtype)
+    k = n // bags if bags else 0
+    if (mode in (0, 1) and keep is None and k and n == bags * k and starts.is_const
+            and np.array_equal(starts.data.astype(np.int64), np.arange(0, n, k))):
+        # bags of one size, in order (DLRM's (bags, per_bag) indices): a SUM over a reshape, which
+        # every reader and delegate has (UNSORTED_SEGMENT_SUM is not in OpenVINO's or the GPU's set)
+        out = ctx.op("SUM", [ctx.reshape(rows, (bags, k, dim)), np.asarray([1], np.int32)], shape=(bags, dim),
+                     dtype=weight.dtype, keepDims=False)
+        if mode == 0:
+            zeros = ctx.const(np.zeros((bags,), np.int32))
+            return out, ctx.const(np.zeros((0,), np.int32)), zeros, zeros
+        out = ctx.op("DIV", [out, ctx.const(np.asarray(k, weight.dtype))], shape=(bags, dim), dtype=weight.dtype)
+        size = ctx.const(np.full((bags,), k, np.int32))
+        return out, ids, size, size
     ones = ctx.const(np.ones((n,), weight.dtype)) if keep is None else ctx.cast(keep, weight.dtype)
     num = ctx.const(np.asarray([bags], np.int32))
-    count = ctx.op("UNSORTED_SEGMENT_SUM", [ones, ids, num], shape=(bags,), dtype=weight.dtype)
+    bag_sum = _bag_sum(ctx, ids, n, bags, weight.dtype)
     if mode == 0:
-        out = ctx.op("UNSORTED_SEGMENT_SUM", [rows, ids, num], shape=(bags, dim), dtype=weight.dtype)
+        out = bag_sum(rows, dim)
         # torch's sum mode leaves its bookkeeping outputs empty or zero
         zeros = ctx.const(np.zeros((bags,), np.int32))
         offset2bag = ids if padding_idx is not None and padding_idx >= 0 else ctx.const(np.zeros((0,), np.int32))
         return out, offset2bag, zeros, zeros
+    count = ctx.reshape(bag_sum(ctx.reshape(ones, (n, 1)), 1), (bags,))
     bag_size = ctx.cast(count, I32)
     if mode == 1:
-        s = ctx.op("UNSORTED_SEGMENT_SUM", [rows, ids, num], shape=(bags, dim), dtype=weight.dtype)
+        s = bag_sum(rows, dim)
         c = ctx.op("MAXIMUM", [count, ctx.const(np.ones((), weight.dtype))], shape=(bags,), dtype=weight.dtype)
         out = ctx.op("DIV", [s, ctx.reshape(c, (bags, 1))], shape=(bags, dim), dtype=weight.dtype)
         return out, ids, bag_size, bag_size

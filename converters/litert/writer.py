@@ -274,12 +274,43 @@ def _quantization(builder, q) -> int:
     return fb.QuantizationParametersEnd(builder)
 
 
+def unique_names(tensors, first=()) -> dict[int, str]:
+    """A distinct name per tensor of a subgraph (``id(tensor) -> name``): its own name where no other
+    tensor has it, else the name with ``_1``, ``_2``, ... (the subgraph's inputs and outputs keep theirs).
+    Readers other than LiteRT's interpreter (OpenVINO's TFLite frontend) tell tensors apart by name."""
+    out: dict[int, str] = {}
+    taken: set[str] = set()
+    for t in [*first, *tensors]:
+        if t is None or id(t) in out:
+            continue
+        name, k = t.name, 0
+        while name in taken:
+            k += 1
+            name = f"{t.name}_{k}"
+        taken.add(name)
+        out[id(t)] = name
+    return out
+
+
+def _explicit_options(op) -> dict | None:
+    """The op's options as written (None: no options table): a RESHAPE states its static target shape,
+    or has no table when the shape is dynamic (an empty ReshapeOptions reads as ``new_shape=[]`` to
+    readers that take the options over the shape input, OpenVINO's among them)."""
+    if op.code == "RESHAPE" and not op.options and op.outputs:
+        shape = op.outputs[0].shape
+        if all(is_static(d) for d in shape):
+            return {"newShape": [int(d) for d in shape]}
+        return None
+    return op.options
+
+
 def _subgraph(builder, g: Graph, buffer_of: dict[int, int], opcodes: dict[str, int], index: int):
     tensors = list(g.tensors())
     tindex = {id(t): i for i, t in enumerate(tensors)}
+    unique = unique_names(tensors, first=[*g.inputs, *g.outputs])
     names = {}
     for t in tensors:
-        names.setdefault(t.name, builder.CreateSharedString(t.name))
+        names.setdefault(unique[id(t)], builder.CreateSharedString(unique[id(t)]))
     tables = []
     for t in tensors:
         # a dynamic dim: -1 in shape_signature, its sample size in shape (what LiteRT allocates on load)
@@ -293,7 +324,7 @@ def _subgraph(builder, g: Graph, buffer_of: dict[int, int], opcodes: dict[str, i
             fb.TensorAddShapeSignature(builder, signature)
         fb.TensorAddType(builder, schema.TENSOR_TYPE[t.dtype])
         fb.TensorAddBuffer(builder, buffer_of.get(id(t), 0))
-        fb.TensorAddName(builder, names[t.name])
+        fb.TensorAddName(builder, names[unique[id(t)]])
         if quant is not None:
             fb.TensorAddQuantization(builder, quant)
         tables.append(fb.TensorEnd(builder))
@@ -301,7 +332,8 @@ def _subgraph(builder, g: Graph, buffer_of: dict[int, int], opcodes: dict[str, i
     for op in g.ops:
         ins = _int_vector(builder, [-1 if t is None else tindex[id(t)] for t in op.inputs], fb.OperatorStartInputsVector)
         outs = _int_vector(builder, [tindex[id(t)] for t in op.outputs], fb.OperatorStartOutputsVector)
-        opt_type, opt = schema.options_table(op.code, op.options)
+        options = _explicit_options(op)
+        opt_type, opt = (0, None) if options is None else schema.options_table(op.code, options)
         opt_off = opt.Pack(builder) if opt is not None else None
         fb.OperatorStart(builder)
         fb.OperatorAddOpcodeIndex(builder, opcodes[op.code])

@@ -44,6 +44,7 @@ class Target:
     local_options: dict = dataclasses.field(default_factory=dict)  # to build what runs on this machine
     multi_signature: bool = True  # several signatures (tte.signature) in one artifact
     debuggable: bool = True  # `torchtpu-export debug` compares its intermediates
+    gpu_check: Callable | None = None  # path -> {"compatible", "problems"}: `inspect --gpu` (a GPU delegate's verdict)
 
 
 def no_topologies(topologies) -> None:

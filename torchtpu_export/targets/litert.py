@@ -409,6 +409,21 @@ def describe(path: str, topologies=None) -> dict:
         raise damaged(e) from e
 
 
+def gpu_compatibility(path: str) -> dict:
+    """LiteRT's own GPU-delegate compatibility check of a ``.tflite`` (its model analyzer):
+    ``{"compatible": bool, "problems": [the analyzer's warning lines]}``. The file is validated first:
+    the analyzer is native code that trusts the file."""
+    try:
+        with open(path, "rb") as f:
+            validate(f.read())
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror}") from e
+    from ai_edge_litert import _pywrap_analyzer_wrapper as analyzer
+    text = analyzer.ModelAnalyzer(str(path), True, True)
+    problems = [line.strip() for line in text.splitlines() if "GPU COMPATIBILITY WARNING" in line]
+    return {"compatible": "looks compatible with GPU delegate" in text and not problems, "problems": problems}
+
+
 def _describe(path: str, content: bytes) -> dict:
     model = validate(content)
     codes = opcode_names(model)
@@ -459,5 +474,5 @@ TARGET = Target(
     name="litert", summary="LiteRT flatbuffers (.tflite) for Android, iOS, desktop and the browser",
     converter="litert", runtime="litert", suffix=".tflite", runnable=EdgeModel, signature="serving_default",
     build=build, load=load, describe=describe, cli_options=cli_options, prepare=prepare,
-    cli_flags=("io_dtypes", "channels_last", "quantize"),
+    cli_flags=("io_dtypes", "channels_last", "quantize"), gpu_check=gpu_compatibility,
 )
