@@ -152,10 +152,10 @@ ZOO_SMALL = {  # the zoo at test sizes; defaults where they are small already
 
 
 @pytest.mark.parametrize("name", sorted(ZOO_SMALL))
-def test_zoo_tpu_programs_compile_for_v5e_and_v6e(name):
+def test_zoo_tpu_programs_compile_for_one_v5e_chip_and_one_v6e_chip(name):
     model, args = zoo.ZOO[name](**ZOO_SMALL[name])
     prog = tte.export(model, args, platforms=("tpu",))
-    stats = assert_compiles(prog)
+    stats = assert_compiles(prog, ("v5e", "v6e"))  # a generation alone: a single chip (v5e:1x1, v6e:1x1)
     for topology, per_program in stats.items():
         s = per_program["main"]
         assert s["fits"] and s["hbm_bytes"]["arguments"] > 0 and s["flops"] > 0, (topology, s)
@@ -273,6 +273,39 @@ def test_compile_cli_stores_executables_and_inspect_shows_stats(precompiled, tmp
     assert '"v6e:2x2"' in r.stdout and '"flops"' in r.stdout
     r = cli("compile", path, "--topology", "v9:2x2")
     assert r.returncode == 2 and "unknown TPU topology" in r.stderr
+
+
+def test_topologies_as_users_name_them():
+    canon = tpu_compile.canonical_topology
+    assert canon("v5e") == "v5e:1x1" and canon("v6e") == "v6e:1x1" and canon("v5p") == "v5p:2x2x1"
+    assert canon("V5E:1x1") == "v5e:1x1" and canon("v5e:4x8") == "v5e:4x8" and canon("v5p:4x4x4") == "v5p:4x4x4"
+    assert canon("v5litepod-1") == "v5e:1x1" and canon("v5litepod-32") == "v5e:4x8" and canon("v6e-8") == "v6e:2x4"
+    assert canon("v5p-128") == "v5p:4x4x4" and canon("v4-8") == "v4:2x2x1"
+    assert tpu_compile.host_bounds("v5e:1x1") == (1, 1, 1) and tpu_compile.host_bounds("v6e:2x4") == (2, 4, 1)
+    assert tpu_compile.host_bounds("v5e:4x8") is None
+    for bad, says in (("v9", "unknown TPU topology"), ("v5e:2x2x2", "2 dimensions"), ("v5litepod-3", "sizes 1, 4"),
+                      ("v5p-7", "sizes 8, 16"), ("tpu", "unknown TPU topology")):
+        with pytest.raises(InputError, match=says) as info:
+            canon(bad)
+        assert "GEN:LAYOUT" in info.value.hint and "v5litepod-32" in info.value.hint  # the forms, with examples
+    # one chip, a host, and multi-host slices, as libtpu describes them
+    assert tpu_compile.slice_size("v5e") == (1, 1) and tpu_compile.slice_size("v6e-8") == (8, 1)
+    assert tpu_compile.slice_size("v5litepod-32") == (32, 8) and tpu_compile.slice_size("v5p:4x4x4") == (64, 16)
+
+
+def test_compile_and_inspect_print_the_slice(tmp_path, cli):
+    model, args = zoo.small_cnn()
+    path = tmp_path / "cnn.tpu"
+    tte.export(model, args, platforms=("tpu",)).save(path)
+    r = cli("compile", path, "--topology", "v5e,v6e-8", "-o", tmp_path / "c.tpu")
+    assert r.returncode == 0, r.stderr
+    assert "v5e:1x1: 1 chip on 1 host" in r.stdout and "v6e:2x4: 8 chips on 1 host" in r.stdout
+    assert "v5e:1x1 main: HBM" in r.stdout
+    r = cli("inspect", path, "--topology", "v5litepod-32")
+    assert r.returncode == 0, r.stderr
+    assert "topology v5e:4x8: 32 chips on 8 hosts" in r.stdout
+    r = cli("compile", path, "--topology", "v5e:9")
+    assert r.returncode == 2 and "accelerator type" in r.stderr and "v5litepod-32" in r.stderr
 
 
 def test_compiled_stats_per_generation(precompiled):

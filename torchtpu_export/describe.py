@@ -27,6 +27,9 @@ def format_description(desc: dict) -> str:
     if desc.get("mesh"):
         axes = desc["mesh"]["axes"]
         lines.append(f"mesh: {', '.join(f'{a}={n}' for a, n in axes)} ({desc['mesh']['devices']} devices)")
+    for topo, size in (desc.get("topologies") or {}).items():
+        lines.append(f"topology {topo}: {size['chips']} chip{'s' if size['chips'] != 1 else ''} on {size['hosts']} "
+                     f"host{'s' if size['hosts'] != 1 else ''}")
     weights = desc.get("weights") or {}
     if weights.get("count") is not None:
         lines.append(f"weights: {weights['count']} tensors, {weights.get('bytes', 0):,} bytes")

@@ -118,22 +118,72 @@ def require_libtpu(why: str) -> str:
 
 
 def parse_topologies(spec) -> tuple[str, ...]:
-    """``"v5e:2x2,v6e:2x2"`` or a sequence of names -> the names, checked against the known generations."""
+    """``"v5e:2x2,v6e-8,v5e"`` or a sequence of names -> their canonical ``GEN:LAYOUT`` names."""
     names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s and s.strip()]
     if not names:
         raise InputError("no TPU topology given", hint="e.g. v5e:2x2 or v5e:2x2,v6e:2x2")
-    for name in names:
-        generation(name)
-    return tuple(dict.fromkeys(names))
+    return tuple(dict.fromkeys(canonical_topology(name) for name in names))
+
+
+# Cloud TPU accelerator types: v5e/v6e count chips (v5litepod-32: 32 chips), v5p/v4 count TensorCores,
+# two per chip (v5p-128: 64 chips); the slice shapes Google documents for each size
+_LAYOUTS_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+_LAYOUTS_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
+               512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+_SINGLE = {"v5e": "1x1", "v6e": "1x1", "v5p": "2x2x1", "v4": "2x2x1"}  # a generation alone: one chip, or a host
+_TOPOLOGY_FORMS = ("a generation (v5e, v6e: one chip; v5p, v4: one host), GEN:LAYOUT in chips per dimension "
+                   "(v5e:1x1, v5e:2x4, v6e:8x8, v5p:2x2x4, v4:2x2x1), or a Cloud TPU accelerator type "
+                   "(v5litepod-1, v5litepod-32, v6e-8, v5p-128, v4-8)")
+
+
+def canonical_topology(name: str) -> str:
+    """A TPU slice as users name it (``v5e``, ``v5e:1x1``, ``v5litepod-32``, ``v6e-8``, ``v5p-128``) as
+    libtpu's ``GEN:LAYOUT`` (``v5e:1x1``, ``v5e:4x8``, ``v6e:2x4``, ``v5p:4x4x4``)."""
+    import re
+    text = str(name).strip().lower()
+    m = re.fullmatch(r"(v4|v5e|v5p|v6e)", text)
+    if m:
+        return f"{text}:{_SINGLE[text]}"
+    m = re.fullmatch(r"(v4|v5e|v5p|v6e):(\d{1,4}(?:x\d{1,4}){1,2})", text)
+    if m:
+        gen, layout = m.groups()
+        dims = [int(d) for d in layout.split("x")]
+        flat = gen in ("v5e", "v6e")
+        if len(dims) != (2 if flat else 3) or min(dims) < 1:
+            raise InputError(f"TPU topology {name!r}: {gen} layouts have {2 if flat else 3} dimensions of at least "
+                             f"1 chip, e.g. {gen}:{'2x2' if flat else '2x2x1'}", hint=_TOPOLOGY_FORMS)
+        return f"{gen}:{layout}"
+    m = re.fullmatch(r"(v5litepod|v5e|v6e|v5p|v4)-(\d{1,5})", text)
+    if m:
+        kind, count = m.group(1), int(m.group(2))
+        gen = "v5e" if kind == "v5litepod" else kind
+        if gen in ("v5e", "v6e"):
+            layout = _LAYOUTS_2D.get(count)
+        else:  # TensorCores: two per chip
+            layout = _LAYOUTS_3D.get(count // 2) if count % 2 == 0 else None
+        if layout is None:
+            sizes = sorted(_LAYOUTS_2D) if gen in ("v5e", "v6e") else sorted(2 * n for n in _LAYOUTS_3D)
+            raise InputError(f"TPU topology {name!r}: {kind} comes in sizes {', '.join(map(str, sizes))}",
+                             hint=_TOPOLOGY_FORMS)
+        return f"{gen}:{layout}"
+    raise InputError(f"unknown TPU topology {str(name)[:80]!r}", hint=_TOPOLOGY_FORMS)
+
+
+def host_bounds(canonical: str) -> tuple[int, int, int] | None:
+    """The chips-per-host bounds libtpu needs for a slice (None: its default, 2x2x1): the layout itself
+    for slices smaller than a host, and 2x4 for the 8-chip v5e/v6e hosts (v5litepod-8, v6e-8)."""
+    gen, layout = canonical.split(":")
+    dims = [int(d) for d in layout.split("x")]
+    chips = math.prod(dims)
+    if chips < 4:
+        return (*dims, 1) if len(dims) == 2 else tuple(dims)
+    if gen in ("v5e", "v6e") and dims in ([2, 4], [4, 2]):
+        return (dims[0], dims[1], 1)
+    return None
 
 
 def generation(topology_name: str) -> Generation:
-    gen = topology_name.split(":", 1)[0]
-    if gen not in GENERATIONS or ":" not in topology_name:
-        raise InputError(f"unknown TPU topology {topology_name!r}",
-                         hint=f"a generation ({', '.join(GENERATIONS)}) and chip layout, e.g. v5e:2x2, "
-                              "v6e:2x4, v5p:2x2x1, v4:2x2x1")
-    return GENERATIONS[gen]
+    return GENERATIONS[canonical_topology(topology_name).split(":", 1)[0]]
 
 
 def generation_of_device_kind(kind: str) -> Generation | None:
@@ -143,15 +193,23 @@ def generation_of_device_kind(kind: str) -> Generation | None:
 @functools.lru_cache(maxsize=None)
 def topology(name: str):
     """libtpu's description of a TPU slice (its devices stand for the chips)."""
-    generation(name)
+    name = canonical_topology(name)
     require_libtpu(f"compiling for {name}")
     prepare_environment()
     from jax.experimental import topologies
+    bounds = host_bounds(name)
     try:
-        return topologies.get_topology_desc(topology_name=name, platform="tpu")
+        return topologies.get_topology_desc(topology_name=name, platform="tpu",
+                                            **({"chips_per_host_bounds": bounds} if bounds else {}))
     except Exception as e:  # libtpu's message says which layouts it takes
         raise InputError(f"libtpu cannot describe TPU topology {name!r}: {str(e).splitlines()[0][:300]}",
                          hint="layouts are chips per dimension, e.g. v5e:2x2, v6e:2x4, v5p:2x2x1") from e
+
+
+def slice_size(name: str) -> tuple[int, int]:
+    """(chips, hosts) of a topology, as libtpu describes it (v4 counts each TensorCore as a device)."""
+    devices = list(topology(name).devices)
+    return len(devices), len({d.process_index for d in devices})
 
 
 def devices_for(name: str, count: int) -> list:

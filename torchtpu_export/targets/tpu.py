@@ -127,9 +127,12 @@ def describe(path: str, topologies=None) -> dict:
     each program on them (compiled here with libtpu, nothing written)."""
     from .. import tpu_compile
     art = tpu_format.read(path)
+    slices = {}
     for topo in tpu_compile.parse_topologies(topologies) if topologies else ():
         tpu_compile.require_libtpu("--topology")
         tpu_compile.compile_artifact(art, topo, store=False)
+        chips, hosts = tpu_compile.slice_size(topo)
+        slices[topo] = {"chips": chips, "hosts": hosts}
     with zipfile.ZipFile(path) as zf:
         entries = {i.filename: i.file_size for i in zf.infolist()}
     m = art.manifest
@@ -149,6 +152,7 @@ def describe(path: str, topologies=None) -> dict:
         "path": path, "kind": "tpu", "size": os.path.getsize(path), "format_version": m["format_version"],
         "versions": m.get("versions", {}), "platforms": m.get("platforms", []), "programs": programs,
         "weights": m.get("weights", {}), "entries": entries, "mesh": m.get("mesh"),
+        **({"topologies": slices} if slices else {}),
     }
 
 
@@ -163,6 +167,8 @@ def compile_cli(args, output: str) -> list[str]:
     prog.save(output)
     lines = []
     for topo in topologies:
+        chips, hosts = tpu_compile.slice_size(topo)
+        lines.append(f"{topo}: {chips} chip{'s' if chips != 1 else ''} on {hosts} host{'s' if hosts != 1 else ''}")
         for name, entry in sorted(prog.manifest["compiled"][topo].items()):
             stored = "executable stored" if entry.get("executable") else entry.get("executable_reason", "not stored")
             lines.append(f"{topo} {name}: {tpu_compile.describe_stats(entry['stats'])} [{stored}]")
