@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .specs import as_numpy
+from .specs import as_numpy, dtype_kind
 
 # fp32 default: max error within 1e-5 of the output's scale (its largest magnitude).
 DEFAULT_RTOL = 1e-5
@@ -28,8 +28,7 @@ class Agreement:
 
 
 def _is_inexact(dtype: np.dtype) -> bool:
-    # ml_dtypes' bfloat16 (and float8s) are numpy void-kind dtypes
-    return dtype.kind in "fc" or (dtype.kind == "V" and "float" in dtype.name)
+    return dtype_kind(dtype) in "fc"  # (ml_dtypes' bfloat16 and float8s are numpy void-kind dtypes)
 
 
 def compare(outputs: Sequence, references: Sequence, rtol: float = DEFAULT_RTOL) -> Agreement:

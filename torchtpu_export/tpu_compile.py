@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import pickle
+import re
 
 from .errors import ArtifactError, ConversionError, InputError
 
@@ -139,7 +140,6 @@ _TOPOLOGY_FORMS = ("a generation (v5e, v6e: one chip; v5p, v4: one host), GEN:LA
 def canonical_topology(name: str) -> str:
     """A TPU slice as users name it (``v5e``, ``v5e:1x1``, ``v5litepod-32``, ``v6e-8``, ``v5p-128``) as
     libtpu's ``GEN:LAYOUT`` (``v5e:1x1``, ``v5e:4x8``, ``v6e:2x4``, ``v5p:4x4x4``)."""
-    import re
     text = str(name).strip().lower()
     m = re.fullmatch(r"(v4|v5e|v5p|v6e)", text)
     if m:

@@ -406,7 +406,6 @@ def embedding_bag(ctx, weight, indices, offsets, scale_grad_by_freq=False, mode=
         size = ctx.const(np.full((bags,), k, np.int32))
         return out, ids, size, size
     ones = ctx.const(np.ones((n,), weight.dtype)) if keep is None else ctx.cast(keep, weight.dtype)
-    num = ctx.const(np.asarray([bags], np.int32))
     bag_sum = _bag_sum(ctx, ids, n, bags, weight.dtype)
     if mode == 0:
         out = bag_sum(rows, dim)
@@ -421,6 +420,7 @@ def embedding_bag(ctx, weight, indices, offsets, scale_grad_by_freq=False, mode=
         c = ctx.op("MAXIMUM", [count, ctx.const(np.ones((), weight.dtype))], shape=(bags,), dtype=weight.dtype)
         out = ctx.op("DIV", [s, ctx.reshape(c, (bags, 1))], shape=(bags, dim), dtype=weight.dtype)
         return out, ids, bag_size, bag_size
+    num = ctx.const(np.asarray([bags], np.int32))
     mx = ctx.op("UNSORTED_SEGMENT_MAX", [rows, ids, num], shape=(bags, dim), dtype=weight.dtype)
     nonempty = ctx.op("GREATER", [ctx.reshape(count, (bags, 1)), ctx.const(np.zeros((), weight.dtype))],
                       shape=(bags, 1), dtype=BOOL)

@@ -39,6 +39,17 @@ def _acc(dtype):
     return jnp.float32 if dtype in (jnp.bfloat16, jnp.float16) else dtype
 
 
+def half_rounding(dtype):
+    """``r(v)``: a float32 value rounded to ``dtype`` when that is float16/bfloat16 (identity
+    otherwise), for lowerings that follow torch kernels which round every step to the half type.
+    ``reduce_precision`` is an op of its own, so XLA keeps each rounding (excess precision does not
+    remove it)."""
+    if _acc(dtype) == dtype:
+        return lambda v: v
+    finfo = jnp.finfo(dtype)
+    return lambda v: lax.reduce_precision(v, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
+
+
 # ---- convolution ---------------------------------------------------------------------------
 
 def _dimension_numbers(nd: int):
@@ -412,14 +423,7 @@ def fractional_max_pool(ctx, x, kernel_size, output_size, random_samples):
         x = x[None]
     n, c, spatial = x.shape[0], x.shape[1], x.shape[2:]
     u = random_samples.astype(jnp.float32).reshape((n, c, k))
-    if x.dtype in (jnp.bfloat16, jnp.float16):  # torch's kernel does this arithmetic in the half type
-        finfo = jnp.finfo(x.dtype)
-
-        def r(v):
-            return lax.reduce_precision(v, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
-    else:
-        def r(v):
-            return v
+    r = half_rounding(x.dtype)  # torch's kernel does this arithmetic in the input's type
     # torch reads the samples W, H for 2-D planes and T, H, W for 3-D ones
     order = [1, 0] if k == 2 else list(range(k))
     flat_index = None

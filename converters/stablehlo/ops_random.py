@@ -11,12 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from .ops_nn import _acc
 from .registry import lowers
 
 aten = torch.ops.aten
-
-
-_HALF = (jnp.bfloat16, jnp.float16)
 
 
 def _uniform(ctx, shape, dtype=None):
@@ -31,16 +29,14 @@ def _normal(ctx, shape, dtype=None):
     # half floats: a float32 draw rounded to the half type
     dtype = dtype or ctx.out_dtype()
     floating = jnp.issubdtype(dtype, jnp.floating)
-    draw = jnp.float32 if not floating or dtype in _HALF else dtype
-    z = jax.random.normal(ctx.random_key(), tuple(shape), draw)
-    return z.astype(dtype) if floating and dtype in _HALF else z
+    z = jax.random.normal(ctx.random_key(), tuple(shape), _acc(dtype) if floating else jnp.float32)
+    return z.astype(dtype) if floating else z
 
 
 def _math_dtype(ctx):
     """The dtype a transformed draw is computed in: float32 for half floats (as torch's CPU kernels,
     which transform a float draw and round once), else the output's."""
-    dtype = ctx.out_dtype()
-    return jnp.float32 if dtype in _HALF else dtype
+    return _acc(ctx.out_dtype())
 
 
 @lowers(aten.rand.default, aten.rand.generator)

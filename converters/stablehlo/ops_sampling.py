@@ -6,7 +6,7 @@ from jax import lax
 
 import torch
 
-from .ops_nn import _acc
+from .ops_nn import _acc, half_rounding
 from .registry import lowers
 
 aten = torch.ops.aten
@@ -53,11 +53,7 @@ def _grid_sampler_2d_half(x, grid, interpolation_mode, padding_mode, align_corne
     """torch's CPU kernel in float16/bfloat16: vectorised arithmetic in the half type, every operation
     rounded to it (coordinates, weights, each product and sum of the interpolation, in torch's order).
     Computed in float32 here with an explicit rounding after each step, which XLA keeps."""
-    finfo = jnp.finfo(x.dtype)
-    exp_bits, man_bits = finfo.nexp, finfo.nmant
-
-    def r(v):
-        return lax.reduce_precision(v, exponent_bits=exp_bits, mantissa_bits=man_bits)
+    r = half_rounding(x.dtype)
 
     n, c, h, w = x.shape
     xf, grid = x.astype(jnp.float32), grid.astype(jnp.float32)
@@ -232,11 +228,7 @@ def _grid_sampler_3d_half(x, grid, interpolation_mode, padding_mode, align_corne
     """torch's scalar CPU kernel in float16/bfloat16: every operation in the half type, rounded
     (``((coord + 1) * size - 1) / 2``, reflection by fmod, corner weights as products of distances,
     the eight taps added in torch's order); computed in float32 with an explicit rounding per step."""
-    finfo = jnp.finfo(x.dtype)
-    exp_bits, man_bits = finfo.nexp, finfo.nmant
-
-    def r(v):
-        return lax.reduce_precision(v, exponent_bits=exp_bits, mantissa_bits=man_bits)
+    r = half_rounding(x.dtype)
 
     n, c, d, h, w = x.shape
     xf, grid = x.astype(jnp.float32), grid.astype(jnp.float32)
