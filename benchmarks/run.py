@@ -24,6 +24,7 @@ BENCHMARKS = {
     "pallas": ("pallas_kernels.py", []),
     "tpu-compile": ("tpu_compile.py", ["-o", "RESULTS-tpu-compile.md"]),
     "web": ("web.py", []),
+    "edge-readers": ("edge_readers.py", []),
     "opinfo-peers": ("opinfo_peers.py", ["-o", "RESULTS-opinfo-peers.md"]),
 }
 
