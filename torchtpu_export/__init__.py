@@ -3,6 +3,7 @@
     import torchtpu_export as tte
     edge = tte.convert(module, sample_args)              # LiteRT (.tflite)
     prog = tte.export(module, sample_args, target="tpu")  # StableHLO (.tpu)
+    bundle = tte.export_llm("hf_folder", target="litertlm")  # an LLM for LiteRT-LM (.litertlm)
 
 Importing the package only defines names: a target's toolchain (jax and libtpu, LiteRT, ONNX
 Runtime) is set up when that target is first used.
@@ -10,9 +11,11 @@ Runtime) is set up when that target is first used.
 from ._version import __version__
 from .api import SignatureSet, convert, export, load, signature
 from .debugger import DebugReport, debug
+from .llm import export_llm
 from .errors import (ArtifactError, CaptureError, ConversionError, InputError, NumericsError, OutputError, TteError,
                      UnsafeInputError, UnsupportedOpError)
 from .targets.litert import EdgeModel, to_channel_last_io
+from .targets.litertlm import LitertLmBundle
 from .targets.onnx import OnnxProgram
 from .targets.tpu import TpuProgram
 
@@ -21,8 +24,8 @@ Converter = SignatureSet
 Model = EdgeModel
 
 __all__ = [
-    "__version__", "convert", "export", "load", "signature", "to_channel_last_io", "SignatureSet", "TpuProgram",
-    "EdgeModel", "OnnxProgram", "Converter", "Model", "debug", "DebugReport",
+    "__version__", "convert", "export", "export_llm", "load", "signature", "to_channel_last_io", "SignatureSet", "TpuProgram",
+    "EdgeModel", "OnnxProgram", "LitertLmBundle", "Converter", "Model", "debug", "DebugReport",
     "TteError", "InputError", "UnsafeInputError", "CaptureError", "UnsupportedOpError", "ArtifactError",
     "NumericsError", "OutputError", "ConversionError",
 ]

@@ -71,7 +71,8 @@ def _convert_parser() -> argparse.ArgumentParser:
         description="Convert a PyTorch model to a TPU StableHLO executable (.tpu), a LiteRT flatbuffer (.tflite) "
                     "or ONNX. Other commands: " + ", ".join(f"{n} ({h})" for n, (_, _, h) in sorted(COMMANDS.items())),
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="a .pt2 from torch.export.save, a TorchScript archive, or package.module:factory")
+    p.add_argument("model", help="a .pt2 from torch.export.save, a TorchScript archive, package.module:factory, "
+                                 "or (LLMs) a Hugging Face model folder")
     p.add_argument("--target", required=True, choices=targets.NAMES)
     p.add_argument("-o", "--output", help="output file (default: the model's name with the target's suffix)")
     p.add_argument("--inputs", nargs="+", default=None, metavar="SPEC",
@@ -93,6 +94,11 @@ def _convert_parser() -> argparse.ArgumentParser:
                    help="litert target: 4-D float inputs and outputs in NHWC (camera frames, canvases)")
     p.add_argument("--quantize", default=None, metavar="RECIPE",
                    help="quantization recipe: tpu int8_weight_only, bf16; litert fp16, dynamic_int8, int8 (see README)")
+    p.add_argument("--prefill-lengths", default=None, metavar="N,...",
+                   help="LLM folders: prefill chunk lengths, one signature each (default 128)")
+    p.add_argument("--cache-length", type=int, default=None, metavar="C",
+                   help="LLM folders: KV-cache positions, the most tokens of prompt and reply (default 1024)")
+    p.add_argument("--tokenizer", default=None, help="LLM folders: the tokenizer's folder (default: the model's)")
     p.add_argument("--strict", default="false", choices=["false", "true", "auto"], help="torch.export strict mode")
     p.add_argument("--trust-pickle", action="store_true",
                    help="allow loading a pickled module (torch.save); unpickling runs code from the file")
@@ -115,6 +121,12 @@ def _convert(args) -> int:
     from .models import describe_inputs, ep_input_specs, load_model, parse_inputs
 
     target = targets.get(args.target)
+    if target.llm_only or os.path.isdir(args.model):
+        return _convert_llm(args, target)
+    for flag in ("prefill_lengths", "cache_length", "tokenizer"):
+        if getattr(args, flag) is not None:
+            raise InputError(f"--{flag.replace('_', '-')} applies to LLMs (a Hugging Face model folder), "
+                             f"not {args.model}")
     _check_target_flags(args, target)
     output = args.output or _default_output(args.model, args.target)
     check_writable(output, inputs=(args.model, *_input_files(args.inputs)))
@@ -155,6 +167,34 @@ def _convert(args) -> int:
         from . import progress
         with progress.stage("check"):
             return _check(args, model, margs, mkwargs, artifact)
+    return 0
+
+
+def _convert_llm(args, target) -> int:
+    """An LLM (a Hugging Face model folder or file.py:factory) to prefill/decode programs or a bundle."""
+    from . import llm
+    from .fileio import check_writable
+    for flag in ("inputs", "check"):
+        if getattr(args, flag):
+            raise InputError(f"--{flag} does not apply to LLMs: their inputs are the runtime's (tokens, positions, "
+                             f"mask, KV cache)")
+    _check_target_flags(args, target)
+    try:
+        lengths = tuple(int(n) for n in (args.prefill_lengths or "128").split(","))
+    except ValueError:
+        raise InputError(f"--prefill-lengths takes comma-separated integers, got {args.prefill_lengths!r}") from None
+    base = os.path.basename(os.path.normpath(args.model))
+    output = args.output or (base.split(":")[-1] if ":" in base else base) + target.suffix
+    check_writable(output, inputs=(args.model,))
+    t0 = time.perf_counter()
+    options = target.cli_options(args, (), None)
+    if args.quantize:
+        options["quant_config"] = args.quantize
+    artifact = llm.export_llm(args.model, args.tokenizer, target=target.name, prefill_lengths=lengths,
+                              cache_length=args.cache_length or 1024, **options)
+    artifact.save(output)
+    _out(args, f"wrote {output} ({_human(os.path.getsize(output))}) in {time.perf_counter() - t0:.1f} s "
+               f"[target {target.name}; signatures {', '.join(artifact.signatures)}]")
     return 0
 
 
@@ -273,11 +313,14 @@ def _compile(args) -> int:
 # ---- run -----------------------------------------------------------------------------------
 
 def _run_args(p):
-    p.add_argument("artifact", help="a .tpu, .tflite or .onnx file")
+    p.add_argument("artifact", help="a .tpu, .tflite, .onnx or .litertlm file")
     p.add_argument("--inputs", nargs="+", default=None, metavar="SPEC",
                    help=".npy/.npz files or SHAPE:DTYPE specs; default: random inputs of the artifact's shapes")
     p.add_argument("--signature", default=None, help="program/signature to run (artifacts with several)")
     p.add_argument("-o", "--output", default=None, help="save the outputs to this .npz file")
+    p.add_argument("--prompt", default=None, help=".litertlm: generate text after this prompt (LiteRT-LM's engine)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="with --prompt: the most tokens to generate")
+    p.add_argument("--chat", action="store_true", help="with --prompt: send it as a user message (chat template)")
 
 
 def _run(args) -> int:
@@ -291,6 +334,14 @@ def _run(args) -> int:
         from .fileio import check_writable
         check_writable(args.output, inputs=(args.artifact, *_input_files(args.inputs)))
     art = api.load(args.artifact)
+    if args.prompt is not None:
+        if not hasattr(art, "generate"):
+            raise InputError(f"--prompt applies to LLM bundles (.litertlm), not {args.artifact}")
+        t0 = time.perf_counter()
+        text = art.generate(args.prompt, args.max_new_tokens, chat=args.chat)
+        print(printable(text, newlines=True))
+        _out(args, f"generated in {time.perf_counter() - t0:.2f} s")
+        return 0
     specs = art.inputs(args.signature)
     if args.inputs:
         inputs = parse_inputs(args.inputs, expected=specs)

@@ -24,7 +24,7 @@ _SPEC_RE = re.compile(r"^(?P<shape>scalar|\d+(?:x\d+)*):(?P<dtype>[a-z0-9]+)(?::
 
 
 def sniff_model(path: str) -> str:
-    """``"pt2"``, ``"torchscript"``, ``"pickle"``, ``"tpu"``, ``"litert"``, ``"onnx"`` for the file at ``path``."""
+    """``"pt2"``, ``"torchscript"``, ``"pickle"``, ``"tpu"``, ``"litert"``, ``"litertlm"``, ``"onnx"`` for the file at ``path``."""
     if not os.path.exists(path):
         raise InputError(f"{path} does not exist")
     if os.path.isdir(path):
@@ -34,6 +34,8 @@ def sniff_model(path: str) -> str:
         raise InputError(f"{path} is empty")
     with open(path, "rb") as f:
         head = f.read(8)
+    if head == b"LITERTLM":
+        return "litertlm"
     if head[4:8] == b"TFL3":
         return "litert"
     if head[:1] == b"\x80":
@@ -283,7 +285,8 @@ def _import_file(path: str):
     return mod
 
 
-def _load_factory(spec: str):
+def call_factory(spec: str):
+    """What the function ``package.module:factory`` or ``path/to/file.py:factory`` returns."""
     module_name, _, attr = spec.rpartition(":")
     if module_name.endswith(".py"):
         mod = _import_file(module_name)
@@ -298,7 +301,11 @@ def _load_factory(spec: str):
     factory = getattr(mod, attr, None)
     if not callable(factory):
         raise InputError(f"{module_name} has no callable {attr}")
-    made = factory()
+    return factory()
+
+
+def _load_factory(spec: str):
+    made = call_factory(spec)
     if isinstance(made, torch.nn.Module):
         return made, (), {}
     if isinstance(made, tuple) and len(made) in (2, 3) and callable(made[0]):

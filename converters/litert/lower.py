@@ -92,7 +92,7 @@ def lower(prog: AtenProgram) -> Graph:
     graph = Graph(prog.name)
     graph.quant = prog.quant
     ctx = BuildContext(graph)
-    env: dict = {}
+    env: dict = ctx.env
     cap = prog.captured
     # Every captured input is a signature input, used or not; 64-bit inputs are cast on entry.
     for spec, node in zip(cap.inputs, prog.inputs):

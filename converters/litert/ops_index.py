@@ -200,13 +200,14 @@ def scatter_reduce(ctx, x, dim, idx, src, reduce, *, include_self=True):
     return scatter_flat(ctx, x, _flat_positions(ctx, x.shape, dim, idx, x.shape[dim]), src, reduce, include_self)
 
 
-def _single_index_update(ctx, x, dim, idx, values):
-    # ``x`` with ``values`` written at a runtime position along ``dim``: DYNAMIC_UPDATE_SLICE.
+def _single_index_update(ctx, x, dim, idx, values, block: bool = False):
+    # ``x`` with ``values`` written at a runtime position along ``dim`` (a block of them from there with
+    # ``block``): DYNAMIC_UPDATE_SLICE.
     start = []
     for d in range(x.rank):
         start.append(ctx.reshape(ctx.cast(idx, I32), (1,)) if d == dim else ctx.const(np.zeros((1,), np.int32)))
     start_t = ctx.op("CONCATENATION", start, shape=(x.rank,), dtype=I32, axis=0)
-    upd_shape = x.shape[:dim] + (1,) + x.shape[dim + 1:]
+    upd_shape = x.shape[:dim] + (values.shape[dim] if block else 1,) + x.shape[dim + 1:]
     values = ctx.broadcast_to(ctx.cast(values, x.dtype), upd_shape) if values.shape != upd_shape else \
         ctx.cast(values, x.dtype)
     return ctx.op("DYNAMIC_UPDATE_SLICE", [x, values, start_t], shape=x.shape, dtype=x.dtype)
@@ -279,8 +280,25 @@ def index_copy(ctx, x, dim, idx, src):
     dim = dim % x.rank
     if idx.size == 1 and not idx.is_const:
         return _single_index_update(ctx, x, dim, idx, src)
+    start = _contiguous_start(ctx, ctx.node.args[2] if ctx.node is not None else None, idx)
+    if start is not None and src.shape[dim] == idx.size:  # a block written from a runtime start (a KV cache)
+        return _single_index_update(ctx, x, dim, start, src, block=True)
     indices = [None] * dim + [idx]
     return index_put(ctx, x, indices, src)
+
+
+def _contiguous_start(ctx, node, idx):
+    """The runtime start ``s`` when the index is ``s + arange(n)`` (one DYNAMIC_UPDATE_SLICE writes it), else None."""
+    import torch.fx
+    if not isinstance(node, torch.fx.Node) or node.target not in (aten.add.Tensor, aten.add.Scalar) or idx.is_const:
+        return None
+    a, b = (ctx.value(x) if isinstance(x, torch.fx.Node) else None for x in node.args[:2])
+    for ramp, start in ((a, b), (b, a)):
+        if isinstance(ramp, Tensor) and ramp.is_const and ramp.data.shape == (idx.size,) and \
+                np.array_equal(ramp.data, np.arange(idx.size)) and isinstance(start, Tensor) and start.size == 1 \
+                and not start.is_const:
+            return start
+    return None
 
 
 @builds(aten.index_add.default)

@@ -137,6 +137,11 @@ class BuildContext:
         # values computed at run time from the dynamic sizes alone (shape vectors, masks), made once
         # per graph: ops run in the order they are emitted, so an earlier result serves later nodes
         self.cache: dict = {}
+        self.env: dict = {}  # fx node -> its value, for builders that look at how an argument was made
+
+    def value(self, node):
+        """The value built for ``node`` (an argument's producer), or None if it has none yet."""
+        return self.env.get(node)
 
     # ---- what torch says about the node ------------------------------------------------
 

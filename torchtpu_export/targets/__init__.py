@@ -12,7 +12,7 @@ import importlib
 from ..errors import InputError
 from .base import Runnable, Target
 
-NAMES = ("tpu", "litert", "onnx")  # in the order the CLI and the docs list them
+NAMES = ("tpu", "litert", "onnx", "litertlm")  # in the order the CLI and the docs list them
 
 
 def get(name: str) -> Target:

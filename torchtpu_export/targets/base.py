@@ -45,6 +45,12 @@ class Target:
     multi_signature: bool = True  # several signatures (tte.signature) in one artifact
     debuggable: bool = True  # `torchtpu-export debug` compares its intermediates
     gpu_check: Callable | None = None  # path -> {"compatible", "problems"}: `inspect --gpu` (a GPU delegate's verdict)
+    # LLMs (llm.export_llm): the target whose converter makes the prefill/decode programs (None: this one),
+    # what wraps them into this target's artifact ((program, source, cache layout, prefill lengths) -> Runnable),
+    # and whether the target takes only LLMs (its CLI input is a model folder, not a module)
+    program_target: str | None = None
+    from_llm: Callable | None = None
+    llm_only: bool = False
 
 
 def no_topologies(topologies) -> None:

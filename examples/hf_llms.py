@@ -1,0 +1,111 @@
+"""Tiny Hugging Face causal LMs saved as model folders (config.json, safetensors, tokenizer.json), for
+``torchtpu-export FOLDER --target litertlm`` and the tests. Seeded random weights, a BPE tokenizer
+trained here on a few sentences: nothing is downloaded.
+
+    python examples/hf_llms.py /tmp/llms            # one folder per architecture
+    python examples/hf_llms.py /tmp/llms qwen3 llama
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, this is a tiny language model",
+          "tokens are made locally from a small corpus of text", "on device models run on phones and in browsers",
+          "a cache of keys and values makes decoding fast"]
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>"]
+# a chat template in the ChatML style Qwen uses; models whose tokenizer starts with <bos> render it first, as
+# Llama 3's and Gemma's templates do (LiteRT-LM puts the start token first itself, and renders bos_token empty)
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2)
+
+
+def tokenizer(add_bos: bool = True, vocab: int = 320):
+    """A byte-level BPE tokenizer (transformers' fast tokenizer), with or without a leading <bos>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIALS,
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                           special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   chat_template=("{{ bos_token }}" if add_bos else "") + CHAT_TEMPLATE)
+
+
+def _ids(tok):
+    return dict(vocab_size=len(tok), bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def llama(tok):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(**SMALL, **_ids(tok), rope_theta=500000.0))
+
+
+def qwen2(tok):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(**SMALL, **_ids(tok), tie_word_embeddings=True))
+
+
+def qwen3(tok):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    return Qwen3ForCausalLM(Qwen3Config(**SMALL, **_ids(tok), head_dim=32, tie_word_embeddings=True))
+
+
+def gemma3(tok):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    cfg = Gemma3TextConfig(**dict(SMALL, num_hidden_layers=3), **_ids(tok), head_dim=16, sliding_window=8,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    return Gemma3ForCausalLM(cfg)
+
+
+def phi3(tok):
+    from transformers import Phi3Config, Phi3ForCausalLM
+    return Phi3ForCausalLM(Phi3Config(**SMALL, **_ids(tok)))
+
+
+def mistral(tok):
+    from transformers import MistralConfig, MistralForCausalLM
+    return MistralForCausalLM(MistralConfig(**SMALL, **_ids(tok), sliding_window=12))
+
+
+def smollm(tok):  # SmolLM is a Llama with tied embeddings
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(**SMALL, **_ids(tok), tie_word_embeddings=True))
+
+
+# architecture -> (model builder, whether its tokenizer puts <bos> first)
+MODELS = {"llama": (llama, True), "qwen2": (qwen2, False), "qwen3": (qwen3, False), "gemma3": (gemma3, True),
+          "phi3": (phi3, True), "mistral": (mistral, True), "smollm": (smollm, False)}
+
+
+def build(name: str, seed: int = 0):
+    """``(model, tokenizer)`` for architecture ``name``, seeded."""
+    make, add_bos = MODELS[name]
+    tok = tokenizer(add_bos)
+    torch.manual_seed(seed)
+    return make(tok).eval(), tok
+
+
+def save_folder(name: str, path: str, seed: int = 0) -> str:
+    """Writes architecture ``name`` as a Hugging Face model folder at ``path``."""
+    model, tok = build(name, seed)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    for arch in sys.argv[2:] or list(MODELS):
+        print(save_folder(arch, os.path.join(sys.argv[1], arch)))

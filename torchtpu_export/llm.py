@@ -1,0 +1,393 @@
+"""LLMs: a causal LM from transformers (a local folder or a factory), wrapped once with a KV cache of the
+project's own, exported as prefill and decode programs for any target.
+
+The wrapper (:class:`CacheStep`) runs the transformers model itself (its embeddings, RoPE variant, norms,
+attention, tied head and logit transforms) and only replaces its cache: the caches are inputs and
+outputs named ``kv_cache_k_<i>`` / ``kv_cache_v_<i>``, shaped ``[1, kv_heads, C, head_dim]``, and a step
+of ``N`` tokens writes them contiguously from ``input_pos[0]`` (LiteRT-LM pads a prefill chunk with
+zeros: a write per token at its own position would send the padding to slot 0). The attention mask is
+an input (``[1, 1, N, C]``, 0 visible, a large negative masked); sliding-window layers mask further by
+position. So no architecture is re-authored: one that transformers builds from these blocks works.
+
+``export_llm`` is the one entry: ``target="litertlm"`` gives a :class:`~.targets.litertlm.LitertLmBundle`
+(LiteRT-LM's on-device format), ``target="tpu"`` a TpuProgram with the same signatures.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+from typing import Sequence
+
+import torch
+
+from .errors import InputError
+
+# what LiteRT-LM and litert-torch call the signatures and tensors (the bundle contract)
+PREFILL = "prefill_{}"
+DECODE = "decode"
+
+# The runtime passes a message's content as a list of {"type": "text", "text": ...} parts; HF templates
+# expect a string. This prelude joins the parts, so the model's own template works unchanged on both.
+_PARTS_PRELUDE = (
+    "{%- set _tte = namespace(msgs=[], text='') -%}"
+    "{%- for _m in messages -%}"
+    "{%- if _m['content'] is string -%}{%- set _tte.msgs = _tte.msgs + [_m] -%}"
+    "{%- else -%}{%- set _tte.text = '' -%}"
+    "{%- for _p in _m['content'] -%}{%- if _p['type'] == 'text' -%}{%- set _tte.text = _tte.text + _p['text'] -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- set _tte.msgs = _tte.msgs + [{'role': _m['role'], 'content': _tte.text}] -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- set messages = _tte.msgs -%}"
+)
+
+
+def parts_template(template: str) -> str:
+    """``template`` (an HF chat template) taking message contents as strings or lists of text parts."""
+    return _PARTS_PRELUDE + template
+
+
+@dataclasses.dataclass
+class LlmTokenizer:
+    """What a bundle needs of a tokenizer: the HF ``tokenizer.json``, the special tokens and the chat template."""
+
+    json: str
+    bos_id: int | None  # the token the tokenizer puts first (None: it puts none)
+    stop_ids: list[int]
+    pad_id: int | None
+    chat_template: str | None
+
+    @classmethod
+    def from_dir(cls, path: str, stop_ids: Sequence[int] = ()) -> "LlmTokenizer":
+        """From a Hugging Face folder: ``tokenizer.json`` (required), ``tokenizer_config.json``,
+        ``chat_template.jinja`` and ``generation_config.json`` (optional)."""
+        tj = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tj):
+            raise InputError(f"{path} has no tokenizer.json",
+                             hint="save the tokenizer there (tokenizer.save_pretrained(folder)) or pass tokenizer=; "
+                                  "only fast (tokenizers-library) tokenizers can be bundled")
+        text = _read_text(tj)
+        config = _read_json(os.path.join(path, "tokenizer_config.json")) or {}
+        template = config.get("chat_template")
+        jinja = os.path.join(path, "chat_template.jinja")
+        if os.path.isfile(jinja):
+            template = _read_text(jinja)
+        if isinstance(template, list):  # several named templates: the default one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        gen = _read_json(os.path.join(path, "generation_config.json")) or {}
+        return cls.build(text, config, template, [*stop_ids, *_ids(gen.get("eos_token_id"))])
+
+    @classmethod
+    def build(cls, text: str, config: dict, template: str | None, stop_ids: Sequence[int]) -> "LlmTokenizer":
+        from tokenizers import Tokenizer
+        try:
+            tok = Tokenizer.from_str(text)
+        except Exception as e:
+            raise InputError(f"tokenizer.json is not a tokenizer the tokenizers library reads: {e}") from e
+
+        def token_id(key):
+            tok_str = config.get(key)
+            if isinstance(tok_str, dict):
+                tok_str = tok_str.get("content")
+            return tok.token_to_id(tok_str) if isinstance(tok_str, str) else None
+
+        with_special, plain = tok.encode("a").ids, tok.encode("a", add_special_tokens=False).ids
+        bos = with_special[0] if len(with_special) > len(plain) and with_special[-len(plain):] == plain else None
+        stops = list(dict.fromkeys([*stop_ids, *([token_id("eos_token")] if token_id("eos_token") is not None
+                                                   else [])]))
+        return cls(text, bos, stops, token_id("pad_token"), template)
+
+    @classmethod
+    def from_object(cls, tokenizer, stop_ids: Sequence[int] = ()) -> "LlmTokenizer":
+        """From a transformers fast tokenizer, a ``tokenizers.Tokenizer`` or a folder path."""
+        if isinstance(tokenizer, (str, os.PathLike)):
+            return cls.from_dir(os.fspath(tokenizer), stop_ids)
+        from tokenizers import Tokenizer
+        if isinstance(tokenizer, Tokenizer):
+            return cls.build(tokenizer.to_str(), {}, None, stop_ids)
+        backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+        if not isinstance(backend, Tokenizer):
+            raise InputError(f"tokenizer {type(tokenizer).__name__} has no tokenizer.json form",
+                             hint="use a fast tokenizer (transformers' PreTrainedTokenizerFast)")
+        config = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token")}
+        return cls.build(backend.to_str(), config, getattr(tokenizer, "chat_template", None), stop_ids)
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read {path}: {e}") from e
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    try:
+        data = json.loads(_read_text(path))
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise InputError(f"{path} is not a JSON object")
+    return data
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class LlmSource:
+    model: object  # a transformers causal LM (or a module with the same call), in eval mode
+    tokenizer: LlmTokenizer | None
+    name: str
+
+
+def load_source(model_or_path, tokenizer=None) -> LlmSource:
+    """The model and tokenizer from a local Hugging Face folder, ``file.py:factory`` (returning a model
+    or ``(model, tokenizer)``), or a model object. Local files only: nothing is downloaded."""
+    from .models import call_factory, is_factory
+
+    stop_ids: list[int] = []
+    if isinstance(model_or_path, torch.nn.Module):
+        model, name = model_or_path, type(model_or_path).__name__
+    elif isinstance(model_or_path, (str, os.PathLike)) and os.path.isdir(model_or_path):
+        path = os.fspath(model_or_path)
+        model, name = _load_hf_folder(path), os.path.basename(os.path.abspath(path))
+        tokenizer = path if tokenizer is None else tokenizer
+    elif isinstance(model_or_path, str) and is_factory(model_or_path):
+        made = call_factory(model_or_path)
+        model, name = (made[0], model_or_path.rpartition(":")[2]) if isinstance(made, tuple) else \
+            (made, model_or_path.rpartition(":")[2])
+        if isinstance(made, tuple) and tokenizer is None:
+            tokenizer = made[1]
+    elif isinstance(model_or_path, (str, os.PathLike)):
+        raise InputError(f"{os.fspath(model_or_path)} is neither a Hugging Face model folder nor file.py:factory",
+                         hint="give the folder that holds config.json, the safetensors weights and tokenizer.json")
+    else:
+        raise InputError(f"export_llm takes a model folder, file.py:factory or a module, "
+                         f"not {type(model_or_path).__name__}")
+    config = getattr(model, "config", None)
+    if config is None:
+        raise InputError(f"{name} has no transformers config: export_llm takes a transformers causal LM")
+    stop_ids += _ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    stop_ids += _ids(getattr(config, "eos_token_id", None))
+    tok = LlmTokenizer.from_object(tokenizer, stop_ids) if tokenizer is not None else None
+    model.eval()
+    return LlmSource(model, tok, name)
+
+
+def _load_hf_folder(path: str):
+    """A causal LM from config.json and its safetensors weights (local files only)."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise InputError(f"{path} has no config.json: not a Hugging Face model folder",
+                         hint="save the model there with model.save_pretrained(folder)")
+    weights = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    if not weights:
+        bins = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth"))]
+        raise InputError(f"{path} has no .safetensors weights" + (f" ({', '.join(bins)} are pickles, never loaded)"
+                                                                    if bins else ""),
+                         hint="save with model.save_pretrained(folder) (safetensors is its default)")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:
+        raise InputError(f"{cfg_path}: transformers does not know this architecture ({_first_line(e)})",
+                         hint="a newer transformers may know it; architectures must be causal LMs") from e
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        raise InputError(f"{cfg_path}: {config.model_type!r} is not a causal LM architecture transformers "
+                         f"can build (architectures {getattr(config, 'architectures', None)})")
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32",
+                                                    use_safetensors=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise InputError(f"cannot load the weights in {path}: {_first_line(e)}") from e
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+# ---- the wrapper ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    length: int  # C: positions the cache holds
+
+    @classmethod
+    def of(cls, config, length: int) -> "CacheLayout":
+        text = getattr(config, "text_config", None) or config
+        heads = text.num_attention_heads
+        kv = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return cls(text.num_hidden_layers, kv, head_dim, length)
+
+    def names(self) -> list[str]:
+        return [f"kv_cache_{kv}_{i}" for i in range(self.layers) for kv in "kv"]
+
+    def empty(self, dtype=None) -> dict:
+        shape = (1, self.kv_heads, self.length, self.head_dim)
+        return {n: torch.zeros(shape, dtype=dtype or torch.float32) for n in self.names()}
+
+
+class _StepCache:
+    """The transformers ``Cache`` protocol over the step's cache tensors: ``update`` writes a layer's new
+    keys and values contiguously from ``start`` and gives the whole cache to attend over."""
+
+    is_compileable = True
+
+    def __init__(self, caches: dict, layers: int, start):
+        self.k = [caches[f"kv_cache_k_{i}"] for i in range(layers)]
+        self.v = [caches[f"kv_cache_v_{i}"] for i in range(layers)]
+        self.start = start.to(torch.int64)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        idx = self.start + torch.arange(key_states.shape[2], dtype=torch.int64)
+        self.k[layer_idx] = self.k[layer_idx].index_copy(2, idx, key_states.to(self.k[layer_idx].dtype))
+        self.v[layer_idx] = self.v[layer_idx].index_copy(2, idx, value_states.to(self.v[layer_idx].dtype))
+        return self.k[layer_idx], self.v[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+class CacheStep(torch.nn.Module):
+    """One step of ``N`` tokens: ``(tokens [1,N] int32, input_pos [N] int32, mask [1,1,N,C] f32, caches)``
+    → ``{"logits" [1,N,V] (decode only), caches}``, the caches updated under their own names."""
+
+    def __init__(self, model, layout: CacheLayout, logits: bool):
+        super().__init__()
+        self.model, self.layout, self.logits = model, layout, logits
+        config = model.config
+        self.window = getattr(config, "sliding_window", None)
+        self.layer_types = getattr(config, "layer_types", None)
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def _masks(self, mask, input_pos):
+        """The full-attention mask as given, and, where the config has sliding-window layers, theirs."""
+        sliding = None
+        if self.window:
+            kv_pos = torch.arange(self.layout.length, dtype=torch.int64)
+            far = (input_pos.to(torch.int64)[:, None] - kv_pos[None, :]) >= self.window
+            sliding = torch.where(far[None, None], torch.finfo(mask.dtype).min, mask)
+        if self.layer_types:  # models that take one mask per layer type
+            return {t: (sliding if t == "sliding_attention" and sliding is not None else mask)
+                    for t in set(self.layer_types)}
+        return mask if sliding is None else sliding  # sliding_window without layer types: every layer slides
+
+    def forward(self, tokens, input_pos, mask, **caches):
+        cache = _StepCache(caches, self.layout.layers, input_pos[0])
+        out = self.model(input_ids=tokens, attention_mask=self._masks(mask, input_pos),
+                         position_ids=input_pos[None], use_cache=True, **{self.cache_kw: cache})
+        result = {"logits": out.logits} if self.logits else {}
+        for i in range(self.layout.layers):
+            result[f"kv_cache_k_{i}"], result[f"kv_cache_v_{i}"] = cache.k[i], cache.v[i]
+        return result
+
+
+def step_inputs(layout: CacheLayout, n: int) -> dict:
+    """Sample inputs of an ``n``-token step (the runtime's names, shapes and dtypes)."""
+    return dict(tokens=torch.zeros(1, n, dtype=torch.int32), input_pos=torch.arange(n, dtype=torch.int32),
+                mask=torch.zeros(1, 1, n, layout.length), **layout.empty())
+
+
+def check_options(source: LlmSource, prefill_lengths: Sequence[int], cache_length: int) -> list[int]:
+    config = source.model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise InputError(f"{source.name} is an encoder-decoder model; export_llm takes decoder-only causal LMs")
+    lengths = sorted({int(n) for n in prefill_lengths})
+    if not lengths or lengths[0] < 1:
+        raise InputError(f"prefill lengths must be positive, got {list(prefill_lengths)}")
+    if cache_length < 2:
+        raise InputError(f"cache length must be at least 2, got {cache_length}")
+    if lengths[-1] > cache_length:
+        raise InputError(f"prefill length {lengths[-1]} is above the cache length {cache_length}",
+                         hint="a prefill chunk must fit in the cache: lower --prefill-lengths or raise --cache-length")
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and cache_length > limit:
+        raise InputError(f"cache length {cache_length} is above the model's max_position_embeddings {limit}")
+    return lengths
+
+
+def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefill_lengths: Sequence[int] = (128,),
+               cache_length: int = 1024, quant_config=None, **options):
+    """Exports a causal LM's prefill (one signature per length, ``prefill_<N>``) and ``decode`` steps.
+
+    ``model_or_path``: a local Hugging Face folder (config.json, safetensors weights, tokenizer.json),
+    ``file.py:factory`` returning a model or ``(model, tokenizer)``, or a transformers model.
+    ``target="litertlm"`` returns a bundle for LiteRT-LM (``.save("model.litertlm")``; ``generate``);
+    ``target="tpu"`` (or ``"litert"``) the target's runnable with the same signatures.
+    """
+    from . import targets
+    from .api import SignatureSet
+    source = load_source(model_or_path, tokenizer)
+    lengths = check_options(source, prefill_lengths, cache_length)
+    layout = CacheLayout.of(source.model.config, cache_length)
+    t = targets.get(target)
+    program_target = t.program_target or target
+    sigs = SignatureSet()
+    for n in lengths:
+        sigs.signature(PREFILL.format(n), CacheStep(source.model, layout, logits=False), (), step_inputs(layout, n))
+    sigs.signature(DECODE, CacheStep(source.model, layout, logits=True), (), step_inputs(layout, 1))
+    if quant_config is not None:
+        options["quant_config"] = quant_config
+    with torch.no_grad():
+        program = sigs.export(target=program_target, **options)
+    if t.from_llm is None:
+        return program
+    return t.from_llm(program, source, layout, lengths)
+
+
+def host_generate(program, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
+    """Greedy tokens from a program with ``prefill_<N>`` and ``decode`` signatures (any target's runnable),
+    driven from the host the way LiteRT-LM drives a bundle: prompt chunks padded with zeros, cache writes
+    from each chunk's first position, the last prompt token decoded. A reference loop for checks: the
+    cache goes through the host on every step."""
+    import numpy as np
+    sigs = program.signatures
+    lengths = sorted(int(s.split("_")[1]) for s in sigs if s.startswith("prefill_"))
+    specs = {s.name: s for s in program.inputs(DECODE)}
+    length = specs["mask"].shape[-1]
+    caches = {n: np.zeros(s.shape, np.dtype(s.dtype)) for n, s in specs.items() if n.startswith("kv_cache_")}
+    ids = list(prompt_ids)
+    if len(ids) + max_new_tokens > length:
+        raise InputError(f"{len(ids)} prompt tokens and {max_new_tokens} new ones do not fit the cache of {length}")
+
+    def step(sig, tokens, start):
+        n = len(tokens) if sig == DECODE else int(sig.split("_")[1])
+        pos = np.arange(start, start + n, dtype=np.int32)
+        mask = np.where(np.arange(length)[None, :] <= pos[:, None], 0.0, np.finfo(np.float32).min)
+        feed = dict(tokens=np.array([list(tokens) + [0] * (n - len(tokens))], np.int32), input_pos=pos,
+                    mask=mask[None, None].astype(np.float32), **caches)
+        outs = program(signature_name=sig, **feed)
+        caches.update({k: v for k, v in outs.items() if k in caches})
+        return outs.get("logits")
+
+    done = 0
+    while done < len(ids) - 1:  # the prompt but its last token, in the largest chunks that help
+        left = len(ids) - 1 - done
+        n = next((k for k in lengths if k >= left), lengths[-1])
+        take = min(n, left)
+        step(PREFILL.format(n), ids[done:done + take], done)
+        done += take
+    out: list[int] = []
+    token = ids[-1]
+    for pos in range(len(ids) - 1, len(ids) - 1 + max_new_tokens):
+        token = int(np.argmax(step(DECODE, [token], pos)[0, -1]))
+        if token in stop_ids:
+            break
+        out.append(token)
+    return out
