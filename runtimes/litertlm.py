@@ -14,7 +14,7 @@ def _litert_lm():
     try:
         import litert_lm
     except ImportError as e:
-        raise InputError("running a .litertlm needs LiteRT-LM's engine: pip install litert-lm-api") from e
+        raise InputError("running a .litertlm needs LiteRT-LM's engine: pip install 'torchtpu-export[litertlm]'") from e
     litert_lm.set_min_log_severity(litert_lm.LogSeverity.ERROR)
     return litert_lm
 

@@ -207,10 +207,19 @@ def _load_hf_folder(path: str):
         raise InputError(f"{cfg_path}: {config.model_type!r} is not a causal LM architecture transformers "
                          f"can build (architectures {getattr(config, 'architectures', None)})")
     try:
-        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32",
-                                                    use_safetensors=True)
+        hf_logging.set_verbosity_error()  # its load report is checked here, not printed
+        model, info = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32",
+                                                           use_safetensors=True, output_loading_info=True)
     except (OSError, ValueError, RuntimeError) as e:
         raise InputError(f"cannot load the weights in {path}: {_first_line(e)}") from e
+    finally:
+        hf_logging.set_verbosity_warning()
+    # a weight the checkpoint lacks would be random: never a silently wrong model
+    missing = sorted(info.get("missing_keys") or []) + [str(k) for k in info.get("mismatched_keys") or []]
+    if missing:
+        raise InputError(f"{path}: the safetensors weights do not match the {type(model).__name__} that "
+                         f"config.json describes ({len(missing)} missing or mismatched, e.g. {missing[0]})")
+    return model
 
 
 def _first_line(e: Exception) -> str:

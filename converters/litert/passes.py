@@ -8,6 +8,7 @@ over the activations, which is near-linear on these graphs).
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import numpy as np
@@ -346,6 +347,39 @@ def use_fully_connected(g: Graph) -> Graph:
     return _drop_ops(g, fold)
 
 
+# Weights scaled by fold_affine_into_fully_connected, shared by every signature of one conversion (a
+# decoder's prefill and decode steps fold the same norm into the same weights: one copy, not one each).
+# Folding copies the weights it scales, so it stops at FOLD_COPY_BUDGET bytes of copies: a large model
+# (an LLM's norms before every projection) converts in about the memory its weights take, and keeps
+# those norms' MULs, a pass over activations that costs little next to the matmuls.
+_SCALED: dict | None = None
+FOLD_COPY_BUDGET = 64 << 20
+
+
+@contextlib.contextmanager
+def shared_folds():
+    """Within it, folded weights are made once per (weight, scale) and reused across graphs."""
+    global _SCALED
+    _SCALED = {}
+    try:
+        yield
+    finally:
+        _SCALED = None
+
+
+def _scaled_columns(w: np.ndarray, vec: np.ndarray) -> np.ndarray:
+    key = (w.__array_interface__["data"][0], w.shape, w.strides, w.dtype.str, vec.tobytes())
+    if _SCALED is not None and key in _SCALED:
+        return _SCALED[key][1]
+    copied = sum(v[1].nbytes for v in _SCALED.values()) if _SCALED is not None else 0
+    if copied + w.nbytes > FOLD_COPY_BUDGET:
+        return None
+    new_w = np.require((w * vec.astype(w.dtype)[None, :]).astype(w.dtype, copy=False), requirements="C")
+    if _SCALED is not None:
+        _SCALED[key] = (w, new_w)  # w held too: its address stays its own while the key lives
+    return new_w
+
+
 def fold_affine_into_fully_connected(g: Graph) -> Graph:
     """``x * c`` and ``x + c`` (c constant along the last axis) read only by FULLY_CONNECTED layers become
     part of their weights and biases: a norm's scale and shift cost nothing before a linear layer."""
@@ -371,11 +405,14 @@ def fold_affine_into_fully_connected(g: Graph) -> Graph:
                           for u in fcs):
             continue  # a weight another op also reads (tied embeddings) stays as it is
         vec = np.broadcast_to(c.data.reshape(-1), (k,)).astype(np.float64)
-        for fc in fcs:
+        if op.code == "MUL":
+            scaled = [_scaled_columns(fc.inputs[1].data, vec) for fc in fcs]
+            if any(w is None for w in scaled):
+                continue  # past the copy budget: the MUL stays (one pass over activations, no copy of weights)
+        for j, fc in enumerate(fcs):
             w = fc.inputs[1].data
             if op.code == "MUL":
-                new_w = (w * vec.astype(w.dtype)[None, :]).astype(w.dtype)
-                fc.inputs[1] = Tensor(fc.inputs[1].name, w.shape, w.dtype, np.require(new_w, requirements="C"))
+                fc.inputs[1] = Tensor(fc.inputs[1].name, w.shape, w.dtype, scaled[j])
             else:
                 bias = fc.inputs[2].data.astype(np.float64) if len(fc.inputs) > 2 and fc.inputs[2] is not None \
                     else np.zeros(w.shape[0])

@@ -104,8 +104,11 @@ class LitertLmBundle(Runnable):
 
 def pack(edge, tokenizer, metadata: dict, tmp: str, out) -> None:
     """Writes the bundle to the binary stream ``out`` with litert-lm-builder (files staged in ``tmp``)."""
-    from litert_lm_builder import litertlm_builder as lb
-    from litert_lm_builder.runtime.proto import llm_metadata_pb2
+    try:
+        from litert_lm_builder import litertlm_builder as lb
+        from litert_lm_builder.runtime.proto import llm_metadata_pb2
+    except ImportError as e:
+        raise InputError("writing a .litertlm needs LiteRT-LM's packer: pip install 'torchtpu-export[litertlm]'") from e
     model_path, tok_path, meta_path = (os.path.join(tmp, n) for n in ("model.tflite", "tokenizer.json", "llm.pb"))
     edge.export(model_path)
     with open(tok_path, "w", encoding="utf-8") as f:
@@ -149,8 +152,11 @@ def read_sections(path: str) -> list[dict]:
             header = f.read(header_end - _HEADER_BEGIN)
     except OSError as e:
         raise InputError(f"cannot read {path}: {e.strerror}") from e
-    from litert_lm_builder import litertlm_core
-    from litert_lm_builder import litertlm_header_schema_py_generated as schema
+    try:
+        from litert_lm_builder import litertlm_core
+        from litert_lm_builder import litertlm_header_schema_py_generated as schema
+    except ImportError as e:
+        raise InputError("reading a .litertlm needs LiteRT-LM's packer: pip install 'torchtpu-export[litertlm]'") from e
     try:
         meta = schema.LiteRTLMMetaData.GetRootAs(header, 0)
         objects = meta.SectionMetadata()
