@@ -170,3 +170,60 @@ def test_not_a_folder_and_damaged_bundles(folders, tmp_path):
     bad.write_bytes(b"LITERTLM" + b"\x01\x00\x00\x00" * 4 + (10 ** 12).to_bytes(8, "little") + b"\0" * 64)
     r = run_cli("inspect", bad)
     assert r.returncode == 5 and "outside the file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# ---- quantization for LLMs -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("block", [32, 64])
+def test_int4_blockwise_linear_is_the_dequantized_matmul(block):
+    """LiteRT's blockwise int4 kernel on our file computes x @ dequant(W): the only error beyond the
+    weights' rounding is the runtime's dynamic quantization of the activations."""
+    from converters.litert.quantize import blockwise_int4
+    torch.manual_seed(0)
+    m = torch.nn.Linear(256, 64).eval()
+    x = torch.randn(3, 256)
+    edge = tte.convert(m, (x,), quant_config={"recipe": "int4_blockwise", "block_size": block})
+    q, s = blockwise_int4(m.weight.detach().numpy(), block)
+    assert s.shape == (64, 256 // block) and s.dtype == np.float16 and q.min() >= -8 and q.max() <= 7
+    w = (q.astype(np.float32).reshape(64, -1, block) * s.astype(np.float32)[..., None]).reshape(64, 256)
+    want = x.numpy() @ w.T + m.bias.detach().numpy()
+    got = edge(x)
+    assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
+    assert edge.quant_report.quant_bytes < edge.quant_report.float_bytes / 5  # 4 bits + a scale per block
+    from torchtpu_export.litert_format import validate
+    model = validate(edge.model_content())
+    sub = model.Subgraphs(0)
+    types = {sub.Tensors(j).Type() for j in range(sub.TensorsLength())}
+    from ai_edge_litert import schema_py_generated as fb
+    assert fb.TensorType.INT4 in types
+
+
+def test_quantized_bundles_run_in_litert_lm(folders, tmp_path):
+    for recipe in ("dynamic_int8", "int4_blockwise"):
+        out = tmp_path / f"{recipe}.litertlm"
+        r = run_cli(folders["qwen3"], "--target", "litertlm", "--prefill-lengths", "16", "--cache-length", "96",
+                    "--quantize", recipe, "-o", out)
+        assert r.returncode == 0, r.stderr
+        bundle = tte.load(out)
+        text = bundle.generate(SHORT, 16)
+        ids = bundle.engine().tokenize(SHORT)
+        from transformers import AutoTokenizer
+        want = AutoTokenizer.from_pretrained(folders["qwen3"]).decode(llm.host_generate(bundle.edge, ids, 16, [2]))
+        assert text == want, recipe  # the engine runs the quantized graph our interpreter runs
+
+
+def test_blockwise_scales_out_of_range_are_refused():
+    from ai_edge_litert import schema_py_generated as fb
+    from torchtpu_export.errors import ArtifactError
+    from torchtpu_export.litert_format import validate
+    import flatbuffers
+    m = torch.nn.Linear(64, 32).eval()
+    content = tte.convert(m, (torch.randn(1, 64),), quant_config="int4_blockwise").model_content()
+    model = fb.ModelT.InitFromPackedBuf(bytearray(content), 0)
+    for t in model.subgraphs[0].tensors:
+        if t.quantization is not None and t.quantization.details is not None:
+            t.quantization.details.scales = 10_000
+    b = flatbuffers.Builder(0)
+    b.Finish(model.Pack(b), b"TFL3")
+    with pytest.raises(ArtifactError, match="blockwise quantization naming tensors 10000"):
+        validate(bytes(b.Output()))

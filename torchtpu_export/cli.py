@@ -93,7 +93,8 @@ def _convert_parser() -> argparse.ArgumentParser:
     p.add_argument("--channels-last", action="store_true",
                    help="litert target: 4-D float inputs and outputs in NHWC (camera frames, canvases)")
     p.add_argument("--quantize", default=None, metavar="RECIPE",
-                   help="quantization recipe: tpu int8_weight_only, bf16; litert fp16, dynamic_int8, int8 (see README)")
+                   help="quantization recipe: tpu int8_weight_only, bf16; litert and litertlm fp16, dynamic_int8, int8, "
+                        "int4_blockwise (see README)")
     p.add_argument("--prefill-lengths", default=None, metavar="N,...",
                    help="LLM folders: prefill chunk lengths, one signature each (default 128)")
     p.add_argument("--cache-length", type=int, default=None, metavar="C",

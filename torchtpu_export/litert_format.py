@@ -113,6 +113,7 @@ def validate(content) -> object:
             for j in range(n_tensors):
                 _check_tensor(sub.Tensors(j), f"subgraph {k} tensor {j}", n_buffers, data,
                               lambda i: _buffer_span(model, content, i), content)
+                _check_blockwise(sub.Tensors(j), f"subgraph {k} tensor {j}", n_tensors)
             for j in range(sub.OperatorsLength()):
                 op = sub.Operators(j)
                 if not 0 <= op.OpcodeIndex() < n_codes:
@@ -209,11 +210,30 @@ def _check_tensor(t, where: str, n_buffers: int, data: list, span, content) -> N
         return
     if t.Sparsity() is not None:
         count = _sparse_elements(t, shape, where)
+    if kind == "int4":  # two values per byte
+        if stored and stored != (count + 1) // 2:
+            raise ValueError(f"{where} holds {stored:,} bytes of int4 data; its shape {shape} makes {(count + 1) // 2:,}")
+        return
     itemsize = _ITEMSIZE.get(kind)
     if stored and itemsize and stored != count * itemsize:
         raise ValueError(f"{where} holds {stored:,} bytes of data; its shape {shape}"
                          f"{' and sparsity' if t.Sparsity() is not None else ''} and type {kind} make "
                          f"{count * itemsize:,}")
+
+
+def _check_blockwise(t, where: str, n_tensors: int) -> None:
+    """A blockwise-quantized tensor names its scales (and zero points) by tensor index: in range."""
+    fb = _schema()
+    q = t.Quantization()
+    if q is None or q.DetailsType() != fb.QuantizationDetails.BlockwiseQuantization:
+        return
+    table = q.Details()
+    details = fb.BlockwiseQuantization()
+    details.Init(table.Bytes, table.Pos)
+    if not 0 <= details.Scales() < n_tensors or not -1 <= details.ZeroPoints() < n_tensors \
+            or details.BlockSize() <= 0:
+        raise ValueError(f"{where} has blockwise quantization naming tensors {details.Scales()} and "
+                         f"{details.ZeroPoints()} of {n_tensors} (block size {details.BlockSize()})")
 
 
 def _check_strings(buf: bytes, count: int, where: str) -> None:

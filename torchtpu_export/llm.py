@@ -360,43 +360,69 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     return t.from_llm(program, source, layout, lengths)
 
 
-def host_generate(program, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
-    """Greedy tokens from a program with ``prefill_<N>`` and ``decode`` signatures (any target's runnable),
-    driven from the host the way LiteRT-LM drives a bundle: prompt chunks padded with zeros, cache writes
-    from each chunk's first position, the last prompt token decoded. A reference loop for checks: the
-    cache goes through the host on every step."""
-    import numpy as np
-    sigs = program.signatures
-    lengths = sorted(int(s.split("_")[1]) for s in sigs if s.startswith("prefill_"))
-    specs = {s.name: s for s in program.inputs(DECODE)}
-    length = specs["mask"].shape[-1]
-    caches = {n: np.zeros(s.shape, np.dtype(s.dtype)) for n, s in specs.items() if n.startswith("kv_cache_")}
-    ids = list(prompt_ids)
-    if len(ids) + max_new_tokens > length:
-        raise InputError(f"{len(ids)} prompt tokens and {max_new_tokens} new ones do not fit the cache of {length}")
+class HostLoop:
+    """Drives a program with ``prefill_<N>`` and ``decode`` signatures (any target's runnable, or a
+    ``.tflite`` made elsewhere with the same contract) from the host the way LiteRT-LM drives a bundle:
+    prompt chunks padded with zeros, cache writes from each chunk's first position, the last prompt
+    token decoded. A reference loop for checks and measurements: the cache goes through the host."""
 
-    def step(sig, tokens, start):
+    def __init__(self, program):
+        import numpy as np
+        self.program = program
+        self.lengths = sorted(int(s.split("_")[1]) for s in program.signatures if s.startswith("prefill_"))
+        specs = {s.name: s for s in program.inputs(DECODE)}
+        self.length = specs["mask"].shape[-1]
+        self.caches = {n: np.zeros(s.shape, np.dtype(s.dtype)) for n, s in specs.items() if n.startswith("kv_cache_")}
+        self.pos = 0
+
+    def _step(self, sig: str, tokens: Sequence[int]):
+        import numpy as np
         n = len(tokens) if sig == DECODE else int(sig.split("_")[1])
-        pos = np.arange(start, start + n, dtype=np.int32)
-        mask = np.where(np.arange(length)[None, :] <= pos[:, None], 0.0, np.finfo(np.float32).min)
+        if self.pos + len(tokens) > self.length:
+            raise InputError(f"{self.pos + len(tokens)} tokens do not fit the cache of {self.length}")
+        pos = np.arange(self.pos, self.pos + n, dtype=np.int32)
+        mask = np.where(np.arange(self.length)[None, :] <= pos[:, None], 0.0, np.finfo(np.float32).min)
         feed = dict(tokens=np.array([list(tokens) + [0] * (n - len(tokens))], np.int32), input_pos=pos,
-                    mask=mask[None, None].astype(np.float32), **caches)
-        outs = program(signature_name=sig, **feed)
-        caches.update({k: v for k, v in outs.items() if k in caches})
+                    mask=mask[None, None].astype(np.float32), **self.caches)
+        outs = self.program(signature_name=sig, **feed)
+        self.caches.update({k: v for k, v in outs.items() if k in self.caches})
+        self.pos += len(tokens)
         return outs.get("logits")
 
-    done = 0
-    while done < len(ids) - 1:  # the prompt but its last token, in the largest chunks that help
-        left = len(ids) - 1 - done
-        n = next((k for k in lengths if k >= left), lengths[-1])
-        take = min(n, left)
-        step(PREFILL.format(n), ids[done:done + take], done)
-        done += take
+    def prefill(self, ids: Sequence[int]) -> None:
+        """Fills the cache with ``ids``, in the largest chunks that help."""
+        done = 0
+        while done < len(ids):
+            left = len(ids) - done
+            n = next((k for k in self.lengths if k >= left), self.lengths[-1])
+            self._step(PREFILL.format(n), ids[done:done + min(n, left)])
+            done += min(n, left)
+
+    def decode(self, token: int):
+        """The next-token logits ``[vocab]`` after ``token``, which goes into the cache."""
+        return self._step(DECODE, [int(token)])[0, -1]
+
+
+def host_generate(program, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
+    """Greedy tokens after ``prompt_ids`` from a program with prefill and decode signatures (:class:`HostLoop`)."""
+    import numpy as np
+    loop = HostLoop(program)
+    ids = list(prompt_ids)
+    loop.prefill(ids[:-1])
     out: list[int] = []
     token = ids[-1]
-    for pos in range(len(ids) - 1, len(ids) - 1 + max_new_tokens):
-        token = int(np.argmax(step(DECODE, [token], pos)[0, -1]))
+    for _ in range(max_new_tokens):
+        token = int(np.argmax(loop.decode(token)))
         if token in stop_ids:
             break
         out.append(token)
     return out
+
+
+def next_token_logits(program, ids: Sequence[int], start: int):
+    """The program's next-token logits at every position from ``start`` on, the tokens given (teacher forcing):
+    row ``i`` predicts ``ids[start + i + 1]``."""
+    import numpy as np
+    loop = HostLoop(program)
+    loop.prefill(list(ids[:start]))
+    return np.stack([loop.decode(t) for t in ids[start:]])

@@ -20,7 +20,7 @@ from .specs import as_numpy
 
 RECIPES = {
     "tpu": ("int8_weight_only", "bf16"),
-    "litert": ("fp16", "dynamic_int8", "int8"),
+    "litert": ("fp16", "dynamic_int8", "int8", "int4_blockwise"),
 }
 
 

@@ -18,14 +18,17 @@ from .dims import is_static, normalize
 
 class Quant:
     """Affine quantization of a tensor: ``real = (q - zero_point) * scale``, one scale for the whole
-    tensor or one per slice along ``axis`` (the schema's QuantizationParameters)."""
+    tensor or one per slice along ``axis`` (the schema's QuantizationParameters). Blockwise
+    (``block_size`` > 0, the schema's BlockwiseQuantization): symmetric, one scale per ``block_size``
+    elements along the last axis, read from ``scales``, a float16 constant tensor ``[rows, cols / block]``."""
 
-    __slots__ = ("scale", "zero_point", "axis")
+    __slots__ = ("scale", "zero_point", "axis", "block_size", "scales")
 
-    def __init__(self, scale, zero_point=0, axis: int = 0):
+    def __init__(self, scale, zero_point=0, axis: int = 0, block_size: int = 0, scales: "Tensor | None" = None):
         self.scale = np.asarray(scale, np.float32).reshape(-1)
         self.zero_point = np.broadcast_to(np.asarray(zero_point, np.int64).reshape(-1), self.scale.shape).copy()
         self.axis = int(axis)
+        self.block_size, self.scales = int(block_size), scales
 
     @property
     def per_channel(self) -> bool:
@@ -33,7 +36,8 @@ class Quant:
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Quant) and self.axis == other.axis and np.array_equal(self.scale, other.scale) \
-            and np.array_equal(self.zero_point, other.zero_point)
+            and np.array_equal(self.zero_point, other.zero_point) and self.block_size == other.block_size \
+            and self.scales is other.scales
 
     __hash__ = None
 
@@ -148,7 +152,10 @@ class Graph:
     def _all(self) -> Iterable:
         yield from self.inputs
         for op in self.ops:
-            yield from op.inputs
+            for t in op.inputs:
+                if t is not None and t.quant is not None and t.quant.scales is not None:
+                    yield t.quant.scales  # a blockwise weight's scales: a tensor no op reads
+                yield t
             yield from op.outputs
         yield from self.outputs
 

@@ -32,12 +32,15 @@ from torchtpu_export.quant import per_channel_int8
 from torchtpu_export.specs import coerce_input
 
 from .ir import Graph, Op, Quant, Tensor
+from .schema import INT4
 
 F32, F16, I8, I32 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int8), np.dtype(np.int32)
 
 # Weights with fewer values stay float (as in TensorFlow's converter): they save next to nothing,
 # and each would cost an op or a less accurate result.
 MIN_ELEMENTS = 1024
+# int4_blockwise: the block sizes LiteRT's blockwise kernels (XNNPACK's qb4w) take
+BLOCK_SIZES = (32, 64, 128, 256)
 # Values this large are the -inf / float-min fills of attention masks: int8 cannot keep their meaning
 # next to ordinary activations, so tensors holding them (and the ops reading them) stay float.
 MASK_MAGNITUDE = 1e9
@@ -58,6 +61,7 @@ class GraphQuant:
     recipe: str
     samples: list = dataclasses.field(default_factory=list)
     integer_io: bool = False
+    block_size: int = 32  # int4_blockwise: weights per scale, along the input dimension
     ranges: dict = dataclasses.field(default_factory=dict)
     float_constants: dict | None = None
     observer: object = None  # int8: a runtime factory, flatbuffer bytes -> run(inputs) / tensor(index)
@@ -77,11 +81,17 @@ def graph_quants(quant_config, captures: dict, io_dtypes: str, observer=None) ->
     cfg = quant.parse(quant_config, "litert")
     if cfg is None:
         return {name: None for name in captures}
-    allowed = {"calibration", "integer_io"} if cfg.recipe == "int8" else set()
+    allowed = {"int8": {"calibration", "integer_io"}, "int4_blockwise": {"block_size"}}.get(cfg.recipe, set())
     unknown = sorted(set(cfg.options) - allowed)
     if unknown:
         raise InputError(f"unknown option(s) for the {cfg.recipe} recipe: {', '.join(unknown)}",
-                         hint="int8 takes calibration= and integer_io=; fp16 and dynamic_int8 take none")
+                         hint="int8 takes calibration= and integer_io=, int4_blockwise block_size=; "
+                              "fp16 and dynamic_int8 take none")
+    if cfg.recipe == "int4_blockwise":
+        block = cfg.options.get("block_size", 32)
+        if block not in BLOCK_SIZES:
+            raise InputError(f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, not {block!r}")
+        return {name: GraphQuant(cfg.recipe, block_size=block) for name in captures}
     if cfg.recipe != "int8":
         return {name: GraphQuant(cfg.recipe) for name in captures}
     integer_io = cfg.options.get("integer_io", False)
@@ -134,7 +144,8 @@ def constant_bytes(graphs) -> dict[str, int]:
         for t in g.tensors():
             if t.is_const and t.data.size:
                 raw = np.asarray(t.data, order="C").reshape(-1).view(np.uint8)
-                out[hashlib.blake2b(raw, digest_size=16).hexdigest()] = raw.nbytes
+                out[hashlib.blake2b(raw, digest_size=16).hexdigest()] = \
+                    (raw.nbytes + 1) // 2 if t.dtype == INT4 else raw.nbytes  # int4: two per byte in the file
     return out
 
 
@@ -563,6 +574,39 @@ def _dynamic_int8(g: Graph) -> None:
     g.ops = ops
 
 
+def _int4_blockwise(g: Graph, block: int) -> None:
+    """FULLY_CONNECTED weights and EMBEDDING_LOOKUP tables ``[rows, cols]`` (cols a multiple of ``block``)
+    become symmetric int4, one float16 scale per ``block`` values of a row: LiteRT's blockwise int4,
+    which its CPU kernels (XNNPACK) compute with dynamically quantized activations."""
+    done: dict[int, Tensor] = {}
+    for op in g.ops:
+        where = {"FULLY_CONNECTED": 1, "EMBEDDING_LOOKUP": 1}.get(op.code)
+        if where is None or where >= len(op.inputs):
+            continue
+        w = op.inputs[where]
+        if w is None or not w.is_const or w.dtype != F32 or w.rank != 2 or w.shape[1] % block \
+                or w.size < MIN_ELEMENTS:
+            continue
+        if id(w) not in done:
+            q, scales = blockwise_int4(w.data, block)
+            scale_t = Tensor(f"{w.name}/scales", scales.shape, F16, scales)
+            done[id(w)] = Tensor(f"{w.name}/int4", w.shape, INT4, q, quant=Quant(1.0, 0, 0, block, scale_t))
+        op.inputs[where] = done[id(w)]
+        if op.code == "FULLY_CONNECTED":
+            op.options["asymmetricQuantizeInputs"] = False
+
+
+def blockwise_int4(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """``w [rows, cols]`` as int4 values and float16 scales ``[rows, cols / block]`` (symmetric:
+    the largest magnitude of a block maps to 7), rounded against the float16 scale that is stored."""
+    rows, cols = w.shape
+    blocks = w.reshape(rows, cols // block, block).astype(np.float32)
+    scale = (np.abs(blocks).max(axis=-1) / 7.0).astype(np.float16)
+    scale = np.where(scale == 0, np.float16(1.0), scale)
+    q = np.clip(np.rint(blocks / scale.astype(np.float32)[..., None]), -8, 7)
+    return q.reshape(rows, cols).astype(INT4), np.ascontiguousarray(scale)
+
+
 def _fp16(g: Graph) -> None:
     ops: list[Op] = []
     done: dict[int, Tensor] = {}
@@ -590,5 +634,7 @@ def quantize_weights(g: Graph) -> Graph:
         _fp16(g)
     elif q is not None and q.recipe == "dynamic_int8":
         _dynamic_int8(g)
+    elif q is not None and q.recipe == "int4_blockwise":
+        _int4_blockwise(g, q.block_size)
     return g
 

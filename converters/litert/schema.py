@@ -6,6 +6,7 @@ running it wrongly.
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 from ai_edge_litert import schema_py_generated as fb
 
@@ -18,8 +19,9 @@ TENSOR_TYPE = {
     np.dtype(np.int16): fb.TensorType.INT16, np.dtype(np.int8): fb.TensorType.INT8,
     np.dtype(np.float64): fb.TensorType.FLOAT64, np.dtype(np.complex64): fb.TensorType.COMPLEX64,
     np.dtype(np.uint32): fb.TensorType.UINT32, np.dtype(np.uint16): fb.TensorType.UINT16,
-    np.dtype(np.uint64): fb.TensorType.UINT64,
+    np.dtype(np.uint64): fb.TensorType.UINT64, np.dtype(ml_dtypes.int4): fb.TensorType.INT4,
 }
+INT4 = np.dtype(ml_dtypes.int4)  # one value per byte in memory; two per byte in the file (low nibble first)
 
 # Padding codes.
 SAME, VALID = fb.Padding.SAME, fb.Padding.VALID

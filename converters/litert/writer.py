@@ -96,7 +96,8 @@ def write(graphs: list[Graph], f, metadata: dict | None = None, *, description: 
                 if t.data.dtype != t.dtype or tuple(t.data.shape) != t.shape:
                     raise ConversionError(f"constant {t.name}: data {t.data.dtype}{list(t.data.shape)} does not "
                                           f"match the tensor {t.dtype}{list(t.shape)}")
-                per[id(t)] = buffers.add(t.data) if t.data.size else 0
+                per[id(t)] = buffers.add(pack_int4(t.data) if t.dtype == schema.INT4 else t.data) \
+                    if t.data.size else 0
         tensor_buffer.append(per)
     if metadata is None:
         parts = (graphs, tensor_buffer, buffers, None, description)
@@ -261,7 +262,25 @@ def _build(builder: flatbuffers.Builder, graphs, tensor_buffer, buffers: _Buffer
     return vectors
 
 
-def _quantization(builder, q) -> int:
+def pack_int4(values: np.ndarray) -> np.ndarray:
+    """int4 values, two per byte, the first in the low nibble (LiteRT's packed INT4 layout)."""
+    v = np.asarray(values).astype(np.int8).reshape(-1)
+    if v.size % 2:
+        v = np.concatenate([v, np.zeros(1, np.int8)])
+    return ((v[0::2] & 0x0F) | ((v[1::2] & 0x0F) << 4)).astype(np.uint8)
+
+
+def _quantization(builder, q, tindex: dict) -> int:
+    if q.block_size:
+        fb.BlockwiseQuantizationStart(builder)
+        fb.BlockwiseQuantizationAddScales(builder, tindex[id(q.scales)])
+        fb.BlockwiseQuantizationAddZeroPoints(builder, -1)
+        fb.BlockwiseQuantizationAddBlockSize(builder, q.block_size)
+        details = fb.BlockwiseQuantizationEnd(builder)
+        fb.QuantizationParametersStart(builder)
+        fb.QuantizationParametersAddDetailsType(builder, fb.QuantizationDetails.BlockwiseQuantization)
+        fb.QuantizationParametersAddDetails(builder, details)
+        return fb.QuantizationParametersEnd(builder)
     scale = _vector(builder, fb.QuantizationParametersStartScaleVector, [float(x) for x in q.scale],
                     builder.PrependFloat32)
     zero = _vector(builder, fb.QuantizationParametersStartZeroPointVector, [int(x) for x in q.zero_point],
@@ -317,7 +336,7 @@ def _subgraph(builder, g: Graph, buffer_of: dict[int, int], opcodes: dict[str, i
         shape = _int_vector(builder, [concrete(d, g.hints) for d in t.shape], fb.TensorStartShapeVector)
         signature = _int_vector(builder, [d if is_static(d) else -1 for d in t.shape],
                                 fb.TensorStartShapeSignatureVector) if t.dynamic else None
-        quant = _quantization(builder, t.quant) if t.quant is not None else None
+        quant = _quantization(builder, t.quant, tindex) if t.quant is not None else None
         fb.TensorStart(builder)
         fb.TensorAddShape(builder, shape)
         if signature is not None:
