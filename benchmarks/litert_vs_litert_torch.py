@@ -28,6 +28,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "examples"))  # zoo
 BENCH_VENV = os.path.join(REPO, ".venv-bench-litert-torch")
 LITERT_TORCH = "litert-torch==0.10.0"
+# what its export_hf (benchmarks/llm.py) also needs: transformers, and LiteRT-LM's packer it bundles with
+BENCH_EXTRAS = ["transformers>=5.20,<6", "litert-lm-builder==0.18.1"]
 # model -> zoo factory kwargs (the sizes a phone would see for the CNNs)
 MODELS = {
     "resnet18": {"size": 224}, "mobilenet_v2": {"size": 224}, "unet": {}, "gpt": {}, "llama": {}, "dlrm": {},
@@ -71,7 +73,8 @@ def ensure_bench_venv() -> str:
     if not os.path.exists(os.path.join(BENCH_VENV, ".installed")):
         print(f"creating {BENCH_VENV} with {LITERT_TORCH} (once) ...", flush=True)
         subprocess.run([sys.executable, "-m", "venv", BENCH_VENV], check=True)
-        subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", LITERT_TORCH], check=True)
+        subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", LITERT_TORCH,
+                        *BENCH_EXTRAS], check=True)
         open(os.path.join(BENCH_VENV, ".installed"), "w").close()
     return py
 

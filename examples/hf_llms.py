@@ -87,6 +87,30 @@ MODELS = {"llama": (llama, True), "qwen2": (qwen2, False), "qwen3": (qwen3, Fals
           "phi3": (phi3, True), "mistral": (mistral, True), "smollm": (smollm, False)}
 
 
+# TinyLlama-1.1B's shape (22 layers, hidden 2048, GQA 32:4): the ~1B model of the LLM benchmark
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                num_key_value_heads=4, max_position_embeddings=2048, vocab_size=32000)
+
+
+def save_llama_folder(path: str, config: dict, seed: int = 0) -> str:
+    """A Llama of ``config``'s shape with seeded random weights (normal, std 0.02; norms 1), written as a
+    model folder with the local tokenizer. Built on the meta device and filled in place: one copy."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    tok = tokenizer(True)
+    cfg = LlamaConfig(**{**config, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device="cpu").eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.fill_(1.0) if p.ndim == 1 else p.normal_(0.0, 0.02, generator=gen)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 def build(name: str, seed: int = 0):
     """``(model, tokenizer)`` for architecture ``name``, seeded."""
     make, add_bos = MODELS[name]

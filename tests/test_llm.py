@@ -155,6 +155,9 @@ def test_unknown_and_non_causal_architectures(folders, tmp_path):
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump({"model_type": "bert", "vocab_size": 64}, f)
     _fails(tmp_path, d, "--target", "litertlm", says="do not match")
+    with open(os.path.join(d, "config.json"), "w") as f:  # an encoder-decoder: not a causal LM transformers builds
+        json.dump({"model_type": "t5", "vocab_size": 64}, f)
+    _fails(tmp_path, d, "--target", "litertlm", says="not a causal LM architecture")
 
 
 def test_prefill_longer_than_the_cache(folders, tmp_path):

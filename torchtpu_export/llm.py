@@ -307,6 +307,66 @@ class CacheStep(torch.nn.Module):
         return result
 
 
+def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                      **kwargs):
+    """transformers' attention (the ``AttentionInterface`` signature) with grouped-query heads computed per
+    group: the queries of a group are stacked against their shared key/value head, so the cache is read
+    as it is, never repeated to every query head (``repeat_kv`` copies the whole cache per layer and step).
+    Falls back to the model's own function for features it does not cover (attention sinks)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None or dropout:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    b, heads, n, d = query.shape
+    groups, length = key.shape[1], key.shape[2]
+    rep = heads // groups
+    scale = scaling if scaling is not None else d ** -0.5
+    q = query.reshape(b, groups, rep * n, d)  # head g * rep + r, as repeat_kv orders them
+    mask = None
+    if attention_mask is not None:  # [B, 1, n, C]: the same rows for every query head of a group
+        m = attention_mask[..., :length]
+        mask = m.unsqueeze(2).expand(m.shape[0], m.shape[1], rep, n, length).reshape(m.shape[0], m.shape[1],
+                                                                                   rep * n, length)
+    if softcap is None:  # one fused attention node: the converters read the cache as it is (no transpose)
+        out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
+    else:
+        scores = torch.tanh(torch.matmul(q, key.transpose(2, 3)) * scale / softcap) * softcap
+        if mask is not None:
+            scores = scores + mask
+        out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(query.dtype), value)
+    return out.reshape(b, heads, n, d).transpose(1, 2).contiguous(), None
+
+
+_ATTENTION = "tte_grouped"
+
+
+class _grouped_attention_in:
+    """Within it, ``model`` (and its sub-configs) attends with :func:`grouped_attention`."""
+
+    def __init__(self, model):
+        self.configs = [c for c in _configs(model.config) if hasattr(c, "_attn_implementation")]
+
+    def __enter__(self):
+        from transformers import AttentionInterface
+        AttentionInterface.register(_ATTENTION, grouped_attention)
+        self.saved = [c._attn_implementation for c in self.configs]
+        for c in self.configs:
+            c._attn_implementation = _ATTENTION
+        return self
+
+    def __exit__(self, *exc):
+        for c, impl in zip(self.configs, self.saved):
+            c._attn_implementation = impl
+
+
+def _configs(config):
+    yield config
+    for key in ("text_config", "decoder"):
+        sub = getattr(config, key, None)
+        if sub is not None and sub is not config:
+            yield sub
+
+
 def step_inputs(layout: CacheLayout, n: int) -> dict:
     """Sample inputs of an ``n``-token step (the runtime's names, shapes and dtypes)."""
     return dict(tokens=torch.zeros(1, n, dtype=torch.int32), input_pos=torch.arange(n, dtype=torch.int32),
@@ -353,7 +413,7 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     sigs.signature(DECODE, CacheStep(source.model, layout, logits=True), (), step_inputs(layout, 1))
     if quant_config is not None:
         options["quant_config"] = quant_config
-    with torch.no_grad():
+    with torch.no_grad(), _grouped_attention_in(source.model):
         program = sigs.export(target=program_target, **options)
     if t.from_llm is None:
         return program
@@ -385,6 +445,8 @@ class HostLoop:
         feed = dict(tokens=np.array([list(tokens) + [0] * (n - len(tokens))], np.int32), input_pos=pos,
                     mask=mask[None, None].astype(np.float32), **self.caches)
         outs = self.program(signature_name=sig, **feed)
+        if not isinstance(outs, dict):  # a file made elsewhere: flat outputs, named by the file
+            outs = dict(zip([o.name for o in self.program.outputs(sig)], outs if isinstance(outs, tuple) else [outs]))
         self.caches.update({k: v for k, v in outs.items() if k in self.caches})
         self.pos += len(tokens)
         return outs.get("logits")

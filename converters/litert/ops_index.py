@@ -203,10 +203,13 @@ def scatter_reduce(ctx, x, dim, idx, src, reduce, *, include_self=True):
 def _single_index_update(ctx, x, dim, idx, values, block: bool = False):
     # ``x`` with ``values`` written at a runtime position along ``dim`` (a block of them from there with
     # ``block``): DYNAMIC_UPDATE_SLICE.
-    start = []
-    for d in range(x.rank):
-        start.append(ctx.reshape(ctx.cast(idx, I32), (1,)) if d == dim else ctx.const(np.zeros((1,), np.int32)))
-    start_t = ctx.op("CONCATENATION", start, shape=(x.rank,), dtype=I32, axis=0)
+    key = ("update_start", id(idx), x.rank, dim)  # the same start for every cache a step writes: built once
+    start_t = ctx.cache.get(key)
+    if start_t is None:
+        start = []
+        for d in range(x.rank):
+            start.append(ctx.reshape(ctx.cast(idx, I32), (1,)) if d == dim else ctx.const(np.zeros((1,), np.int32)))
+        start_t = ctx.cache[key] = ctx.op("CONCATENATION", start, shape=(x.rank,), dtype=I32, axis=0)
     upd_shape = x.shape[:dim] + (values.shape[dim] if block else 1,) + x.shape[dim + 1:]
     values = ctx.broadcast_to(ctx.cast(values, x.dtype), upd_shape) if values.shape != upd_shape else \
         ctx.cast(values, x.dtype)
