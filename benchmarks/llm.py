@@ -34,10 +34,10 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "examples"))
 sys.path.insert(0, HERE)
 
-CONFIGS = {  # name -> (how the folder is made, prefill length, cache length)
-    "tiny-llama": ("llama", 128, 512),
-    "tiny-qwen3": ("qwen3", 128, 512),
-    "llama-1b": ("llama-1b", 128, 1024),
+CONFIGS = {  # name -> (how the folder is made, prefill length, cache length, tokens decoded when timing)
+    "tiny-llama": ("llama", 128, 512, 320),
+    "tiny-qwen3": ("qwen3", 128, 512, 320),
+    "llama-1b": ("llama-1b", 128, 1024, 32),
 }
 # (label, our quant_config, litert-torch's recipe); None: the tool has no such recipe
 RECIPES = [
@@ -98,7 +98,18 @@ def weight_bytes(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
 
 
-def convert(tool: str, folder: str, out: str, prefill: int, cache: int, recipe) -> dict:
+def convert(tool: str, folder: str, out: str, prefill: int, cache: int, recipe, reuse: bool = False) -> dict:
+    record = out + ".json"
+    if reuse and os.path.exists(record) and os.path.exists(out):
+        with open(record) as f:
+            return json.load(f)
+    res = _convert(tool, folder, out, prefill, cache, recipe)
+    with open(record, "w") as f:
+        json.dump(res, f)
+    return res
+
+
+def _convert(tool: str, folder: str, out: str, prefill: int, cache: int, recipe) -> dict:
     if tool == "ours":
         cmd = [sys.executable, "-c", _OURS, folder, out, str(prefill), str(cache), json.dumps(recipe)]
     else:
@@ -120,11 +131,18 @@ def speed(paths: dict, prefill: int, decode: int, rounds: int) -> dict:
     best = {k: [0.0, 0.0] for k in paths}
     for i in range(rounds):
         for key in (list(paths) if i % 2 == 0 else list(paths)[::-1]):
-            info = litert_lm.Benchmark(paths[key], backend=litert_lm.Backend.CPU(thread_count=THREADS),
-                                       prefill_tokens=prefill, decode_tokens=decode).run()
+            if best[key] is None:
+                continue
+            try:
+                info = litert_lm.Benchmark(paths[key], backend=litert_lm.Backend.CPU(thread_count=THREADS),
+                                           prefill_tokens=prefill, decode_tokens=decode).run()
+            except RuntimeError as e:
+                print(f"   {key}: LiteRT-LM fails: {e}", flush=True)
+                best[key] = None
+                continue
             best[key][0] = max(best[key][0], info.last_prefill_tokens_per_second)
             best[key][1] = max(best[key][1], info.last_decode_tokens_per_second)
-    return best
+    return {k: v for k, v in best.items() if v is not None}
 
 
 def reference(folder: str, steps: int) -> list[tuple[list[int], int, np.ndarray]]:
@@ -167,15 +185,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "tte-bench-llm"))
+    ap.add_argument("--reuse", default="", help="comma-separated tools (ours, litert-torch) whose bundles from an "
+                                                "earlier run in --work are measured again rather than converted again")
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args(argv)
     os.makedirs(args.work, exist_ok=True)
     conv_rows, recipe_rows = [], []
     for name in args.configs.split(","):
-        kind, prefill, cache = CONFIGS[name]
+        kind, prefill, cache, decode_tokens = CONFIGS[name]
         folder = make_folder(kind, os.path.join(args.work, name))
         wbytes = weight_bytes(folder)
         print(f"== {name}: {wbytes / 2**30:.2f} GB of float32 weights", flush=True)
@@ -186,16 +205,20 @@ def main(argv=None) -> int:
                 if recipe is None and not (tool == "ours" and label == "float"):
                     continue
                 out = os.path.join(args.work, f"{name}-{tool}-{label.replace(' ', '_')}.litertlm")
-                res = convert(tool, folder, out, prefill, cache, recipe)
+                res = convert(tool, folder, out, prefill, cache, recipe, reuse=tool in args.reuse.split(","))
                 print(f"   {tool:13s} {label:18s} {json.dumps(res)}", flush=True)
                 row = {"config": name, "tool": tool, "recipe": label, **res}
                 if "error" not in res:
-                    paths[(tool, label)] = out
-                    row["agreement"], row["kl"] = quality(out, refs)
+                    try:
+                        row["agreement"], row["kl"] = quality(out, refs)
+                        paths[(tool, label)] = out
+                    except Exception as e:  # the file converts but LiteRT cannot run it
+                        row["error"] = f"converted, but LiteRT fails to run it: {str(e).splitlines()[0][:160]}"
+                        print(f"   {row['error']}", flush=True)
                 if label == "float":
                     conv_rows.append(dict(row, weights_gb=wbytes / 2**30))
                 recipe_rows.append(row)
-        tps = speed({f"{t}|{l}": p for (t, l), p in paths.items()}, prefill, args.decode_tokens, args.rounds)
+        tps = speed({f"{t}|{l}": p for (t, l), p in paths.items()}, prefill, decode_tokens, args.rounds)
         for row in recipe_rows:
             key = f"{row['tool']}|{row['recipe']}"
             if row["config"] == name and key in tps:
@@ -214,6 +237,9 @@ def report(conv_rows, recipe_rows, args) -> str:
     lines = [f"# LLM bundles: torchtpu-export vs litert-torch 0.10 `export_hf`",
              "", f"{when}, {platform.machine()} {os.cpu_count()} cores, LiteRT-LM {_version('litert-lm-api')} "
              f"CPU backend with {THREADS} threads; `python benchmarks/llm.py {' '.join(sys.argv[1:])}`".rstrip(),
+             "", "Speed: `litert_lm.Benchmark` with a 128-token prefill and "
+             + ", ".join(f"{CONFIGS[c][3]} decoded tokens for {c}" for c in args.configs.split(",")) +
+             f"; the best of {args.rounds} interleaved rounds.",
              "", "## Conversion (float32, one prefill length and decode)", "",
              "| model | tool | seconds | peak RSS GB | weights GB | RSS / weights | bundle MB |", "|---|---|---|---|---|---|---|"]
     for r in conv_rows:

@@ -26,6 +26,7 @@ BENCHMARKS = {
     "web": ("web.py", []),
     "edge-readers": ("edge_readers.py", []),
     "opinfo-peers": ("opinfo_peers.py", ["-o", "RESULTS-opinfo-peers.md"]),
+    "llm": ("llm.py", ["--rounds", "3", "-o", "RESULTS-llm.md"]),
 }
 
 

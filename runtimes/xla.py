@@ -86,8 +86,10 @@ class XlaRunner:
             self._call = None
             if platform == "tpu":
                 self._call = self._stored(artifact, program)
+            # inputs the program updates in place (a KV cache): their buffers become the outputs'
+            self.donate = tuple(int(i) for i in spec.get("donate", ()))
             if self._call is None:
-                self._call = jax.jit(self.exported.call)
+                self._call = jax.jit(self.exported.call, donate_argnums=tuple(1 + i for i in self.donate))
         avals = self.exported.in_avals[len(spec["weights"]):]
         if self.rng_key:
             avals = avals[:-1]

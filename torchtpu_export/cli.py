@@ -3,6 +3,8 @@
     torchtpu-export MODEL --target {tpu,litert,onnx} [-o OUT] [--inputs SPEC ...] [--check]
     torchtpu-export inspect ARTIFACT
     torchtpu-export run ARTIFACT [--inputs x.npy ...] [-o outputs.npz]
+    torchtpu-export HF_MODEL_FOLDER --target litertlm [--prefill-lengths 32,128] [--cache-length 1024]
+    torchtpu-export run model.litertlm --prompt "..." [--chat]
 
 Errors print one message on stderr and exit with the code of their class
 (see ``errors.EXIT_CODES``); ``--debug`` shows the traceback.

@@ -243,12 +243,13 @@ def compiler_message(e: BaseException, limit: int = 1500) -> str:
 
 
 def compile_exported(exported, topology_name: str, *, uses_x64: bool, mesh_axes=None, shardings=None,
-                     dims: dict | None = None):
+                     dims: dict | None = None, donate: tuple = ()):
     """Compiles one program for a TPU topology; raises CompileError with the compiler's message.
 
     ``mesh_axes`` (``{"data": 1, "model": 4}``) and ``shardings`` (the manifest's plan: weight name
     -> partition spec, and one spec per input) place a sharded program on that many chips.
-    ``dims`` gives dynamic dimensions their values (default: their upper bounds).
+    ``dims`` gives dynamic dimensions their values (default: their upper bounds). ``donate``: the
+    positions of inputs whose buffers the program may reuse for its outputs (a KV cache updated in place).
     """
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
@@ -276,7 +277,8 @@ def compile_exported(exported, topology_name: str, *, uses_x64: bool, mesh_axes=
         ispecs = [jax.ShapeDtypeStruct(concrete_shape(a.shape, dims), a.dtype, sharding=sharding("input", i))
                   for i, a in enumerate(inputs)]
         try:
-            return jax.jit(exported.call).trace(wspecs, *ispecs).lower(lowering_platforms=("tpu",)).compile()
+            call = jax.jit(exported.call, donate_argnums=tuple(1 + int(i) for i in donate))
+            return call.trace(wspecs, *ispecs).lower(lowering_platforms=("tpu",)).compile()
         except Exception as e:
             raise CompileError(compiler_message(e)) from e
 
@@ -339,7 +341,8 @@ def describe_stats(s: dict) -> str:
     fit = "fits" if s["fits"] else "does NOT fit"
     roof = s["roofline"]
     return (f"HBM {_human(hbm['total'])} ({fit} in {_human(s['hbm_capacity_bytes'])}: args {_human(hbm['arguments'])}, "
-            f"out {_human(hbm['outputs'])}, temp {_human(hbm['temporaries'])}, code {_human(hbm['code'])}); "
+            f"out {_human(hbm['outputs'])}, temp {_human(hbm['temporaries'])}, code {_human(hbm['code'])}"
+            + (f", aliased in place {_human(hbm['aliased'])}" if hbm.get("aliased") else "") + "); "
             f"{s['flops'] / 1e9:.3g} GFLOP, {_human(s['bytes_accessed'])} accessed; roofline "
             f"{_seconds(roof['seconds'])} ({roof['bound']}-bound at {roof['dtype']} peak)")
 
@@ -449,9 +452,11 @@ def compile_artifact(artifact, topology_name: str, programs=None, *, store: bool
         try:
             if bounds:  # the smallest shapes must compile too; the statistics are the largest's
                 compile_exported(exported, topology_name, uses_x64=uses_x64, mesh_axes=mesh_axes,
-                                 shardings=spec.get("sharding"), dims={n: lo for n, (lo, _) in bounds.items()})
+                                 shardings=spec.get("sharding"), dims={n: lo for n, (lo, _) in bounds.items()},
+                                 donate=tuple(spec.get("donate", ())))
             compiled = compile_exported(exported, topology_name, uses_x64=uses_x64, mesh_axes=mesh_axes,
-                                        shardings=spec.get("sharding"), dims={n: hi for n, (_, hi) in bounds.items()})
+                                        shardings=spec.get("sharding"), dims={n: hi for n, (_, hi) in bounds.items()},
+                                        donate=tuple(spec.get("donate", ())))
         except CompileError as e:
             raise CompileError(f"the TPU compiler ({topology_name}) rejects program {prog!r}:\n{e}") from e
         st = stats(compiled, gen)

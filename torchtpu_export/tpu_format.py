@@ -262,7 +262,7 @@ def _manifest_schema():
                       "calling_convention_version": Opt(Count()), "kernels": ListOf(kernel),
                       "ragged_outputs": MapOf(Count(), key=Is(str, max_len=12)), "rng_key": BOOL,
                       "op_histogram": MapOf(Count()), "quantization": Record({"recipe": STR}),
-                      "sharding": Opt(sharding)})
+                      "sharding": Opt(sharding), "donate": ListOf(Count())})
     return Record({"format": OneOf(FORMAT), "format_version": Count(), "programs": MapOf(program),
                    "weights": Record({"file": NAME}, {"count": Count(), "bytes": Count()})},
                   {"versions": MapOf(STR), "platforms": ListOf(STR), "digests": MapOf(STR),
@@ -312,5 +312,11 @@ def _check_program(spec: dict, where: str) -> None:
         problem = "its sharding plan does not match its inputs and weights"
     if not problem and any(int(k) >= n_out for k in spec.get("ragged_outputs", {})):
         problem = "a ragged output names an output it does not have"
+    if not problem and spec.get("donate"):
+        # a donated input's buffer becomes an output's: one of the same shape and dtype must exist
+        outs = {(tuple(o["shape"]), o["dtype"]) for o in spec["outputs"]}
+        ins = spec["inputs"]
+        if any(i >= len(ins) or (tuple(ins[i]["shape"]), ins[i]["dtype"]) not in outs for i in spec["donate"]):
+            problem = "a donated input has no output of its shape and dtype"
     if problem:
         raise ArtifactError(f"{where} is corrupt: in the manifest, {problem}", hint="export the model again")

@@ -24,7 +24,8 @@ from torchtpu_export.litert_format import METADATA_NAME, LiteRTArtifact  # noqa:
 from . import ops_composite, ops_elementwise, ops_index, ops_linalg, ops_misc, ops_nn, ops_quant, ops_reduction, ops_shape  # noqa: F401
 from .dims import symbol_ranges
 from .lower import AtenProgram, check_supported  # noqa: F401
-from .passes import PIPELINE, REQUIRED, run_pipeline, shared_folds
+from .ir import conversion_memo
+from .passes import PIPELINE, REQUIRED, run_pipeline
 from .quantize import constant_bytes, graph_quants
 from .registry import BUILDERS, IO_DTYPES, NOT_SUPPORTED, builds, keep_whole  # noqa: F401
 from .writer import serialize, write
@@ -73,7 +74,7 @@ def convert(captures: Mapping[str, CapturedProgram], *, quant_config=None, obser
     captures = {name: _signature_names(cap) for name, cap in captures.items()}
     quants = graph_quants(quant_config, captures, io_dtypes, observer)
     graphs, signatures = [], {}
-    with shared_folds():
+    with conversion_memo():
         graphs = [run_pipeline(AtenProgram.from_capture(name, cap, io_dtypes, quants[name]), skip)
                   for name, cap in captures.items()]
     for name, cap in captures.items():

@@ -8,6 +8,7 @@ the schema's ``<Name>OptionsT`` class (``strideW=2``).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterable, Iterator
 
@@ -198,3 +199,43 @@ def shape_input(shape, src: Tensor | None = None):
     ops.append(Op("GATHER", [table, Tensor("index", (len(index),), np.int32, np.asarray(index, np.int32))], [out],
                   {"axis": 0}))
     return out, ops
+
+
+# ---- what one conversion's graphs share ---------------------------------------------------------------
+# Passes that make new weights from old ones (folding a norm's scale in, quantizing) make each once per
+# conversion, keyed by the source array, so a decoder's prefill and decode signatures share one copy.
+_MEMO: dict | None = None
+
+
+@contextlib.contextmanager
+def conversion_memo():
+    """Within it, :func:`derived` results are shared by every graph converted."""
+    global _MEMO
+    _MEMO = {}
+    try:
+        yield
+    finally:
+        _MEMO = None
+
+
+def array_key(a: np.ndarray) -> tuple:
+    """Identifies an array's memory (address, shape, strides, dtype): views of one weight agree."""
+    return (a.__array_interface__["data"][0], a.shape, a.strides, a.dtype.str)
+
+
+def derived(kind: str, source: np.ndarray, extra, make):
+    """``make()``, made once per (kind, source array, extra) within :func:`conversion_memo` (always outside)."""
+    if _MEMO is None:
+        return make()
+    table = _MEMO.setdefault(kind, {})
+    key = (array_key(source), extra)
+    if key not in table:
+        table[key] = (source, make())  # the source is held too: its address stays its own while the key lives
+    return table[key][1]
+
+
+def derived_bytes(kind: str) -> int:
+    """Bytes of the arrays ``kind`` has made so far in this conversion."""
+    table = (_MEMO or {}).get(kind, {})
+    return sum(sum(a.nbytes for a in (v[1] if isinstance(v[1], tuple) else (v[1],)) if isinstance(a, np.ndarray))
+               for v in table.values())

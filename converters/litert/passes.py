@@ -8,7 +8,6 @@ over the activations, which is near-linear on these graphs).
 """
 from __future__ import annotations
 
-import contextlib
 import operator
 
 import numpy as np
@@ -347,37 +346,19 @@ def use_fully_connected(g: Graph) -> Graph:
     return _drop_ops(g, fold)
 
 
-# Weights scaled by fold_affine_into_fully_connected, shared by every signature of one conversion (a
-# decoder's prefill and decode steps fold the same norm into the same weights: one copy, not one each).
-# Folding copies the weights it scales, so it stops at FOLD_COPY_BUDGET bytes of copies: a large model
-# (an LLM's norms before every projection) converts in about the memory its weights take, and keeps
-# those norms' MULs, a pass over activations that costs little next to the matmuls.
-_SCALED: dict | None = None
+# Folding copies the weights it scales (once per conversion: ir.derived), so it stops at
+# FOLD_COPY_BUDGET bytes of copies: a large model (an LLM's norms before every projection) converts in
+# about the memory its weights take, and keeps those norms' MULs, a pass over activations that costs
+# little next to the matmuls.
 FOLD_COPY_BUDGET = 64 << 20
 
 
-@contextlib.contextmanager
-def shared_folds():
-    """Within it, folded weights are made once per (weight, scale) and reused across graphs."""
-    global _SCALED
-    _SCALED = {}
-    try:
-        yield
-    finally:
-        _SCALED = None
-
-
-def _scaled_columns(w: np.ndarray, vec: np.ndarray) -> np.ndarray:
-    key = (w.__array_interface__["data"][0], w.shape, w.strides, w.dtype.str, vec.tobytes())
-    if _SCALED is not None and key in _SCALED:
-        return _SCALED[key][1]
-    copied = sum(v[1].nbytes for v in _SCALED.values()) if _SCALED is not None else 0
-    if copied + w.nbytes > FOLD_COPY_BUDGET:
+def _scaled_columns(w: np.ndarray, vec: np.ndarray) -> np.ndarray | None:
+    from .ir import derived, derived_bytes
+    if derived_bytes("scaled") + w.nbytes > FOLD_COPY_BUDGET:
         return None
-    new_w = np.require((w * vec.astype(w.dtype)[None, :]).astype(w.dtype, copy=False), requirements="C")
-    if _SCALED is not None:
-        _SCALED[key] = (w, new_w)  # w held too: its address stays its own while the key lives
-    return new_w
+    return derived("scaled", w, vec.tobytes(), lambda: np.require(
+        (w * vec.astype(w.dtype)[None, :]).astype(w.dtype, copy=False), requirements="C"))
 
 
 def fold_affine_into_fully_connected(g: Graph) -> Graph:

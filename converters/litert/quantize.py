@@ -31,7 +31,7 @@ from torchtpu_export.errors import ArtifactError, ConversionError, InputError
 from torchtpu_export.quant import per_channel_int8
 from torchtpu_export.specs import coerce_input
 
-from .ir import Graph, Op, Quant, Tensor
+from .ir import Graph, Op, Quant, Tensor, derived
 from .schema import INT4
 
 F32, F16, I8, I32 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int8), np.dtype(np.int32)
@@ -558,7 +558,7 @@ def _dynamic_int8(g: Graph) -> None:
         i, axis = where
         key = (id(w), axis)
         if key not in done:
-            qw, scale = per_channel_int8(w.data, axis)
+            qw, scale = derived("int8", w.data, axis, lambda: per_channel_int8(w.data, axis))
             done[key] = Tensor(f"{w.name}/int8" if hybrid is None else w.name, w.shape, I8, qw,
                                quant=Quant(scale, 0, axis))
         if hybrid is None:
@@ -588,7 +588,7 @@ def _int4_blockwise(g: Graph, block: int) -> None:
                 or w.size < MIN_ELEMENTS:
             continue
         if id(w) not in done:
-            q, scales = blockwise_int4(w.data, block)
+            q, scales = derived("int4", w.data, block, lambda: blockwise_int4(w.data, block))
             scale_t = Tensor(f"{w.name}/scales", scales.shape, F16, scales)
             done[id(w)] = Tensor(f"{w.name}/int4", w.shape, INT4, q, quant=Quant(1.0, 0, 0, block, scale_t))
         op.inputs[where] = done[id(w)]

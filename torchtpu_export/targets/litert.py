@@ -327,7 +327,7 @@ def channels_last(module, sample_args: Sequence, sample_kwargs: dict | None = No
 
 # Keyword options of the litert target (litert-torch's lightweight_conversion is accepted and changes
 # nothing: conversion here always streams weights instead of holding copies).
-LITERT_OPTIONS = ("io_dtypes", "skip_passes", "output_file_path", "quant_config")
+LITERT_OPTIONS = ("io_dtypes", "skip_passes", "output_file_path", "quant_config", "quant_report")
 _NO_OPS = ("lightweight_conversion",)
 
 
@@ -360,10 +360,11 @@ def build(captures: dict, options: dict) -> "EdgeModel":
     from ..runtimes.litert import TensorObserver
     options = _litert_options("convert", options)
     output_file_path = options.pop("output_file_path", None)
+    report = options.pop("quant_report", True)  # False: no error measured on the sample inputs
     edge = EdgeModel.from_artifact(converters.converter(TARGET.converter).convert(captures, observer=TensorObserver,
                                                                         **options))
     info = edge.quantization
-    if info is not None:  # a recipe, or a model quantized with pt2e
+    if info is not None and report:  # a recipe, or a model quantized with pt2e
         from ..quant import report_against_eager
         edge.quant_report = report_against_eager(edge, captures, info["recipe"], info["float_weight_bytes"],
                                                  info["weight_bytes"])

@@ -92,6 +92,17 @@ class TpuProgram(Runnable):
             entry = self.manifest["compiled"][topo][prog]
         return entry["stats"]
 
+    def generate(self, prompt_ids, max_new_tokens: int = 64, *, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, stop=(), seed: int | None = None) -> list[int]:
+        """Tokens generated after ``prompt_ids`` by an LLM's programs (``tte.export_llm(..., target="tpu")``),
+        with the KV cache kept on the device and updated in place (donated), sampling on the device:
+        greedy at ``temperature=0``, else top-k / top-p sampling seeded by ``seed``. Stops at a token in ``stop``."""
+        from ..llm import DeviceGenerator
+        if getattr(self, "_generator", None) is None:
+            self._generator = DeviceGenerator(self)
+        return self._generator.generate(prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                                        top_p=top_p, stop=stop, seed=seed)
+
     def kernels(self) -> list[dict]:
         """Per hot node: the Pallas kernel chosen, or why it fell back to XLA."""
         return [dict(k, program=p) for p, spec in self.manifest["programs"].items() for k in spec.get("kernels", [])]
@@ -100,7 +111,7 @@ class TpuProgram(Runnable):
         return f"TpuProgram(programs={self.signatures}, platforms={self.manifest['platforms']})"
 
 
-_OPTIONS = ("platforms", "kernels", "narrow_64bit", "quant_config", "mesh", "sharding", "precompile")
+_OPTIONS = ("platforms", "kernels", "narrow_64bit", "quant_config", "mesh", "sharding", "precompile", "quant_report")
 
 
 def build(captures: dict, options: dict) -> TpuProgram:
@@ -108,9 +119,11 @@ def build(captures: dict, options: dict) -> TpuProgram:
     if unknown:
         raise TypeError(f"export() got an unexpected keyword argument {unknown[0]!r} for the tpu target")
     from .. import converters
+    options = dict(options)
+    report = options.pop("quant_report", True)  # False: no error measured on the sample inputs
     prog = TpuProgram(converters.converter(TARGET.converter).convert(captures, **options))
     quant_config, platforms = options.get("quant_config"), options.get("platforms", ("tpu", "cpu"))
-    if quant_config is not None and "cpu" in platforms:
+    if quant_config is not None and "cpu" in platforms and report:
         from ..quant import parse, report_against_eager
         float_bytes = sum(t.numel() * t.element_size() for c in captures.values() for t in c.weights.values())
         prog.quant_report = report_against_eager(prog, captures, parse(quant_config, "tpu").recipe, float_bytes,
@@ -192,10 +205,19 @@ def _parse_mesh(text: str | None):
         raise InputError(f"bad --mesh {text!r}", hint="use AXIS=SIZE pairs, e.g. --mesh data=1,model=8") from None
 
 
+def from_llm(program: TpuProgram, source, layout, prefill_lengths) -> TpuProgram:
+    """An LLM's programs: each step's KV-cache inputs are donated (recorded in the manifest), so compiled
+    programs update the cache in place and ``generate`` keeps it on the device."""
+    for sig, spec in program.manifest["programs"].items():
+        spec["donate"] = [i for i, s in enumerate(spec["inputs"]) if s["name"].startswith("kv_cache_")]
+    program._runners.clear()
+    return program
+
+
 TARGET = Target(
     name="tpu", summary="TPU StableHLO executables (.tpu), run on PJRT (cpu here, tpu or gpu where present)",
     converter="stablehlo", runtime="xla", suffix=".tpu", runnable=TpuProgram, signature="main",
     build=build, load=load, describe=describe, cli_options=cli_options, compile=compile_cli,
     cli_flags=("platforms", "kernels", "narrow_64bit", "mesh", "sharding", "quantize"),
-    local_options={"platforms": ("cpu",)},
+    local_options={"platforms": ("cpu",)}, from_llm=from_llm,
 )
