@@ -50,6 +50,14 @@ def parse(quant_config, target: str) -> QuantConfig | None:
 
 def per_channel_int8(w: np.ndarray, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 quantization with one scale per slice along ``axis``: (int8 values, float32 scales)."""
+    if axis == 0 and np.ndim(w) >= 2 and np.asarray(w).nbytes > (64 << 20):
+        # a large weight a slice at a time: temporaries of ~16 MB, not of the weight (an LLM's projections)
+        w = np.asarray(w)
+        step = max(1, (16 << 20) // max(1, w[0].size * 4))
+        q, scales = np.empty(w.shape, np.int8), np.empty(w.shape[0], np.float32)
+        for r in range(0, w.shape[0], step):
+            q[r:r + step], scales[r:r + step] = per_channel_int8(w[r:r + step], 0)
+        return q, scales
     w = np.asarray(w, np.float32)
     reduce_axes = tuple(i for i in range(w.ndim) if i != axis)
     amax = np.max(np.abs(w), axis=reduce_axes, keepdims=True) if reduce_axes else np.abs(w)

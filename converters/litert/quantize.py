@@ -600,11 +600,16 @@ def blockwise_int4(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     """``w [rows, cols]`` as int4 values and float16 scales ``[rows, cols / block]`` (symmetric:
     the largest magnitude of a block maps to 7), rounded against the float16 scale that is stored."""
     rows, cols = w.shape
-    blocks = w.reshape(rows, cols // block, block).astype(np.float32)
-    scale = (np.abs(blocks).max(axis=-1) / 7.0).astype(np.float16)
-    scale = np.where(scale == 0, np.float16(1.0), scale)
-    q = np.clip(np.rint(blocks / scale.astype(np.float32)[..., None]), -8, 7)
-    return q.reshape(rows, cols).astype(INT4), np.ascontiguousarray(scale)
+    q = np.empty((rows, cols), INT4)
+    scales = np.empty((rows, cols // block), np.float16)
+    step = max(1, (16 << 20) // max(1, cols * 4))  # rows at a time: temporaries of ~16 MB, not of the weight
+    for r in range(0, rows, step):
+        blocks = w[r:r + step].reshape(-1, cols // block, block).astype(np.float32)
+        scale = (np.abs(blocks).max(axis=-1) / 7.0).astype(np.float16)
+        scale = np.where(scale == 0, np.float16(1.0), scale)
+        scales[r:r + step] = scale
+        q[r:r + step] = np.clip(np.rint(blocks / scale.astype(np.float32)[..., None]), -8, 7).reshape(-1, cols)
+    return q, scales
 
 
 def _fp16(g: Graph) -> None:
