@@ -50,18 +50,30 @@ PROMPTS = ["the quick brown fox jumps over the lazy dog and",
            "on device models run on phones and in browsers, tokens are made locally from"]
 THREADS = 2
 
-_OURS = r"""
-import json, resource, sys, time
+# Peak RSS is the child's own: ru_maxrss (and VmHWM) carry over the memory of the process that forked
+# it (this benchmark, holding a float model), so the child resets its high-water mark first (clear_refs 5).
+_PEAK = r"""
+def _reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+def _peak_gb():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+_reset_peak()
+"""
+
+_OURS = _PEAK + r"""
+import json, sys, time
 import torchtpu_export as tte
 folder, out, prefill, cache, quant = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
 t0 = time.perf_counter()
 tte.export_llm(folder, prefill_lengths=(prefill,), cache_length=cache, quant_config=quant).save(out)
-print("RESULT " + json.dumps({"seconds": time.perf_counter() - t0,
-                              "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+print("RESULT " + json.dumps({"seconds": time.perf_counter() - t0, "peak_rss_gb": _peak_gb()}))
 """
 
-_THEIRS = r"""
-import importlib.machinery, json, os, resource, shutil, sys, time, types
+_THEIRS = _PEAK + r"""
+import importlib.machinery, json, os, shutil, sys, time, types
 try:
     import tensorflow  # noqa: F401
 except ImportError:  # litert-torch's exporter imports TF's schema module; LiteRT ships the same file
@@ -80,8 +92,7 @@ hf_export.export(folder, work, prefill_lengths=[prefill], cache_length=cache, qu
 seconds = time.perf_counter() - t0
 shutil.move(os.path.join(work, "model.litertlm"), out)
 shutil.rmtree(work, ignore_errors=True)
-print("RESULT " + json.dumps({"seconds": seconds,
-                              "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+print("RESULT " + json.dumps({"seconds": seconds, "peak_rss_gb": _peak_gb()}))
 """
 
 
@@ -189,6 +200,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "tte-bench-llm"))
     ap.add_argument("--reuse", default="", help="comma-separated tools (ours, litert-torch) whose bundles from an "
                                                 "earlier run in --work are measured again rather than converted again")
+    ap.add_argument("--conversion-only", action="store_true",
+                    help="only the float conversion of each tool (seconds, peak RSS): no quality or speed")
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args(argv)
     os.makedirs(args.work, exist_ok=True)
@@ -198,9 +211,9 @@ def main(argv=None) -> int:
         folder = make_folder(kind, os.path.join(args.work, name))
         wbytes = weight_bytes(folder)
         print(f"== {name}: {wbytes / 2**30:.2f} GB of float32 weights", flush=True)
-        refs = reference(folder, args.steps)
+        refs = None if args.conversion_only else reference(folder, args.steps)
         paths = {}
-        for label, ours, theirs in RECIPES:
+        for label, ours, theirs in RECIPES[:1] if args.conversion_only else RECIPES:
             for tool, recipe in (("ours", ours), ("litert-torch", theirs)):
                 if recipe is None and not (tool == "ours" and label == "float"):
                     continue
@@ -208,7 +221,7 @@ def main(argv=None) -> int:
                 res = convert(tool, folder, out, prefill, cache, recipe, reuse=tool in args.reuse.split(","))
                 print(f"   {tool:13s} {label:18s} {json.dumps(res)}", flush=True)
                 row = {"config": name, "tool": tool, "recipe": label, **res}
-                if "error" not in res:
+                if "error" not in res and refs is not None:
                     try:
                         row["agreement"], row["kl"] = quality(out, refs)
                         paths[(tool, label)] = out
@@ -218,13 +231,15 @@ def main(argv=None) -> int:
                 if label == "float":
                     conv_rows.append(dict(row, weights_gb=wbytes / 2**30))
                 recipe_rows.append(row)
+        if args.conversion_only:
+            continue
         tps = speed({f"{t}|{l}": p for (t, l), p in paths.items()}, prefill, decode_tokens, args.rounds)
         for row in recipe_rows:
             key = f"{row['tool']}|{row['recipe']}"
             if row["config"] == name and key in tps:
                 row["prefill_tps"], row["decode_tps"] = tps[key]
                 print(f"   {key}: prefill {tps[key][0]:.1f} tok/s, decode {tps[key][1]:.1f} tok/s", flush=True)
-    text = report(conv_rows, recipe_rows, args)
+    text = report(conv_rows, [] if args.conversion_only else recipe_rows, args)
     print(text)
     if args.output:
         with open(args.output, "w") as f:
@@ -248,6 +263,8 @@ def report(conv_rows, recipe_rows, args) -> str:
             continue
         lines.append(f"| {r['config']} | {r['tool']} | {r['seconds']:.1f} | {r['peak_rss_gb']:.2f} | "
                      f"{r['weights_gb']:.2f} | {r['peak_rss_gb'] / r['weights_gb']:.2f} | {r['size_mb']:.1f} |")
+    if not recipe_rows:
+        return "\n".join(lines) + "\n"
     lines += ["", "## Recipes: size, speed in LiteRT-LM, agreement with the float model", "",
               f"Top-1: next-token agreement with torch eager in float32 over {args.steps} greedy steps on "
               f"{len(PROMPTS)} prompts (teacher-forced); KL: mean KL(float || bundle) of those distributions.",
