@@ -422,6 +422,17 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     return t.from_llm(program, source, layout, lengths)
 
 
+def prefill_chunks(count: int, lengths: Sequence[int]):
+    """``(start, tokens, prefill length)`` for ``count`` prompt tokens: each chunk the shortest exported
+    length that holds the rest, else the longest (a short chunk is padded by the step)."""
+    done = 0
+    while done < count:
+        left = count - done
+        n = next((k for k in lengths if k >= left), lengths[-1])
+        yield done, min(n, left), n
+        done += min(n, left)
+
+
 class HostLoop:
     """Drives a program with ``prefill_<N>`` and ``decode`` signatures (any target's runnable, or a
     ``.tflite`` made elsewhere with the same contract) from the host the way LiteRT-LM drives a bundle:
@@ -455,12 +466,8 @@ class HostLoop:
 
     def prefill(self, ids: Sequence[int]) -> None:
         """Fills the cache with ``ids``, in the largest chunks that help."""
-        done = 0
-        while done < len(ids):
-            left = len(ids) - done
-            n = next((k for k in self.lengths if k >= left), self.lengths[-1])
-            self._step(PREFILL.format(n), ids[done:done + min(n, left)])
-            done += min(n, left)
+        for start, take, n in prefill_chunks(len(ids), self.lengths):
+            self._step(PREFILL.format(n), ids[start:start + take])
 
     def decode(self, token: int):
         """The next-token logits ``[vocab]`` after ``token``, which goes into the cache."""
@@ -567,17 +574,12 @@ class DeviceGenerator:
         key = put(np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32))
         temp = put(np.float32(temperature))
         top_p_v = put(np.float32(1.0 if top_p is None else top_p))
-        done = 0
-        while done < len(ids) - 1:  # the prompt but its last token, in the largest chunks that help
-            left = len(ids) - 1 - done
-            n = next((k for k in self.lengths if k >= left), self.lengths[-1])
-            take = min(n, left)
+        for start, take, n in prefill_chunks(len(ids) - 1, self.lengths):  # the prompt but its last token
             chunk = np.zeros((1, n), np.int32)
-            chunk[0, :take] = ids[done:done + take]
+            chunk[0, :take] = ids[start:start + take]
             runner = self.runners[PREFILL.format(n)]
-            _, caches = self._steps[PREFILL.format(n)](runner.weights, put(chunk), put(np.int32(done)), caches,
+            _, caches = self._steps[PREFILL.format(n)](runner.weights, put(chunk), put(np.int32(start)), caches,
                                                         key, temp, top_k, top_p_v)
-            done += take
         out: list[int] = []
         token, pos = ids[-1], len(ids) - 1
         decode = self.runners[DECODE]

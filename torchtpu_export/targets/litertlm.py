@@ -175,8 +175,9 @@ def read_sections(path: str) -> list[dict]:
         raise ArtifactError(f"{path}: the LiteRT-LM header is damaged ({type(e).__name__}: {e})") from e
 
 
-def section_bytes(path: str, kind: str, limit: int | None = None) -> bytes:
-    for s in read_sections(path):
+def section_bytes(path: str, kind: str, limit: int | None = None, sections: list | None = None) -> bytes:
+    """The bytes of the first ``kind`` section (``sections``: :func:`read_sections`' answer, if already read)."""
+    for s in sections if sections is not None else read_sections(path):
         if s["type"] == kind:
             n = s["end"] - s["begin"]
             if limit is not None and n > limit:
@@ -194,7 +195,7 @@ def _llm_metadata(path: str, sections) -> dict:
         return {}
     msg = llm_metadata_pb2.LlmMetadata()
     try:
-        msg.ParseFromString(section_bytes(path, "LlmMetadataProto", limit=64 << 20))
+        msg.ParseFromString(section_bytes(path, "LlmMetadataProto", limit=64 << 20, sections=sections))
     except DecodeError as e:
         raise ArtifactError(f"{path}: its LlmMetadata section is damaged ({e})") from e
     return {"start_token": list(msg.start_token.token_ids.ids) or None,
@@ -228,7 +229,7 @@ def describe(path: str, topologies=None) -> dict:
     no_topologies(topologies)
     from .litert import _describe
     sections = read_sections(path)
-    desc = _describe(path, section_bytes(path, "TFLiteModel"))
+    desc = _describe(path, section_bytes(path, "TFLiteModel", sections=sections))
     meta = _llm_metadata(path, sections)
     desc.update(kind="litertlm", size=os.path.getsize(path), llm_metadata=meta,
                 sections=[{"type": s["type"], "bytes": s["end"] - s["begin"]} for s in sections])
