@@ -10,7 +10,7 @@ JOBS ?= 2
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,hf,tpu,litertlm]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,hf,tpu,litertlm,serve]'
 	@touch $(STAMP)
 
 venv: $(STAMP)

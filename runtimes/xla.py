@@ -35,7 +35,10 @@ class XlaRunner:
 
     name = "xla"
 
-    def __init__(self, artifact: TpuArtifact, program: str = "main", platform: str | None = None):
+    def __init__(self, artifact: TpuArtifact, program: str = "main", platform: str | None = None,
+                 placed: dict | None = None):
+        """``placed``: weights already on the device, shared by the programs of one artifact (keyed by
+        name and sharding); the weights this runner places are added to it."""
         spec = artifact.manifest["programs"].get(program)
         if spec is None:
             raise InputError(f"no program {program!r} in the artifact; it has {sorted(artifact.manifest['programs'])}")
@@ -76,8 +79,13 @@ class XlaRunner:
                     self._input_shardings = [_named(self.mesh, s) for s in plan["inputs"]]
                 else:
                     wsh = {}
-                self.weights = {n: jax.device_put(np.asarray(artifact.weights[n]), wsh.get(n))
-                                for n in spec["weights"]}
+                placed = {} if placed is None else placed
+                self.weights = {}
+                for n in spec["weights"]:
+                    key = (n, platform, repr(wsh.get(n)))
+                    if key not in placed:
+                        placed[key] = jax.device_put(np.asarray(artifact.weights[n]), wsh.get(n))
+                    self.weights[n] = placed[key]
             except (ArtifactError, InputError):
                 raise
             except Exception as e:  # a sharding plan naming axes the mesh does not have, and the like

@@ -24,7 +24,7 @@ import traceback
 import warnings
 from typing import Callable
 
-from . import debugger, targets, web
+from . import debugger, server, targets, web
 from ._version import __version__
 from .coverage import cli as coverage_cli
 from . import fileio
@@ -401,6 +401,7 @@ COMMANDS: dict[str, tuple[Callable, Callable, str]] = {
     "coverage": (coverage_cli.add_arguments, coverage_cli.run, coverage_cli.HELP),
     "debug": (debugger.add_arguments, debugger.run_cli, debugger.HELP),
     "serve-web": (web.add_arguments, web.run_cli, web.HELP),
+    "serve": (server.add_arguments, server.run_cli, server.HELP),
 }
 
 

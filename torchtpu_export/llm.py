@@ -27,6 +27,7 @@ from .errors import InputError
 # what LiteRT-LM and litert-torch call the signatures and tensors (the bundle contract)
 PREFILL = "prefill_{}"
 DECODE = "decode"
+DECODE_BATCH = "decode_batch"  # tpu serving: one token for each of B sequences (slots), each at its own position
 
 # The runtime passes a message's content as a list of {"type": "text", "text": ...} parts; HF templates
 # expect a string. This prelude joins the parts, so the model's own template works unchanged on both.
@@ -246,8 +247,8 @@ class CacheLayout:
     def names(self) -> list[str]:
         return [f"kv_cache_{kv}_{i}" for i in range(self.layers) for kv in "kv"]
 
-    def empty(self, dtype=None) -> dict:
-        shape = (1, self.kv_heads, self.length, self.head_dim)
+    def empty(self, dtype=None, batch: int = 1) -> dict:
+        shape = (batch, self.kv_heads, self.length, self.head_dim)
         return {n: torch.zeros(shape, dtype=dtype or torch.float32) for n in self.names()}
 
 
@@ -257,15 +258,21 @@ class _StepCache:
 
     is_compileable = True
 
-    def __init__(self, caches: dict, layers: int, start):
+    def __init__(self, caches: dict, layers: int, input_pos, slots: bool):
         self.k = [caches[f"kv_cache_k_{i}"] for i in range(layers)]
         self.v = [caches[f"kv_cache_v_{i}"] for i in range(layers)]
-        self.start = start.to(torch.int64)
+        self.pos, self.slots = input_pos.to(torch.int64), slots
+
+    def _write(self, cache, new):
+        new = new.to(cache.dtype)
+        if self.slots:  # one token per slot (batch row), each at its own position: a scatter
+            b, h, _, d = new.shape
+            return cache.scatter(2, self.pos.view(b, 1, 1, 1).expand(b, h, 1, d), new)
+        return cache.index_copy(2, self.pos[0] + torch.arange(new.shape[2], dtype=torch.int64), new)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        idx = self.start + torch.arange(key_states.shape[2], dtype=torch.int64)
-        self.k[layer_idx] = self.k[layer_idx].index_copy(2, idx, key_states.to(self.k[layer_idx].dtype))
-        self.v[layer_idx] = self.v[layer_idx].index_copy(2, idx, value_states.to(self.v[layer_idx].dtype))
+        self.k[layer_idx] = self._write(self.k[layer_idx], key_states)
+        self.v[layer_idx] = self._write(self.v[layer_idx], value_states)
         return self.k[layer_idx], self.v[layer_idx]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -274,33 +281,38 @@ class _StepCache:
 
 class CacheStep(torch.nn.Module):
     """One step of ``N`` tokens: ``(tokens [1,N] int32, input_pos [N] int32, mask [1,1,N,C] f32, caches)``
-    → ``{"logits" [1,N,V] (decode only), caches}``, the caches updated under their own names."""
+    → ``{"logits" [1,N,V] (decode only), caches}``, the caches updated under their own names.
 
-    def __init__(self, model, layout: CacheLayout, logits: bool):
+    With ``slots`` (a batched decode step for serving), each batch row is a separate sequence:
+    ``(tokens [B,1], input_pos [B] (each row's position), mask [B,1,1,C], caches [B,...])``."""
+
+    def __init__(self, model, layout: CacheLayout, logits: bool, slots: bool = False):
         super().__init__()
-        self.model, self.layout, self.logits = model, layout, logits
+        self.model, self.layout, self.logits, self.slots = model, layout, logits, slots
         config = model.config
         self.window = getattr(config, "sliding_window", None)
         self.layer_types = getattr(config, "layer_types", None)
         params = inspect.signature(model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
 
-    def _masks(self, mask, input_pos):
-        """The full-attention mask as given, and, where the config has sliding-window layers, theirs."""
+    def _masks(self, mask, positions):
+        """The full-attention mask as given, and, where the config has sliding-window layers, theirs
+        (``positions`` [B, N]: each query's position)."""
         sliding = None
         if self.window:
             kv_pos = torch.arange(self.layout.length, dtype=torch.int64)
-            far = (input_pos.to(torch.int64)[:, None] - kv_pos[None, :]) >= self.window
-            sliding = torch.where(far[None, None], torch.finfo(mask.dtype).min, mask)
+            far = (positions.to(torch.int64)[:, :, None] - kv_pos) >= self.window
+            sliding = torch.where(far[:, None], torch.finfo(mask.dtype).min, mask)
         if self.layer_types:  # models that take one mask per layer type
             return {t: (sliding if t == "sliding_attention" and sliding is not None else mask)
                     for t in set(self.layer_types)}
         return mask if sliding is None else sliding  # sliding_window without layer types: every layer slides
 
     def forward(self, tokens, input_pos, mask, **caches):
-        cache = _StepCache(caches, self.layout.layers, input_pos[0])
-        out = self.model(input_ids=tokens, attention_mask=self._masks(mask, input_pos),
-                         position_ids=input_pos[None], use_cache=True, **{self.cache_kw: cache})
+        cache = _StepCache(caches, self.layout.layers, input_pos, self.slots)
+        positions = input_pos[:, None] if self.slots else input_pos[None]
+        out = self.model(input_ids=tokens, attention_mask=self._masks(mask, positions),
+                         position_ids=positions, use_cache=True, **{self.cache_kw: cache})
         result = {"logits": out.logits} if self.logits else {}
         for i in range(self.layout.layers):
             result[f"kv_cache_k_{i}"], result[f"kv_cache_v_{i}"] = cache.k[i], cache.v[i]
@@ -373,6 +385,12 @@ def step_inputs(layout: CacheLayout, n: int) -> dict:
                 mask=torch.zeros(1, 1, n, layout.length), **layout.empty())
 
 
+def slot_inputs(layout: CacheLayout, slots: int) -> dict:
+    """Sample inputs of a batched decode step over ``slots`` sequences (one token each)."""
+    return dict(tokens=torch.zeros(slots, 1, dtype=torch.int32), input_pos=torch.zeros(slots, dtype=torch.int32),
+                mask=torch.zeros(slots, 1, 1, layout.length), **layout.empty(batch=slots))
+
+
 def check_options(source: LlmSource, prefill_lengths: Sequence[int], cache_length: int) -> list[int]:
     config = source.model.config
     if getattr(config, "is_encoder_decoder", False):
@@ -392,13 +410,15 @@ def check_options(source: LlmSource, prefill_lengths: Sequence[int], cache_lengt
 
 
 def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefill_lengths: Sequence[int] = (128,),
-               cache_length: int = 1024, quant_config=None, **options):
+               cache_length: int = 1024, quant_config=None, batch_size: int = 1, **options):
     """Exports a causal LM's prefill (one signature per length, ``prefill_<N>``) and ``decode`` steps.
 
     ``model_or_path``: a local Hugging Face folder (config.json, safetensors weights, tokenizer.json),
     ``file.py:factory`` returning a model or ``(model, tokenizer)``, or a transformers model.
     ``target="litertlm"`` returns a bundle for LiteRT-LM (``.save("model.litertlm")``; ``generate``);
     ``target="tpu"`` (or ``"litert"``) the target's runnable with the same signatures.
+    ``batch_size`` > 1 (tpu): a ``decode_batch`` program too, stepping that many sequences at once, each at
+    its own position: the slots of the serving engine (:mod:`torchtpu_export.engine`).
     """
     from . import targets
     from .api import SignatureSet
@@ -407,10 +427,18 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     layout = CacheLayout.of(source.model.config, cache_length)
     t = targets.get(target)
     program_target = t.program_target or target
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or not 1 <= batch_size <= 4096:
+        raise InputError(f"batch_size must be an integer from 1 to 4096, got {batch_size!r}")
+    if batch_size > 1 and program_target != "tpu":
+        raise InputError(f"batch_size applies to target='tpu' (the serving engine's slots); {target} programs "
+                         "step one sequence", hint="leave batch_size out, or export with target='tpu'")
     sigs = SignatureSet()
     for n in lengths:
         sigs.signature(PREFILL.format(n), CacheStep(source.model, layout, logits=False), (), step_inputs(layout, n))
     sigs.signature(DECODE, CacheStep(source.model, layout, logits=True), (), step_inputs(layout, 1))
+    if batch_size > 1:
+        sigs.signature(DECODE_BATCH, CacheStep(source.model, layout, logits=True, slots=True), (),
+                       slot_inputs(layout, batch_size))
     if quant_config is not None:
         # quality is the agreement of next tokens (benchmarks/llm.py), not the error on zero-filled samples,
         # and measuring that would run both models on every signature's full cache
@@ -497,119 +525,3 @@ def next_token_logits(program, ids: Sequence[int], start: int):
     loop = HostLoop(program)
     loop.prefill(list(ids[:start]))
     return np.stack([loop.decode(t) for t in ids[start:]])
-
-
-class DeviceGenerator:
-    """Generation over a ``.tpu`` program's ``prefill_<N>`` and ``decode`` signatures with the KV cache on
-    the device: each step is one jitted call of the exported program whose cache inputs are donated (their
-    buffers become the updated cache), with the mask built and the next token sampled in the same call.
-    A step moves the token id and position in and the sampled id out, nothing else."""
-
-    def __init__(self, program, platform: str | None = None):
-        import jax
-        self.program = program
-        self.runners = {sig: program.runner(sig, platform) for sig in program.signatures}
-        if DECODE not in self.runners or not any(s.startswith("prefill_") for s in self.runners):
-            raise InputError(f"generate needs prefill_<N> and decode programs; this artifact has {program.signatures}",
-                             hint="export the model with tte.export_llm(..., target='tpu')")
-        self.lengths = sorted(int(s.split("_")[1]) for s in self.runners if s.startswith("prefill_"))
-        decode = self.runners[DECODE]
-        names = [s.name for s in decode.inputs]
-        self.cache_names = [n for n in names if n.startswith("kv_cache_")]
-        self.length = decode.inputs[names.index("mask")].shape[-1]
-        self._steps = {sig: self._compile(sig) for sig in self.runners}
-        self._jax = jax
-
-    def _compile(self, sig: str):
-        import jax
-        import jax.numpy as jnp
-        from . import treespec
-        runner = self.runners[sig]
-        names = [s.name for s in runner.inputs]
-        at = {n: i for i, n in enumerate(names)}
-        cache_pos = [at[n] for n in self.cache_names]
-        out_spec = treespec.loads(self.program._call_metadata(sig)["out_spec"])
-        n_out = len(runner.outputs)
-        exported, length = runner.exported, self.length
-
-        def step(weights, tokens, start, caches, key, temperature, top_k, top_p):
-            n = tokens.shape[1]
-            pos = start + jnp.arange(n, dtype=jnp.int32)
-            mask = jnp.where(jnp.arange(length)[None, :] <= pos[:, None], 0.0,
-                             jnp.finfo(jnp.float32).min).astype(jnp.float32)[None, None]
-            args = [None] * len(names)
-            args[at["tokens"]], args[at["input_pos"]], args[at["mask"]] = tokens, pos, mask
-            for p, c in zip(cache_pos, caches):
-                args[p] = c
-            import torch.utils._pytree as pytree
-            outs = pytree.tree_unflatten(list(exported.call(weights, *args))[:n_out], out_spec)
-            new = tuple(outs[n] for n in self.cache_names)
-            if "logits" not in outs:
-                return None, new
-            return sample(outs["logits"][0, -1], key, temperature, top_k, top_p), new
-
-        return jax.jit(step, donate_argnums=(3,), static_argnums=(6,))
-
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, stop: Sequence[int] = (),
-                 seed: int | None = None) -> list[int]:
-        jax = self._jax
-        import numpy as np
-        ids = [int(t) for t in prompt_ids]
-        if not ids:
-            raise InputError("generate needs at least one prompt token")
-        if max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        if len(ids) + max_new_tokens > self.length:
-            raise InputError(f"{len(ids)} prompt tokens and {max_new_tokens} new ones do not fit the cache of "
-                             f"{self.length} positions", hint="export with a larger cache_length")
-        if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
-            raise InputError("temperature must be >= 0, top_k >= 1 and 0 < top_p <= 1")
-        device = self.runners[DECODE].weights[next(iter(self.runners[DECODE].weights))].devices().pop() \
-            if self.runners[DECODE].weights else jax.devices()[0]
-        put = lambda x: jax.device_put(x, device)  # noqa: E731 (explicit transfers: the loop makes no other)
-        spec = {s.name: s for s in self.runners[DECODE].inputs}
-        caches = tuple(put(np.zeros(spec[n].shape, np.dtype(spec[n].dtype))) for n in self.cache_names)
-        seed = 0 if seed is None else int(seed)  # jax.random.PRNGKey(seed)'s words, made here: no implicit transfer
-        key = put(np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32))
-        temp = put(np.float32(temperature))
-        top_p_v = put(np.float32(1.0 if top_p is None else top_p))
-        for start, take, n in prefill_chunks(len(ids) - 1, self.lengths):  # the prompt but its last token
-            chunk = np.zeros((1, n), np.int32)
-            chunk[0, :take] = ids[start:start + take]
-            runner = self.runners[PREFILL.format(n)]
-            _, caches = self._steps[PREFILL.format(n)](runner.weights, put(chunk), put(np.int32(start)), caches,
-                                                        key, temp, top_k, top_p_v)
-        out: list[int] = []
-        token, pos = ids[-1], len(ids) - 1
-        decode = self.runners[DECODE]
-        stops = set(int(s) for s in stop)
-        for _ in range(max_new_tokens):
-            key, sub = jax.random.split(key)
-            nxt, caches = self._steps[DECODE](decode.weights, put(np.array([[token]], np.int32)), put(np.int32(pos)),
-                                              caches, sub, temp, top_k, top_p_v)
-            token, pos = int(jax.device_get(nxt)), pos + 1
-            if token in stops:
-                break
-            out.append(token)
-        return out
-
-
-def sample(logits, key, temperature, top_k: int | None, top_p):
-    """The next token from ``logits [vocab]`` on the device: argmax at temperature 0, else a draw from
-    the tempered distribution restricted to the ``top_k`` most likely tokens and the smallest set whose
-    probability reaches ``top_p``."""
-    import jax
-    import jax.numpy as jnp
-    logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits).astype(jnp.int32)
-    scaled = logits / jnp.maximum(temperature, 1e-6)
-    if top_k is not None:
-        kth = jax.lax.top_k(scaled, min(int(top_k), scaled.shape[-1]))[0][-1]
-        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-    order = jnp.argsort(-scaled)
-    probs = jax.nn.softmax(scaled[order])
-    keep = (jnp.cumsum(probs) - probs) < top_p  # the smallest prefix reaching top_p (the first always kept)
-    filtered = jnp.full_like(scaled, -jnp.inf).at[order].set(jnp.where(keep, scaled[order], -jnp.inf))
-    drawn = jax.random.categorical(key, filtered).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)

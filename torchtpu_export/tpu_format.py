@@ -10,6 +10,8 @@ Entries::
     executables/<topology>/<program>.bin   optional: a TPU executable compiled ahead of time
                                            (``manifest["compiled"]`` says for which libtpu, jax
                                            and chips, with its sha256 and the compiler's stats)
+    llm/tokenizer.json                     optional: an LLM's tokenizer (``manifest["llm"]``: its chat
+                                           template, special tokens, cache and prefill lengths, slots)
 
 Weights are arguments of every program, never constants inside it. The
 manifest names the files, so readers never guess paths, and holds the sha256
@@ -58,6 +60,7 @@ class TpuArtifact:
     weights: Mapping[str, np.ndarray]
     _keepalive: object = None  # the mmap the weights point into
     executables: dict[str, dict[str, bytes]] = dataclasses.field(default_factory=dict)  # topology -> program -> bytes
+    extras: dict[str, bytes] = dataclasses.field(default_factory=dict)  # entry -> bytes (an LLM's tokenizer.json)
 
     def program_path(self, program: str, platform: str) -> str:
         return f"programs/{program}/{platform}.jaxexport"
@@ -73,6 +76,7 @@ class TpuArtifact:
         for topology, per_program in sorted(self.executables.items()):
             for prog, blob in sorted(per_program.items()):
                 files[self.executable_path(topology, prog)] = blob
+        files.update(self.extras)
         for prog, per_platform in sorted(self.programs.items()):
             spec = self.manifest["programs"][prog]
             spec["files"] = {p: self.program_path(prog, p) for p in sorted(per_platform)}
@@ -176,6 +180,7 @@ def read(path) -> TpuArtifact:
                     exe = entry.get("executable")
                     if exe:
                         executables.setdefault(topology, {})[prog] = zf.read(exe["file"])
+            extras = {name: zf.read(name) for name in _extra_entries(manifest)}
             info = infos[manifest["weights"]["file"]]
             start = _entry_offset(f, info)
             weights = safetensors_io.read(memoryview(mm)[start:start + info.file_size]) if info.file_size else {}
@@ -188,7 +193,7 @@ def read(path) -> TpuArtifact:
     missing = [w for prog in manifest["programs"].values() for w in prog["weights"] if w not in weights]
     if missing:
         raise ArtifactError(f"{path} is corrupt: weights {missing[:3]} are missing")
-    return TpuArtifact(manifest, programs, mlir, weights, mm, executables)
+    return TpuArtifact(manifest, programs, mlir, weights, mm, executables, extras)
 
 
 def _check_entries(zf: zipfile.ZipFile, f, size: int, path: str) -> dict[str, zipfile.ZipInfo]:
@@ -213,7 +218,12 @@ def _named_entries(manifest: dict) -> list[str]:
         names += list(spec["files"].values()) + list(spec.get("stablehlo", {}).values())
     for per_program in manifest.get("compiled", {}).values():
         names += [e["executable"]["file"] for e in per_program.values() if e.get("executable")]
-    return names
+    return names + _extra_entries(manifest)
+
+
+def _extra_entries(manifest: dict) -> list[str]:
+    tokenizer = manifest.get("llm", {}).get("tokenizer")
+    return [tokenizer] if tokenizer else []
 
 
 _CHUNK = 16 << 20
@@ -267,7 +277,11 @@ def _manifest_schema():
                    "weights": Record({"file": NAME}, {"count": Count(), "bytes": Count()})},
                   {"versions": MapOf(STR), "platforms": ListOf(STR), "digests": MapOf(STR),
                    "mesh": Opt(Record({"axes": ListOf(TupleOf(NAME, Count())), "devices": Count()})),
-                   "compiled": MapOf(MapOf(compiled))})
+                   "compiled": MapOf(MapOf(compiled)),
+                   "llm": Record({"cache_length": Count(), "prefill_lengths": ListOf(Count())},
+                                 {"tokenizer": NAME, "chat_template": Opt(STR), "bos_id": Opt(Count()),
+                                  "pad_id": Opt(Count()), "stop_ids": ListOf(Count()), "slots": Count(),
+                                  "name": STR})})
 
 
 def check_manifest(manifest, path: str = "artifact") -> None:

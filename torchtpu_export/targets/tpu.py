@@ -33,6 +33,7 @@ class TpuProgram(Runnable):
     def __init__(self, artifact: tpu_format.TpuArtifact):
         self.artifact = artifact
         self._runners: dict = {}
+        self._placed: dict = {}  # weights on the device, shared by the runners of every program
         self.quant_report = None  # set by export(..., quant_config=...)
 
     @property
@@ -58,7 +59,7 @@ class TpuProgram(Runnable):
         from ..runtimes.xla import XlaRunner
         key = (self.signature(signature_name), platform)
         if key not in self._runners:
-            self._runners[key] = XlaRunner(self.artifact, key[0], platform)
+            self._runners[key] = XlaRunner(self.artifact, key[0], platform, self._placed)
         return self._runners[key]
 
     def stablehlo_text(self, platform: str = "tpu", signature_name: str | None = None) -> str:
@@ -97,9 +98,9 @@ class TpuProgram(Runnable):
         """Tokens generated after ``prompt_ids`` by an LLM's programs (``tte.export_llm(..., target="tpu")``),
         with the KV cache kept on the device and updated in place (donated), sampling on the device:
         greedy at ``temperature=0``, else top-k / top-p sampling seeded by ``seed``. Stops at a token in ``stop``."""
-        from ..llm import DeviceGenerator
+        from ..engine import Engine
         if getattr(self, "_generator", None) is None:
-            self._generator = DeviceGenerator(self)
+            self._generator = Engine(self, batched=False)
         return self._generator.generate(prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
                                         top_p=top_p, stop=stop, seed=seed)
 
@@ -205,12 +206,27 @@ def _parse_mesh(text: str | None):
         raise InputError(f"bad --mesh {text!r}", hint="use AXIS=SIZE pairs, e.g. --mesh data=1,model=8") from None
 
 
+LLM_TOKENIZER = "llm/tokenizer.json"
+
+
 def from_llm(program: TpuProgram, source, layout, prefill_lengths) -> TpuProgram:
     """An LLM's programs: each step's KV-cache inputs are donated (recorded in the manifest), so compiled
     programs update the cache in place and ``generate`` keeps it on the device."""
-    for sig, spec in program.manifest["programs"].items():
+    from ..llm import DECODE_BATCH
+    manifest = program.manifest
+    for sig, spec in manifest["programs"].items():
         spec["donate"] = [i for i, s in enumerate(spec["inputs"]) if s["name"].startswith("kv_cache_")]
+    batch = manifest["programs"].get(DECODE_BATCH)
+    info = {"name": source.name, "cache_length": layout.length, "prefill_lengths": list(prefill_lengths),
+            "slots": batch["inputs"][0]["shape"][0] if batch else 1}
+    tok = source.tokenizer
+    if tok is not None:  # what a server needs to take text: the tokenizer, its special tokens, the chat template
+        info.update(tokenizer=LLM_TOKENIZER, chat_template=tok.chat_template, bos_id=tok.bos_id, pad_id=tok.pad_id,
+                    stop_ids=list(tok.stop_ids))
+        program.artifact.extras[LLM_TOKENIZER] = tok.json.encode()
+    manifest["llm"] = info
     program._runners.clear()
+    program._placed.clear()
     return program
 
 

@@ -1,0 +1,273 @@
+"""Serving: the continuous-batching engine over an LLM's exported programs, and `torchtpu-export serve`
+(KServe's model server) checked with real clients: the official `openai` client (completions, chat,
+streaming) and `tritonclient` (Open Inference Protocol v2 over HTTP) for a `.tpu` and a `.tflite` model."""
+import concurrent.futures
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+import hf_llms
+import torchtpu_export as tte
+import zoo
+from torchtpu_export.engine import Engine
+from torchtpu_export.errors import InputError
+
+pytestmark = pytest.mark.xdist_group("serving")
+
+PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog and then some more words follow here",
+           "a", "tiny language model", "tokens are made locally", "one two three", "small corpus of text",
+           "is this a model", "made from a config", "what comes next", "the cache stays on the device",
+           "continuous batching", "slots and steps", "prefill then insert", "sixteen requests", "the last one"]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    model, tok = hf_llms.build("llama")
+    prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8, 32), cache_length=96, batch_size=4,
+                          platforms=("cpu",))
+    path = tmp_path_factory.mktemp("serve") / "tiny-llama.tpu"
+    prog.save(path)
+    return model, tok, prog, path
+
+
+def greedy(model, ids, n):
+    """transformers' greedy tokens after ``ids``, cut at the end-of-sequence token (2), as the engine stops."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(ids):]
+    out = out.tolist()
+    return out[:out.index(2)] if 2 in out else out
+
+
+def test_engine_batches_requests_that_join_and_leave(llm):
+    """More requests than slots, prompts longer than a prefill chunk, different lengths: every request's
+    greedy tokens equal transformers', and a decode step sends only the slots' token ids to the host."""
+    model, tok, prog, _ = llm
+    engine = Engine(tte.load(llm[3]))
+    assert engine.slots == 4
+    lengths = [5, 20, 12, 30, 7, 16]
+    requests = [engine.submit(tok(p)["input_ids"], n, stop=[2]) for p, n in zip(PROMPTS, lengths)]
+    while engine.busy:
+        engine.step()
+    for p, n, r in zip(PROMPTS, lengths, requests):
+        assert r.result() == greedy(model, tok(p)["input_ids"], n), p
+        assert r.finish_reason in ("stop", "length")
+    s = engine.stats
+    assert s["decode_bytes_to_host"] == s["decode_steps"] * 4 * 4 and s["decode_bytes_to_device"] == 0
+    # batching: fewer decode steps than tokens made (slots shared the steps)
+    assert s["decode_steps"] < s["tokens"]
+
+
+def test_engine_cancel_frees_the_slot_and_bad_requests_raise(llm):
+    engine = Engine(tte.load(llm[3]))
+    ids = llm[1]("hello world")["input_ids"]
+    keep = [engine.submit(ids, 30) for _ in range(4)]
+    later = engine.submit(ids, 30)  # waits for a slot
+    keep[0].cancel()
+    for _ in range(3):
+        engine.step()
+    assert keep[0].finish_reason == "cancelled" and len(keep[0].tokens) < 30
+    assert later.tokens  # it took the freed slot
+    never = engine.submit(ids, 30)  # waits, and goes before it gets a slot
+    never.cancel()
+    later.cancel()
+    while engine.busy:
+        engine.step()
+    assert later.finish_reason == never.finish_reason == "cancelled" and len(later.tokens) < 30 and not never.tokens
+    assert all(len(r.result()) == 30 for r in keep[1:])
+    with pytest.raises(InputError, match="do not fit the cache"):
+        engine.submit(ids, 200)
+    with pytest.raises(InputError, match=r"token ids must be in \[0, "):
+        engine.submit([10 ** 6], 2)
+    with pytest.raises(InputError, match="at least one prompt token"):
+        engine.submit([], 2)
+
+
+# ---- the server -------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, path, *extra):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONWARNINGS="ignore")
+        self.proc = subprocess.Popen([sys.executable, "-m", "torchtpu_export", "serve", str(path), "--port",
+                                      str(self.port), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env=env, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited: {self.proc.stdout.read()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        self.close()
+        raise AssertionError("the server did not become ready in 120 s")
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def llm_server(llm):
+    server = Server(llm[3])
+    yield server
+    server.close()
+
+
+def _openai(server):
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_openai_client_completions_chat_and_streaming(llm, llm_server):
+    model, tok, _, _ = llm
+    client = _openai(llm_server)
+    assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+    ids = tok(PROMPTS[0])["input_ids"]
+    want = greedy(model, ids, 12)
+    done = client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert done.choices[0].text == tok.decode(want, skip_special_tokens=True)
+    assert done.usage.prompt_tokens == len(ids) and done.usage.completion_tokens == len(want)
+    # the same, streamed
+    stream = client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                       stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == done.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == done.choices[0].finish_reason
+    # chat: the model's template, then greedy tokens
+    messages = [{"role": "user", "content": "hello there"}]
+    chat_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    chat_ids = chat_ids["input_ids"] if isinstance(chat_ids, dict) or hasattr(chat_ids, "keys") else chat_ids
+    want_chat = tok.decode(greedy(model, list(chat_ids), 10), skip_special_tokens=True)
+    reply = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=10, temperature=0)
+    assert reply.choices[0].message.content == want_chat and reply.usage.prompt_tokens == len(chat_ids)
+    streamed = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=10, temperature=0,
+                                              stream=True, stream_options={"include_usage": True})
+    parts = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == want_chat
+    assert parts[-1].usage.completion_tokens == reply.usage.completion_tokens
+    # seeded sampling is repeatable
+    a = client.completions.create(model="tiny-llama", prompt="x", max_tokens=8, temperature=1.0, seed=5)
+    b = client.completions.create(model="tiny-llama", prompt="x", max_tokens=8, temperature=1.0, seed=5)
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_sixteen_concurrent_streams_and_bad_requests_beside_them(llm, llm_server):
+    """16 streaming requests at once over 4 slots all get their own greedy tokens, while malformed and
+    oversized requests get a 4xx and a client that hangs up mid-stream frees its slot."""
+    import openai
+    model, tok, _, _ = llm
+    client = _openai(llm_server)
+
+    def stream(prompt):
+        s = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=16, temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in s)
+
+    def hang_up():
+        s = client.completions.create(model="tiny-llama", prompt="hang up", max_tokens=60, temperature=0, stream=True)
+        next(iter(s))
+        s.close()
+        return "closed"
+
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        futures = [pool.submit(stream, p) for p in PROMPTS] + [pool.submit(hang_up)]
+        with pytest.raises(openai.BadRequestError, match="do not fit the cache"):
+            client.completions.create(model="tiny-llama", prompt="hello", max_tokens=500)
+        req = urllib.request.Request(llm_server.url + "/v1/completions", data=b"{not json", method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 400 and b"not valid JSON" in e.value.read()
+        with pytest.raises(openai.BadRequestError, match="prompt must be"):
+            client.completions.create(model="tiny-llama", prompt=[1.5], max_tokens=4)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other", prompt="x", max_tokens=4)
+        got = [f.result(timeout=300) for f in futures]
+    for prompt, text in zip(PROMPTS, got):
+        assert text == tok.decode(greedy(model, tok(prompt)["input_ids"], 16), skip_special_tokens=True), prompt
+    assert got[-1] == "closed"
+    # still serving
+    assert client.completions.create(model="tiny-llama", prompt="a", max_tokens=2, temperature=0).choices
+
+
+def test_v2_generate_on_the_llm(llm, llm_server):
+    import tritonclient.http as httpclient
+    model, tok, _, _ = llm
+    client = httpclient.InferenceServerClient(llm_server.url.removeprefix("http://"))
+    assert client.is_server_ready() and client.is_model_ready("tiny-llama")
+    ids = np.array(tok(PROMPTS[3])["input_ids"], np.int32)
+    inp = httpclient.InferInput("input_ids", list(ids.shape), "INT32")
+    inp.set_data_from_numpy(ids, binary_data=False)
+    n = httpclient.InferInput("max_new_tokens", [1], "INT32")
+    n.set_data_from_numpy(np.array([9], np.int32), binary_data=False)
+    out = client.infer("tiny-llama", [inp, n]).as_numpy("output_ids")
+    assert out.tolist() == greedy(model, ids.tolist(), 9)
+
+
+@pytest.fixture(scope="module")
+def image_models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve-img")
+    model, args = zoo.small_cnn()
+    model.eval()
+    tte.export(model, args, target="tpu", platforms=("cpu",)).save(folder / "cnn.tpu")
+    tte.convert(model, args).export(folder / "cnn.tflite")
+    with torch.no_grad():
+        want = model(*args).numpy()
+    return folder, args[0].numpy(), want
+
+
+@pytest.mark.parametrize("suffix", ["tpu", "tflite"])
+def test_tritonclient_v2_on_an_image_model(image_models, suffix):
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+    folder, x, want = image_models
+    server = Server(folder / f"cnn.{suffix}", "--name", "cnn")
+    try:
+        client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+        assert client.is_server_ready() and client.is_model_ready("cnn")
+        meta = client.get_model_metadata("cnn")
+        (spec,) = meta["inputs"]
+        assert spec["datatype"] == "FP32" and spec["shape"] == list(x.shape)
+        for binary in (False, True):
+            inp = httpclient.InferInput(spec["name"], list(x.shape), "FP32")
+            inp.set_data_from_numpy(x, binary_data=binary)
+            result = client.infer("cnn", [inp])
+            got = result.as_numpy(meta["outputs"][0]["name"])
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        bad = httpclient.InferInput(spec["name"], [1, 2], "FP32")
+        bad.set_data_from_numpy(np.zeros((1, 2), np.float32), binary_data=False)
+        with pytest.raises(InferenceServerException, match="must have shape"):
+            client.infer("cnn", [bad])
+        wrong = httpclient.InferInput(spec["name"], list(x.shape), "INT32")
+        wrong.set_data_from_numpy(np.zeros(x.shape, np.int32), binary_data=False)
+        with pytest.raises(InferenceServerException, match="must be FP32"):
+            client.infer("cnn", [wrong])
+        assert client.infer("cnn", [inp]).as_numpy(meta["outputs"][0]["name"]).shape == want.shape
+    finally:
+        server.close()
+
+
+def test_serve_refuses_a_missing_file_and_a_bad_port(cli, tmp_path):
+    r = cli("serve", tmp_path / "nope.tpu")
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    r = cli("serve", tmp_path / "nope.tpu", "--port", "70000")
+    assert r.returncode == 2 and "--port" in r.stderr

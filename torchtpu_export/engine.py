@@ -1,0 +1,470 @@
+"""Continuous batching over an LLM's exported programs, with the KV cache on the device.
+
+The design is JetStream's (prefill into a slot, then insert it into the batch) with vLLM's scheduling
+(requests join and leave at any step, long prompts prefilled in chunks within a per-step token budget):
+
+- the decode program steps ``B`` sequences at once (``decode_batch``, exported with
+  ``tte.export_llm(..., target="tpu", batch_size=B)``; a ``decode`` program alone gives one slot). Its
+  state lives on the device: per slot the next input token, the position, the sampling key and
+  parameters, and the ``[B, ...]`` caches. One decode step is one jitted call whose caches and state are
+  donated (updated in place); it samples every slot on the device and sends back ``B`` int32 token ids,
+  the only host traffic of a step;
+- a request entering is prefilled alone (``prefill_<N>``, batch 1, its prompt in chunks of the exported
+  lengths, its own cache), then inserted into a free slot (one jitted dynamic-update-slice); its last
+  prompt token is the slot's next decode input, so its first new token comes from the next decode step;
+- each scheduler step prefills at most ``prefill_budget`` prompt tokens while other slots are decoding
+  (a long prompt takes several steps, never stalling the batch for all of it), then runs one decode step;
+- a request leaves at a stop token, at ``max_new_tokens``, or when cancelled (a client gone); its slot
+  takes the next waiting request at the following step.
+
+:class:`Engine` runs in a thread of its own (``start``) for servers, or step by step in the caller's
+thread (``generate``, tests). Nothing else runs these programs: no Python model code is needed.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from typing import Sequence
+
+import numpy as np
+
+from .errors import InputError
+from .llm import DECODE, DECODE_BATCH, PREFILL, prefill_chunks
+
+log = logging.getLogger("torchtpu_export")
+
+_FINISH = ("stop", "length", "cancelled", "error")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    stop: tuple[int, ...] = ()  # token ids that end the request (not returned)
+    seed: int | None = None
+
+    def check(self, prompt_len: int, cache_length: int) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if prompt_len + self.max_new_tokens > cache_length:
+            raise InputError(f"{prompt_len} prompt tokens and {self.max_new_tokens} new ones do not fit the cache of "
+                             f"{cache_length} positions", hint="send fewer tokens, or export with a larger cache_length")
+        if not (self.temperature >= 0) or (self.top_p is not None and not 0 < self.top_p <= 1) \
+                or (self.top_k is not None and self.top_k < 1):
+            raise InputError("temperature must be >= 0, top_k >= 1 and 0 < top_p <= 1")
+
+
+class Request:
+    """One generation: its new tokens arrive as the engine makes them. Iterate it (blocking), ``async for``
+    over ``astream()``, or wait with ``result()``. ``cancel()`` frees its slot at the next step."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt: Sequence[int], params: SamplingParams):
+        self.id = next(self._ids)
+        self.prompt, self.params = list(prompt), params
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.times = {"submitted": time.perf_counter()}
+        self._cond = threading.Condition()
+        self._watchers: list = []  # (loop, asyncio.Event) of async readers
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def _notify(self) -> None:
+        self._cond.notify_all()
+        for loop, event in list(self._watchers):
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # its loop has closed: nobody is listening
+                pass
+
+    def _push(self, token: int) -> None:
+        with self._cond:
+            if not self.tokens:
+                self.times["first_token"] = time.perf_counter()
+            self.tokens.append(token)
+            self._notify()
+
+    def _finish(self, reason: str, error: BaseException | None = None) -> None:
+        with self._cond:
+            if self.finish_reason is None:
+                self.finish_reason, self.error = reason, error
+                self.times["done"] = time.perf_counter()
+                self._notify()
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.done, timeout):
+                raise TimeoutError(f"request {self.id} not done after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return list(self.tokens)
+
+    def __iter__(self):
+        i = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: len(self.tokens) > i or self.done)
+                new, finished = self.tokens[i:], self.done
+            yield from new
+            i += len(new)
+            if finished and i == len(self.tokens):
+                if self.error is not None:
+                    raise self.error
+                return
+
+    async def astream(self):
+        """The new tokens as they come, for asyncio code (the engine runs in its own thread)."""
+        event, loop = asyncio.Event(), asyncio.get_running_loop()
+        with self._cond:
+            self._watchers.append((loop, event))
+        i = 0
+        try:
+            while True:
+                event.clear()
+                with self._cond:
+                    new, finished = self.tokens[i:], self.done
+                for t in new:
+                    yield t
+                i += len(new)
+                if finished and i == len(self.tokens):
+                    if self.error is not None:
+                        raise self.error
+                    return
+                if not new:
+                    await event.wait()
+        finally:
+            with self._cond:
+                self._watchers.remove((loop, event))
+
+
+@dataclasses.dataclass
+class _Slot:
+    request: Request | None = None
+    caches: tuple | None = None  # the request's own cache while it is prefilled
+    filled: int = 0  # prompt tokens (all but the last) in that cache
+    decoding: bool = False
+
+
+class Engine:
+    """Continuous batching over a ``.tpu`` LLM (``prefill_<N>`` and ``decode`` / ``decode_batch`` programs).
+
+    ``submit(prompt_ids, max_new_tokens, ...)`` returns a :class:`Request` at once; ``start()`` runs the
+    scheduler in a background thread (``stop()`` ends it), or call ``step()`` yourself. ``batched=False``
+    uses the one-slot ``decode`` program even where a ``decode_batch`` exists."""
+
+    def __init__(self, program, *, platform: str | None = None, batched: bool = True,
+                 prefill_budget: int | None = None):
+        import jax
+        self._jax = jax
+        sigs = program.signatures
+        self.lengths = sorted(int(s.split("_", 1)[1]) for s in sigs if s.startswith("prefill_"))
+        decode_sig = DECODE_BATCH if batched and DECODE_BATCH in sigs else DECODE
+        if decode_sig not in sigs or not self.lengths:
+            raise InputError(f"serving an LLM needs prefill_<N> and decode programs; this artifact has {sigs}",
+                             hint="export the model with tte.export_llm(..., target='tpu')")
+        self.program = program
+        self.runners = {sig: program.runner(sig, platform) for sig in [PREFILL.format(n) for n in self.lengths]}
+        self.decode_runner = program.runner(decode_sig, platform)
+        spec = {s.name: s for s in self.decode_runner.inputs}
+        missing = {"tokens", "input_pos", "mask"} - set(spec)
+        if missing:
+            raise InputError(f"program {decode_sig} has no {sorted(missing)} input: it is not an export_llm program")
+        self.cache_names = [n for n in spec if n.startswith("kv_cache_")]
+        self.slots = spec["tokens"].shape[0]
+        self.length = spec["mask"].shape[-1]
+        self.prefill_budget = prefill_budget or self.lengths[-1]
+        import torch.utils._pytree as pytree
+        from . import treespec
+        outs = pytree.tree_unflatten(list(self.decode_runner.outputs),
+                                     treespec.loads(program._call_metadata(decode_sig)["out_spec"]))
+        if not isinstance(outs, dict) or "logits" not in outs:
+            raise InputError(f"program {decode_sig} has no logits output: it is not an export_llm program")
+        self.vocab = outs["logits"].shape[-1]
+        weights = self.decode_runner.weights
+        self.device = next(iter(weights.values())).devices().pop() if weights else jax.devices()[0]
+        self._slot_specs = [(tuple(spec[n].shape[1:]), np.dtype(spec[n].dtype)) for n in self.cache_names]
+        self._fns = {sig: self._prefill_fn(sig) for sig in self.runners}
+        self._decode = self._decode_fn(decode_sig)
+        self._insert = jax.jit(_insert, donate_argnums=(0, 1))
+        from jax.sharding import SingleDeviceSharding
+        shapes = self._slot_specs
+        self._zeros = jax.jit(lambda: tuple(jax.numpy.zeros((1, *s), d) for s, d in shapes),
+                              out_shardings=SingleDeviceSharding(self.device))
+        self._state = self._put(_state_rows(self.slots))
+        self._caches = jax.jit(lambda: tuple(jax.numpy.zeros((self.slots, *s), d) for s, d in shapes),
+                               out_shardings=SingleDeviceSharding(self.device))()
+        self._slots = [_Slot() for _ in range(self.slots)]
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.stats = {"decode_steps": 0, "tokens": 0, "prefill_tokens": 0, "requests": 0,
+                      "decode_bytes_to_device": 0, "decode_bytes_to_host": 0, "busy_slot_steps": 0}
+
+    # ---- the device functions -------------------------------------------------------------------
+
+    def _call(self, runner, sig):
+        import torch.utils._pytree as pytree
+        from . import treespec
+        names = [s.name for s in runner.inputs]
+        out_spec = treespec.loads(self.program._call_metadata(sig)["out_spec"])
+        exported, n_out, length, cache_names = runner.exported, len(runner.outputs), self.length, self.cache_names
+
+        def call(weights, tokens, pos, caches):
+            import jax.numpy as jnp
+            rows = pos[:, None] if tokens.shape[0] > 1 or tokens.shape[1] == 1 else pos[None]  # [B,N] positions
+            visible = jnp.arange(length)[None, None, :] <= rows[:, :, None]
+            feed = {"tokens": tokens, "input_pos": pos, "mask": jnp.where(visible, 0.0, jnp.finfo(jnp.float32).min)
+                    .astype(jnp.float32)[:, None], **dict(zip(cache_names, caches))}
+            outs = pytree.tree_unflatten(list(exported.call(weights, *[feed[n] for n in names]))[:n_out], out_spec)
+            return outs.get("logits"), tuple(outs[n] for n in cache_names)
+        return call
+
+    def _prefill_fn(self, sig: str):
+        call = self._call(self.runners[sig], sig)
+
+        def prefill(weights, tokens, start, caches):
+            import jax.numpy as jnp
+            return call(weights, tokens, start + jnp.arange(tokens.shape[1], dtype=jnp.int32), caches)[1]
+        return self._jax.jit(prefill, donate_argnums=(3,))
+
+    def _decode_fn(self, sig: str):
+        jax = self._jax
+        call = self._call(self.decode_runner, sig)
+        last = self.length - 1
+
+        def decode(weights, state, caches):
+            import jax.numpy as jnp
+            tokens, pos, keys, temp, top_k, top_p = state
+            logits, caches = call(weights, tokens[:, None], pos, caches)
+            keys = jax.vmap(jax.random.split)(keys)  # [B, 2, 2]: the slot's next key, this step's key
+            logits = logits[:, -1].astype(jnp.float32)
+            nxt = jax.lax.cond(jnp.any(temp > 0),
+                               lambda: jax.vmap(sample)(logits, keys[:, 1], temp, top_k, top_p),
+                               lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+            return nxt, (nxt, jnp.minimum(pos + 1, last), keys[:, 0], temp, top_k, top_p), caches
+        return jax.jit(decode, donate_argnums=(1, 2))
+
+    def _put(self, x):
+        return self._jax.device_put(x, self.device)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
+               top_k: int | None = None, top_p: float | None = None, stop: Sequence[int] = (),
+               seed: int | None = None) -> Request:
+        """Queues a generation; raises InputError at once for a request that cannot run."""
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise InputError("a request needs at least one prompt token")
+        vocab = self.vocab
+        if any(not 0 <= t < vocab for t in ids):
+            raise InputError(f"prompt token ids must be in [0, {vocab})")
+        params = SamplingParams(max_new_tokens, float(temperature), top_k, top_p, tuple(int(s) for s in stop), seed)
+        params.check(len(ids), self.length)
+        request = Request(ids, params)
+        with self._cv:
+            if self._stopping:
+                raise InputError("the engine is stopping")
+            self._waiting.append(request)
+            self.stats["requests"] += 1
+            self._cv.notify_all()
+        return request
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, **params) -> list[int]:
+        """One request run to its end in this thread (no background thread needed)."""
+        request = self.submit(prompt_ids, max_new_tokens, **params)
+        while not request.done:
+            if self._thread is None:
+                self.step()
+            else:
+                return request.result()
+        return request.result()
+
+    # ---- the scheduler ------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting) or any(s.request is not None for s in self._slots)
+
+    def step(self) -> bool:
+        """One scheduler step: admit and prefill within the budget, then one decode step of every slot.
+        Returns whether there was anything to do."""
+        jax = self._jax
+        decoding = any(s.decoding for s in self._slots)
+        budget = self.prefill_budget if decoding else None  # nothing to delay: prefill what fits
+        budget = self._prefill(budget)
+        self._admit(budget)
+        if not any(s.decoding for s in self._slots):
+            return self.busy
+        weights = self.decode_runner.weights
+        nxt, self._state, self._caches = self._decode(weights, self._state, self._caches)
+        tokens = np.asarray(jax.device_get(nxt))
+        self.stats["decode_steps"] += 1
+        self.stats["decode_bytes_to_host"] += tokens.nbytes
+        for i, slot in enumerate(self._slots):
+            if slot.decoding:
+                self.stats["busy_slot_steps"] += 1
+                self._deliver(i, slot, int(tokens[i]))
+        return True
+
+    def _deliver(self, i: int, slot: _Slot, token: int) -> None:
+        r = slot.request
+        if r.cancelled:
+            self._free(i, "cancelled")
+        elif token in r.params.stop:
+            self._free(i, "stop")
+        else:
+            r._push(token)
+            self.stats["tokens"] += 1
+            if len(r.tokens) >= r.params.max_new_tokens:
+                self._free(i, "length")
+
+    def _free(self, i: int, reason: str) -> None:
+        slot = self._slots[i]
+        slot.request._finish(reason)
+        self._slots[i] = _Slot()
+
+    def _admit(self, budget) -> None:
+        """Waiting requests into free slots while the prefill budget lasts."""
+        for i, slot in enumerate(self._slots):
+            if budget is not None and budget <= 0:
+                return
+            if slot.request is not None:
+                continue
+            with self._cv:
+                while self._waiting and self._waiting[0].cancelled:
+                    self._waiting.popleft()._finish("cancelled")
+                if not self._waiting:
+                    return
+                request = self._waiting.popleft()
+            self._slots[i] = _Slot(request, self._zeros(), 0, False)
+            budget = self._prefill(budget, only=i)
+
+    def _prefill(self, budget, only: int | None = None):
+        """Prefills the slots still filling (the oldest first), at most ``budget`` tokens (None: all)."""
+        for i, slot in enumerate(self._slots):
+            if slot.request is None or slot.decoding or (only is not None and i != only):
+                continue
+            r = slot.request
+            if r.cancelled:
+                self._free(i, "cancelled")
+                continue
+            todo = r.prompt[:-1]
+            for start, take, n in prefill_chunks(len(todo) - slot.filled, self.lengths):
+                if budget is not None and budget <= 0:
+                    return budget
+                chunk = np.zeros((1, n), np.int32)
+                chunk[0, :take] = todo[slot.filled:slot.filled + take]
+                sig = PREFILL.format(n)
+                slot.caches = self._fns[sig](self.runners[sig].weights, self._put(chunk),
+                                             self._put(np.int32(slot.filled)), slot.caches)
+                slot.filled += take
+                self.stats["prefill_tokens"] += take
+                if budget is not None:
+                    budget -= n
+            self._activate(i, slot)
+        return budget
+
+    def _activate(self, i: int, slot: _Slot) -> None:
+        """Inserts a prefilled request into the batch: slot ``i``'s cache and state."""
+        r, p = slot.request, slot.request.params
+        seed = 0 if p.seed is None else int(p.seed)
+        row = (np.int32(r.prompt[-1]), np.int32(len(r.prompt) - 1),
+               np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32), np.float32(p.temperature),
+               np.int32(p.top_k or 0), np.float32(1.0 if p.top_p is None else p.top_p))
+        self._state, self._caches = self._insert(self._state, self._caches, slot.caches, self._put(np.int32(i)),
+                                                 self._put(row))
+        slot.caches, slot.decoding = None, True
+
+    # ---- the background thread ----------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="tte-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._stopping or self.busy)
+                if self._stopping:
+                    break
+            try:
+                self.step()
+            except Exception as e:  # a failed step fails the requests in it, never the engine
+                log.error("engine step failed: %s: %s", type(e).__name__, e)
+                self._reset(e)
+        self._reset(InputError("the engine stopped"))
+
+    def _reset(self, error: BaseException) -> None:
+        for i, slot in enumerate(self._slots):
+            if slot.request is not None:
+                slot.request._finish("error", error)
+                self._slots[i] = _Slot()
+        with self._cv:
+            while self._waiting and self._stopping:
+                self._waiting.popleft()._finish("error", error)
+        self._state = self._put(_state_rows(self.slots))
+
+
+def _state_rows(slots: int):
+    return (np.zeros(slots, np.int32), np.zeros(slots, np.int32), np.zeros((slots, 2), np.uint32),
+            np.zeros(slots, np.float32), np.zeros(slots, np.int32), np.ones(slots, np.float32))
+
+
+def _insert(state, caches, slot_caches, slot, row):
+    import jax
+    state = tuple(s.at[slot].set(v) for s, v in zip(state, row))
+    caches = tuple(jax.lax.dynamic_update_slice_in_dim(c, s, slot, axis=0) for c, s in zip(caches, slot_caches))
+    return state, caches
+
+
+def sample(logits, key, temperature, top_k, top_p):
+    """The next token from ``logits [vocab]`` on the device: argmax at temperature 0, else a draw from
+    the tempered distribution restricted to the ``top_k`` most likely tokens (0: all) and the smallest
+    set whose probability reaches ``top_p``."""
+    import jax
+    import jax.numpy as jnp
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    order = jnp.argsort(-scaled)
+    ranked = scaled[order]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    ranked = jnp.where(jnp.arange(vocab) < k, ranked, -jnp.inf)
+    probs = jax.nn.softmax(ranked)
+    keep = (jnp.cumsum(probs) - probs) < top_p  # the smallest prefix reaching top_p (the first always kept)
+    filtered = jnp.full_like(scaled, -jnp.inf).at[order].set(jnp.where(keep, ranked, -jnp.inf))
+    drawn = jax.random.categorical(key, filtered).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, jnp.argmax(logits).astype(jnp.int32))
