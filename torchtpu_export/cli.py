@@ -102,6 +102,9 @@ def _convert_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-length", type=int, default=None, metavar="C",
                    help="LLM folders: KV-cache positions, the most tokens of prompt and reply (default 1024)")
     p.add_argument("--tokenizer", default=None, help="LLM folders: the tokenizer's folder (default: the model's)")
+    p.add_argument("--batch-size", type=int, default=None, metavar="B",
+                   help="LLM folders, tpu target: also a decode_batch program for B sequences at once "
+                        "(the serving engine's slots; default 1)")
     p.add_argument("--strict", default="false", choices=["false", "true", "auto"], help="torch.export strict mode")
     p.add_argument("--trust-pickle", action="store_true",
                    help="allow loading a pickled module (torch.save); unpickling runs code from the file")
@@ -126,7 +129,7 @@ def _convert(args) -> int:
     target = targets.get(args.target)
     if target.llm_only or os.path.isdir(args.model):
         return _convert_llm(args, target)
-    for flag in ("prefill_lengths", "cache_length", "tokenizer"):
+    for flag in ("prefill_lengths", "cache_length", "tokenizer", "batch_size"):
         if getattr(args, flag) is not None:
             raise InputError(f"--{flag.replace('_', '-')} applies to LLMs (a Hugging Face model folder), "
                              f"not {args.model}")
@@ -194,7 +197,7 @@ def _convert_llm(args, target) -> int:
     if args.quantize:
         options["quant_config"] = args.quantize
     artifact = llm.export_llm(args.model, args.tokenizer, target=target.name, prefill_lengths=lengths,
-                              cache_length=args.cache_length or 1024, **options)
+                              cache_length=args.cache_length or 1024, batch_size=args.batch_size or 1, **options)
     artifact.save(output)
     _out(args, f"wrote {output} ({_human(os.path.getsize(output))}) in {time.perf_counter() - t0:.1f} s "
                f"[target {target.name}; signatures {', '.join(artifact.signatures)}]")

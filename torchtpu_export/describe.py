@@ -30,6 +30,12 @@ def format_description(desc: dict) -> str:
     for topo, size in (desc.get("topologies") or {}).items():
         lines.append(f"topology {topo}: {size['chips']} chip{'s' if size['chips'] != 1 else ''} on {size['hosts']} "
                      f"host{'s' if size['hosts'] != 1 else ''}")
+    llm = desc.get("llm")
+    if llm:  # an export_llm .tpu: what the serving engine and server read
+        lines.append(f"llm {llm.get('name', '?')}: cache {llm['cache_length']} positions, prefill lengths "
+                     f"{', '.join(map(str, llm['prefill_lengths']))}, {llm.get('slots', 1)} decode slot(s), "
+                     + (f"tokenizer (stop ids {llm.get('stop_ids', [])}, chat template "
+                        f"{'yes' if llm.get('chat_template') else 'no'})" if llm.get("tokenizer") else "no tokenizer"))
     weights = desc.get("weights") or {}
     if weights.get("count") is not None:
         lines.append(f"weights: {weights['count']} tensors, {weights.get('bytes', 0):,} bytes")

@@ -11,7 +11,11 @@ The design is JetStream's (prefill into a slot, then insert it into the batch) w
   the only host traffic of a step;
 - a request entering is prefilled alone (``prefill_<N>``, batch 1, its prompt in chunks of the exported
   lengths, its own cache), then inserted into a free slot (one jitted dynamic-update-slice); its last
-  prompt token is the slot's next decode input, so its first new token comes from the next decode step;
+  prompt token is the slot's next decode input, so its first new token comes from the next decode step.
+  Requests arriving together (at least a quarter of the slots) are prefilled together instead
+  (``prefill_batch_<N>``: every slot's row from its own start, straight into the batch's cache; rows
+  taking no part start past the cache's end, so their writes are dropped): the weights are read once
+  for all of them, as in the decode step;
 - each scheduler step prefills at most ``prefill_budget`` prompt tokens while other slots are decoding
   (a long prompt takes several steps, never stalling the batch for all of it), then runs one decode step;
 - a request leaves at a stop token, at ``max_new_tokens``, or when cancelled (a client gone); its slot
@@ -25,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -34,7 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import InputError
-from .llm import DECODE, DECODE_BATCH, PREFILL, prefill_chunks
+from .llm import DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, prefill_lengths
 
 log = logging.getLogger("torchtpu_export")
 
@@ -159,6 +164,7 @@ class _Slot:
     caches: tuple | None = None  # the request's own cache while it is prefilled
     filled: int = 0  # prompt tokens (all but the last) in that cache
     decoding: bool = False
+    direct: bool = False  # prefilled in place, in the batch's cache (prefill_batch_<N>)
 
 
 class Engine:
@@ -173,7 +179,7 @@ class Engine:
         import jax
         self._jax = jax
         sigs = program.signatures
-        self.lengths = sorted(int(s.split("_", 1)[1]) for s in sigs if s.startswith("prefill_"))
+        self.lengths = prefill_lengths(sigs)
         decode_sig = DECODE_BATCH if batched and DECODE_BATCH in sigs else DECODE
         if decode_sig not in sigs or not self.lengths:
             raise InputError(f"serving an LLM needs prefill_<N> and decode programs; this artifact has {sigs}",
@@ -200,6 +206,13 @@ class Engine:
         self.device = next(iter(weights.values())).devices().pop() if weights else jax.devices()[0]
         self._slot_specs = [(tuple(spec[n].shape[1:]), np.dtype(spec[n].dtype)) for n in self.cache_names]
         self._fns = {sig: self._prefill_fn(sig) for sig in self.runners}
+        # prefill of several slots at once, straight into the batch's cache (requests arriving together)
+        self.batch_lengths = [n for n in self.lengths if decode_sig == DECODE_BATCH and PREFILL_BATCH.format(n) in sigs]
+        for n in self.batch_lengths:
+            sig = PREFILL_BATCH.format(n)
+            self.runners[sig] = program.runner(sig, platform)
+            self._fns[sig] = self._prefill_fn(sig, slots=True)
+        self._set_row = jax.jit(_set_row, donate_argnums=(0,))
         self._decode = self._decode_fn(decode_sig)
         self._insert = jax.jit(_insert, donate_argnums=(0, 1))
         from jax.sharding import SingleDeviceSharding
@@ -219,7 +232,7 @@ class Engine:
 
     # ---- the device functions -------------------------------------------------------------------
 
-    def _call(self, runner, sig):
+    def _call(self, runner, sig, slots: bool):
         import torch.utils._pytree as pytree
         from . import treespec
         names = [s.name for s in runner.inputs]
@@ -228,7 +241,8 @@ class Engine:
 
         def call(weights, tokens, pos, caches):
             import jax.numpy as jnp
-            rows = pos[:, None] if tokens.shape[0] > 1 or tokens.shape[1] == 1 else pos[None]  # [B,N] positions
+            # [B, N]: each query's position (slots: input_pos is each row's first position)
+            rows = pos[:, None] + jnp.arange(tokens.shape[1], dtype=pos.dtype) if slots else pos[None]
             visible = jnp.arange(length)[None, None, :] <= rows[:, :, None]
             feed = {"tokens": tokens, "input_pos": pos, "mask": jnp.where(visible, 0.0, jnp.finfo(jnp.float32).min)
                     .astype(jnp.float32)[:, None], **dict(zip(cache_names, caches))}
@@ -236,17 +250,18 @@ class Engine:
             return outs.get("logits"), tuple(outs[n] for n in cache_names)
         return call
 
-    def _prefill_fn(self, sig: str):
-        call = self._call(self.runners[sig], sig)
+    def _prefill_fn(self, sig: str, slots: bool = False):
+        call = self._call(self.runners[sig], sig, slots)
 
         def prefill(weights, tokens, start, caches):
             import jax.numpy as jnp
-            return call(weights, tokens, start + jnp.arange(tokens.shape[1], dtype=jnp.int32), caches)[1]
+            pos = start if slots else start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+            return call(weights, tokens, pos, caches)[1]
         return self._jax.jit(prefill, donate_argnums=(3,))
 
     def _decode_fn(self, sig: str):
         jax = self._jax
-        call = self._call(self.decode_runner, sig)
+        call = self._call(self.decode_runner, sig, sig == DECODE_BATCH)
         last = self.length - 1
 
         def decode(weights, state, caches):
@@ -309,6 +324,7 @@ class Engine:
         jax = self._jax
         decoding = any(s.decoding for s in self._slots)
         budget = self.prefill_budget if decoding else None  # nothing to delay: prefill what fits
+        budget = self._prefill_together(budget)
         budget = self._prefill(budget)
         self._admit(budget)
         if not any(s.decoding for s in self._slots):
@@ -360,14 +376,14 @@ class Engine:
     def _prefill(self, budget, only: int | None = None):
         """Prefills the slots still filling (the oldest first), at most ``budget`` tokens (None: all)."""
         for i, slot in enumerate(self._slots):
-            if slot.request is None or slot.decoding or (only is not None and i != only):
+            if slot.request is None or slot.decoding or slot.direct or (only is not None and i != only):
                 continue
             r = slot.request
             if r.cancelled:
                 self._free(i, "cancelled")
                 continue
             todo = r.prompt[:-1]
-            for start, take, n in prefill_chunks(len(todo) - slot.filled, self.lengths):
+            for take, n in self._chunks(len(todo) - slot.filled):
                 if budget is not None and budget <= 0:
                     return budget
                 chunk = np.zeros((1, n), np.int32)
@@ -382,6 +398,72 @@ class Engine:
             self._activate(i, slot)
         return budget
 
+    def _prefill_together(self, budget):
+        """Several requests at once through ``prefill_batch_<N>``, straight into their slots' rows of the
+        batch's cache: waiting requests take free slots, and every slot not yet started or started this
+        way advances by one chunk per call. Rows taking no part start at position C (their writes are
+        dropped). Used when at least a quarter of the slots (and two) have a prompt to fill."""
+        if not self.batch_lengths:
+            return budget
+        with self._cv:
+            free = [i for i, s in enumerate(self._slots) if s.request is None]
+            fresh = [s for s in self._slots if s.request is not None and not s.decoding and s.filled == 0
+                     and s.caches is None]
+            ongoing = any(s.direct and not s.decoding and s.request is not None for s in self._slots)
+            if not ongoing and len(fresh) + min(len(free), len(self._waiting)) < max(2, self.slots // 4):
+                return budget
+            for i in free:
+                while self._waiting and self._waiting[0].cancelled:
+                    self._waiting.popleft()._finish("cancelled")
+                if not self._waiting:
+                    break
+                self._slots[i] = _Slot(self._waiting.popleft(), None, 0, False, direct=True)
+        for slot in self._slots:
+            if slot.request is not None and not slot.decoding and slot.filled == 0 and slot.caches is None:
+                slot.direct = True
+        while budget is None or budget > 0:
+            rows = [(i, s) for i, s in enumerate(self._slots) if s.direct and not s.decoding]
+            for i, s in rows:
+                if s.request.cancelled:
+                    self._free(i, "cancelled")
+            rows = [(i, s) for i, s in rows if s.request is not None]
+            left = {i: len(s.request.prompt) - 1 - s.filled for i, s in rows}
+            if not any(left.values()):
+                break
+            # the longest length that the longest prompt fills, else the shortest that holds it: little padding
+            most = max(left.values())
+            n = max((k for k in self.batch_lengths if k <= most), default=self.batch_lengths[0])
+            tokens = np.zeros((self.slots, n), np.int32)
+            start = np.full(self.slots, self.length, np.int32)  # rows taking no part write nothing
+            for i, s in rows:
+                take = min(n, left[i])
+                if take:
+                    tokens[i, :take] = s.request.prompt[s.filled:s.filled + take]
+                    start[i] = s.filled
+            sig = PREFILL_BATCH.format(n)
+            self._caches = self._fns[sig](self.runners[sig].weights, self._put(tokens), self._put(start),
+                                          self._caches)
+            for i, s in rows:
+                s.filled += min(n, left[i])
+                self.stats["prefill_tokens"] += min(n, left[i])
+            self.stats["batched_prefill_calls"] = self.stats.get("batched_prefill_calls", 0) + 1
+            if budget is not None:
+                budget -= n * len(rows)
+        for i, s in enumerate(self._slots):
+            if s.direct and not s.decoding and s.request is not None and s.filled == len(s.request.prompt) - 1:
+                self._activate(i, s)
+        return budget
+
+    def _chunks(self, count: int):
+        """``(tokens, prefill length)`` chunks for ``count`` prompt tokens, padding least: each call costs its
+        length plus the shortest length again (a call reads all the weights once, however short)."""
+        plan = _plan(count, tuple(self.lengths))
+        done = 0
+        for n in plan:
+            take = min(n, count - done)
+            yield take, n
+            done += take
+
     def _activate(self, i: int, slot: _Slot) -> None:
         """Inserts a prefilled request into the batch: slot ``i``'s cache and state."""
         r, p = slot.request, slot.request.params
@@ -389,8 +471,11 @@ class Engine:
         row = (np.int32(r.prompt[-1]), np.int32(len(r.prompt) - 1),
                np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32), np.float32(p.temperature),
                np.int32(p.top_k or 0), np.float32(1.0 if p.top_p is None else p.top_p))
-        self._state, self._caches = self._insert(self._state, self._caches, slot.caches, self._put(np.int32(i)),
-                                                 self._put(row))
+        if slot.direct:  # its cache rows are in place already
+            self._state = self._set_row(self._state, self._put(np.int32(i)), self._put(row))
+        else:
+            self._state, self._caches = self._insert(self._state, self._caches, slot.caches,
+                                                     self._put(np.int32(i)), self._put(row))
         slot.caches, slot.decoding = None, True
 
     # ---- the background thread ----------------------------------------------------------------
@@ -438,9 +523,31 @@ class Engine:
         self._state = self._put(_state_rows(self.slots))
 
 
+@functools.lru_cache(maxsize=4096)
+def _plan(count: int, lengths: tuple) -> tuple:
+    """The prefill lengths that cover ``count`` tokens at the least cost (see ``Engine._chunks``)."""
+    overhead = lengths[0]
+    cost, pick = [0] * (count + 1), [0] * (count + 1)
+    for c in range(1, count + 1):  # cost[c]: the cheapest cover of c tokens
+        cost[c] = -1
+        for n in lengths:
+            total = n + overhead + (cost[c - n] if n < c else 0)
+            if cost[c] < 0 or total < cost[c]:
+                cost[c], pick[c] = total, n
+    plan, c = [], count
+    while c > 0:
+        plan.append(pick[c])
+        c -= pick[c]
+    return tuple(plan)
+
+
 def _state_rows(slots: int):
     return (np.zeros(slots, np.int32), np.zeros(slots, np.int32), np.zeros((slots, 2), np.uint32),
             np.zeros(slots, np.float32), np.zeros(slots, np.int32), np.ones(slots, np.float32))
+
+
+def _set_row(state, slot, row):
+    return tuple(s.at[slot].set(v) for s, v in zip(state, row))
 
 
 def _insert(state, caches, slot_caches, slot, row):

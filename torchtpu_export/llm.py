@@ -18,6 +18,7 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 from typing import Sequence
 
 import torch
@@ -28,6 +29,7 @@ from .errors import InputError
 PREFILL = "prefill_{}"
 DECODE = "decode"
 DECODE_BATCH = "decode_batch"  # tpu serving: one token for each of B sequences (slots), each at its own position
+PREFILL_BATCH = "prefill_batch_{}"  # tpu serving: N prompt tokens for each of B slots, each row from its own start
 
 # The runtime passes a message's content as a list of {"type": "text", "text": ...} parts; HF templates
 # expect a string. This prelude joins the parts, so the model's own template works unchanged on both.
@@ -265,9 +267,10 @@ class _StepCache:
 
     def _write(self, cache, new):
         new = new.to(cache.dtype)
-        if self.slots:  # one token per slot (batch row), each at its own position: a scatter
-            b, h, _, d = new.shape
-            return cache.scatter(2, self.pos.view(b, 1, 1, 1).expand(b, h, 1, d), new)
+        if self.slots:  # each slot (batch row) from its own start: a scatter (positions past the cache are dropped)
+            b, h, n, d = new.shape
+            pos = self.pos.view(b, 1, 1, 1) + torch.arange(n, dtype=torch.int64).view(1, 1, n, 1)
+            return cache.scatter(2, pos.expand(b, h, n, d), new)
         return cache.index_copy(2, self.pos[0] + torch.arange(new.shape[2], dtype=torch.int64), new)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -283,8 +286,9 @@ class CacheStep(torch.nn.Module):
     """One step of ``N`` tokens: ``(tokens [1,N] int32, input_pos [N] int32, mask [1,1,N,C] f32, caches)``
     → ``{"logits" [1,N,V] (decode only), caches}``, the caches updated under their own names.
 
-    With ``slots`` (a batched decode step for serving), each batch row is a separate sequence:
-    ``(tokens [B,1], input_pos [B] (each row's position), mask [B,1,1,C], caches [B,...])``."""
+    With ``slots`` (batched steps for serving), each batch row is a separate sequence:
+    ``(tokens [B,N], input_pos [B] (each row's first position), mask [B,1,N,C], caches [B,...])``; writes
+    past the cache's end are dropped (the engine parks rows that take no part at position C)."""
 
     def __init__(self, model, layout: CacheLayout, logits: bool, slots: bool = False):
         super().__init__()
@@ -310,7 +314,8 @@ class CacheStep(torch.nn.Module):
 
     def forward(self, tokens, input_pos, mask, **caches):
         cache = _StepCache(caches, self.layout.layers, input_pos, self.slots)
-        positions = input_pos[:, None] if self.slots else input_pos[None]
+        n = tokens.shape[1]
+        positions = input_pos[:, None] + torch.arange(n, dtype=input_pos.dtype) if self.slots else input_pos[None]
         out = self.model(input_ids=tokens, attention_mask=self._masks(mask, positions),
                          position_ids=positions, use_cache=True, **{self.cache_kw: cache})
         result = {"logits": out.logits} if self.logits else {}
@@ -385,10 +390,10 @@ def step_inputs(layout: CacheLayout, n: int) -> dict:
                 mask=torch.zeros(1, 1, n, layout.length), **layout.empty())
 
 
-def slot_inputs(layout: CacheLayout, slots: int) -> dict:
-    """Sample inputs of a batched decode step over ``slots`` sequences (one token each)."""
-    return dict(tokens=torch.zeros(slots, 1, dtype=torch.int32), input_pos=torch.zeros(slots, dtype=torch.int32),
-                mask=torch.zeros(slots, 1, 1, layout.length), **layout.empty(batch=slots))
+def slot_inputs(layout: CacheLayout, slots: int, n: int = 1) -> dict:
+    """Sample inputs of a batched step over ``slots`` sequences (``n`` tokens each)."""
+    return dict(tokens=torch.zeros(slots, n, dtype=torch.int32), input_pos=torch.zeros(slots, dtype=torch.int32),
+                mask=torch.zeros(slots, 1, n, layout.length), **layout.empty(batch=slots))
 
 
 def check_options(source: LlmSource, prefill_lengths: Sequence[int], cache_length: int) -> list[int]:
@@ -417,8 +422,8 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     ``file.py:factory`` returning a model or ``(model, tokenizer)``, or a transformers model.
     ``target="litertlm"`` returns a bundle for LiteRT-LM (``.save("model.litertlm")``; ``generate``);
     ``target="tpu"`` (or ``"litert"``) the target's runnable with the same signatures.
-    ``batch_size`` > 1 (tpu): a ``decode_batch`` program too, stepping that many sequences at once, each at
-    its own position: the slots of the serving engine (:mod:`torchtpu_export.engine`).
+    ``batch_size`` > 1 (tpu): ``decode_batch`` and ``prefill_batch_<N>`` programs too, stepping that many
+    sequences at once, each at its own position: the slots of the serving engine (:mod:`torchtpu_export.engine`).
     """
     from . import targets
     from .api import SignatureSet
@@ -439,6 +444,9 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     if batch_size > 1:
         sigs.signature(DECODE_BATCH, CacheStep(source.model, layout, logits=True, slots=True), (),
                        slot_inputs(layout, batch_size))
+        for n in lengths:  # requests arriving together are prefilled together, straight into their slots
+            sigs.signature(PREFILL_BATCH.format(n), CacheStep(source.model, layout, logits=False, slots=True), (),
+                           slot_inputs(layout, batch_size, n))
     if quant_config is not None:
         # quality is the agreement of next tokens (benchmarks/llm.py), not the error on zero-filled samples,
         # and measuring that would run both models on every signature's full cache
@@ -448,6 +456,11 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     if t.from_llm is None:
         return program
     return t.from_llm(program, source, layout, lengths)
+
+
+def prefill_lengths(signatures) -> list[int]:
+    """The lengths of the one-sequence ``prefill_<N>`` signatures, ascending."""
+    return sorted(int(m.group(1)) for m in (re.fullmatch(r"prefill_(\d+)", s) for s in signatures) if m)
 
 
 def prefill_chunks(count: int, lengths: Sequence[int]):
@@ -470,7 +483,7 @@ class HostLoop:
     def __init__(self, program):
         import numpy as np
         self.program = program
-        self.lengths = sorted(int(s.split("_")[1]) for s in program.signatures if s.startswith("prefill_"))
+        self.lengths = prefill_lengths(program.signatures)
         specs = {s.name: s for s in program.inputs(DECODE)}
         self.length = specs["mask"].shape[-1]
         self.caches = {n: np.zeros(s.shape, np.dtype(s.dtype)) for n, s in specs.items() if n.startswith("kv_cache_")}

@@ -166,8 +166,12 @@ def describe(path: str, topologies=None) -> dict:
         "path": path, "kind": "tpu", "size": os.path.getsize(path), "format_version": m["format_version"],
         "versions": m.get("versions", {}), "platforms": m.get("platforms", []), "programs": programs,
         "weights": m.get("weights", {}), "entries": entries, "mesh": m.get("mesh"),
-        **({"topologies": slices} if slices else {}),
+        **({"topologies": slices} if slices else {}), **({"llm": _llm_summary(m["llm"])} if "llm" in m else {}),
     }
+
+
+def _llm_summary(info: dict) -> dict:
+    return {k: v for k, v in info.items() if k != "chat_template"} | {"chat_template": bool(info.get("chat_template"))}
 
 
 def compile_cli(args, output: str) -> list[str]:
@@ -218,7 +222,7 @@ def from_llm(program: TpuProgram, source, layout, prefill_lengths) -> TpuProgram
         spec["donate"] = [i for i, s in enumerate(spec["inputs"]) if s["name"].startswith("kv_cache_")]
     batch = manifest["programs"].get(DECODE_BATCH)
     info = {"name": source.name, "cache_length": layout.length, "prefill_lengths": list(prefill_lengths),
-            "slots": batch["inputs"][0]["shape"][0] if batch else 1}
+            "slots": next(i["shape"][0] for i in batch["inputs"] if i["name"] == "tokens") if batch else 1}
     tok = source.tokenizer
     if tok is not None:  # what a server needs to take text: the tokenizer, its special tokens, the chat template
         info.update(tokenizer=LLM_TOKENIZER, chat_template=tok.chat_template, bos_id=tok.bos_id, pad_id=tok.pad_id,
