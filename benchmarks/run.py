@@ -27,6 +27,7 @@ BENCHMARKS = {
     "edge-readers": ("edge_readers.py", []),
     "opinfo-peers": ("opinfo_peers.py", ["-o", "RESULTS-opinfo-peers.md"]),
     "llm": ("llm.py", ["--rounds", "3", "-o", "RESULTS-llm.md"]),
+    "serving": ("serving.py", ["-o", "RESULTS-serving.md"]),
 }
 
 

@@ -137,10 +137,12 @@ def bench(name: str, concurrency: list[int], new_tokens: int) -> dict:
                              batch_size=slots, platforms=("cpu",))
     export_s = time.perf_counter() - t
     batched, single = Engine(program).start(), Engine(program, batched=False).start()
-    warm = prompts(slots, config["vocab_size"], seed=99)  # every program compiled before timing
+    # every program compiled before timing: batched prefill, and each prefill length on its own
+    warm = prompts(slots, config["vocab_size"], seed=99)
+    long = [list(range(3, 3 + sum(lengths) + 1))]
     run_engine(batched, warm, 4, False)
-    run_engine(batched, warm[:1], 4, False)
-    run_engine(single, warm[:1], 4, True)
+    for engine in (batched, single):
+        run_engine(engine, long, 4, True)
     run_transformers(model, warm[:2], 2, True)
     rows = []
     for n in concurrency:
