@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -102,13 +103,16 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONWARNINGS="ignore")
+        # the server's log goes to a file: a pipe nobody reads would block it once full
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="tte-serve-", suffix=".log")
         self.proc = subprocess.Popen([sys.executable, "-m", "torchtpu_export", "serve", str(path), "--port",
-                                      str(self.port), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      str(self.port), *extra], stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env, text=True)
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"the server exited: {self.proc.stdout.read()[-3000:]}")
+                self.log.seek(0)
+                raise AssertionError(f"the server exited: {self.log.read()[-3000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=2) as r:
                     if r.status == 200:
@@ -124,6 +128,7 @@ class Server:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self.log.close()
 
 
 @pytest.fixture(scope="module")
