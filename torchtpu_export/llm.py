@@ -237,21 +237,22 @@ class CacheLayout:
     kv_heads: int
     head_dim: int
     length: int  # C: positions the cache holds
+    dtype: str = "float32"  # bfloat16 for tpu programs of the bf16 recipe
 
     @classmethod
-    def of(cls, config, length: int) -> "CacheLayout":
+    def of(cls, config, length: int, dtype: str = "float32") -> "CacheLayout":
         text = getattr(config, "text_config", None) or config
         heads = text.num_attention_heads
         kv = getattr(text, "num_key_value_heads", None) or heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        return cls(text.num_hidden_layers, kv, head_dim, length)
+        return cls(text.num_hidden_layers, kv, head_dim, length, dtype)
 
     def names(self) -> list[str]:
         return [f"kv_cache_{kv}_{i}" for i in range(self.layers) for kv in "kv"]
 
     def empty(self, dtype=None, batch: int = 1) -> dict:
         shape = (batch, self.kv_heads, self.length, self.head_dim)
-        return {n: torch.zeros(shape, dtype=dtype or torch.float32) for n in self.names()}
+        return {n: torch.zeros(shape, dtype=dtype or getattr(torch, self.dtype)) for n in self.names()}
 
 
 class _StepCache:
@@ -334,6 +335,8 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None or dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    if key.dtype != query.dtype:  # a bf16 cache under a float32 trace (the bf16 recipe makes it all bf16)
+        key, value = key.to(query.dtype), value.to(query.dtype)
     b, heads, n, d = query.shape
     groups, length = key.shape[1], key.shape[2]
     rep = heads // groups
@@ -429,9 +432,13 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     from .api import SignatureSet
     source = load_source(model_or_path, tokenizer)
     lengths = check_options(source, prefill_lengths, cache_length)
-    layout = CacheLayout.of(source.model.config, cache_length)
     t = targets.get(target)
     program_target = t.program_target or target
+    from .quant import parse
+    recipe = parse(quant_config, program_target)
+    # serving in bf16 keeps the KV cache in bf16 too (half the HBM); LiteRT-LM's caches are float32
+    bf16 = program_target == "tpu" and recipe is not None and recipe.recipe == "bf16"
+    layout = CacheLayout.of(source.model.config, cache_length, "bfloat16" if bf16 else "float32")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or not 1 <= batch_size <= 4096:
         raise InputError(f"batch_size must be an integer from 1 to 4096, got {batch_size!r}")
     if batch_size > 1 and program_target != "tpu":
