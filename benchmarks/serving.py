@@ -166,6 +166,137 @@ def bench(name: str, concurrency: list[int], new_tokens: int) -> dict:
     return dict(name=name, params=params, cache=cache, lengths=lengths, slots=slots, export_s=export_s, rows=rows)
 
 
+# ---- serving dtypes and the TPU compiler's view of a decode step ----------------------------------------
+
+TPU_CONFIGS = {  # name -> (builder, config); Qwen3-0.6B's shape (hidden 1024, 28 layers, GQA 16:8, head 128)
+    "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                 max_position_embeddings=40960, tie_word_embeddings=True)),
+}
+
+
+def build_any(kind: str, config: dict):
+    import torch
+    if kind == "llama":
+        return build(config)
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(Qwen3Config(**config, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    model = model.to_empty(device="cpu").eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0) if p.ndim == 1 else p.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
+def _stats(prog, sig: str, topology: str) -> dict:
+    st = prog.compiled_stats(topology, signature_name=sig)
+    return dict(hbm=st["hbm_bytes"]["total"], aliased=st["hbm_bytes"].get("aliased", 0), fits=st["fits"],
+                capacity=st["hbm_capacity_bytes"], flops=st["flops"], bytes=st["bytes_accessed"],
+                seconds=st["roofline"]["seconds"], bound=st["roofline"]["bound"])
+
+
+def dtypes(name: str, slots: int, topologies: list[str], steps: int = 32) -> list[dict]:
+    """float, bf16 (weights, activations and KV cache) and int8 weight-only: bytes, quality against float
+    (next-token top-1 agreement and KL over teacher-forced positions) and the compiled decode step."""
+    import torch
+    import torchtpu_export as tte
+    from torchtpu_export import llm
+    config, cache, lengths = CONFIGS[name]
+    model = build(config)
+    texts = prompts(4, config["vocab_size"], seed=7)
+    with torch.no_grad():  # the float model's own greedy continuations, fed back (teacher forcing)
+        seqs = [model.generate(torch.tensor([ids]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                               pad_token_id=0)[0].tolist() for ids in texts]
+        ref = [torch.log_softmax(model(torch.tensor([s])).logits[0, len(ids) - 1:-1].float(), -1).numpy()
+               for s, ids in zip(seqs, texts)]
+    rows = []
+    for recipe in (None, "bf16", "int8_weight_only"):
+        prog = tte.export_llm(model, None, target="tpu", prefill_lengths=lengths, cache_length=cache,
+                              batch_size=slots, quant_config=recipe, platforms=("tpu", "cpu"))
+        agree, kl = [], []
+        for s, ids, r in zip(seqs, texts, ref):
+            got = llm.next_token_logits(prog, s, len(ids) - 1)[:steps].astype(np.float64)
+            logq = got - np.log(np.exp(got - got.max(-1, keepdims=True)).sum(-1, keepdims=True)) - got.max(-1, keepdims=True)
+            agree.append(np.mean(got.argmax(-1) == r.argmax(-1)))
+            kl.append(np.mean((np.exp(r) * (r - logq)).sum(-1)))
+        row = dict(recipe=recipe or "float", weights=sum(w.nbytes for w in prog.artifact.weights.values()),
+                   agree=float(np.mean(agree)), kl=float(np.mean(kl)),
+                   cache_dtype=next(i.dtype for i in prog.inputs("decode") if i.name.startswith("kv_cache")))
+        for topo in topologies:
+            row[topo] = _stats(prog, llm.DECODE_BATCH, topo)
+        rows.append(row)
+        print(f"{name} {row['recipe']}: {row['weights'] / 1e6:.1f} MB, top-1 {row['agree']:.3f}, KL {row['kl']:.4f}",
+              flush=True)
+    return rows
+
+
+def tpu_table(name: str, batches: list[int], topologies: list[str], cache: int, recipe: str | None) -> list[dict]:
+    """The decode step of a full-size config compiled by libtpu for each batch: HBM, fit, roofline."""
+    import torchtpu_export as tte
+    from torchtpu_export import llm
+    kind, config = TPU_CONFIGS[name]
+    model = build_any(kind, config)
+    rows = []
+    for b in batches:
+        prog = tte.export_llm(model, None, target="tpu", prefill_lengths=(16,), cache_length=cache,
+                              batch_size=b, quant_config=recipe, platforms=("tpu",))
+        sig = llm.DECODE if b == 1 else llm.DECODE_BATCH
+        row = dict(batch=b)
+        for topo in topologies:
+            row[topo] = _stats(prog, sig, topo)
+        rows.append(row)
+        print(f"{name} batch {b}: " + ", ".join(f"{t} {row[t]['hbm'] / 2**30:.2f} GiB, {row[t]['seconds'] * 1e3:.2f} ms"
+                                              for t in topologies), flush=True)
+        del prog
+    params = sum(p.numel() for p in model.parameters())
+    return [dict(name=name, params=params, cache=cache, recipe=recipe or "float", rows=rows)]
+
+
+def tpu_text(dtype_rows, name, tpu, topologies, args) -> str:
+    gib = 2 ** 30
+    lines = []
+    if dtype_rows:
+        lines += [f"# Serving dtypes and the TPU decode step ({datetime.date.today()}, compiled ahead of time by "
+                  f"libtpu on {os.cpu_count()} CPU cores)", "",
+                  f"`python benchmarks/serving.py --concurrency '' --configs {name} --slots {args.slots} "
+                  f"--topologies {args.topologies} --tpu-configs {args.tpu_configs} --tpu-batches {args.tpu_batches} "
+                  f"--tpu-cache {args.tpu_cache}`", "",
+                  f"## Serving dtypes ({name}, decode_batch of {args.slots} slots)", "",
+                  "Quality: the float model's greedy continuations of 4 prompts fed back (teacher forcing) through "
+                  "the exported program; top-1 agreement of its next-token predictions with torch eager float and "
+                  "the mean KL(float || program).", "",
+                  "| recipe | weights | KV cache | top-1 agreement | KL | " +
+                  " | ".join(f"{t} HBM (aliased)" for t in topologies) + " | " +
+                  " | ".join(f"{t} step (roofline)" for t in topologies) + " |",
+                  "|---|---:|---|---:|---:|" + "---:|" * (2 * len(topologies))]
+        for r in dtype_rows:
+            lines.append(f"| {r['recipe']} | {r['weights'] / 1e6:.1f} MB | {r['cache_dtype']} | {r['agree']:.3f} | "
+                         f"{r['kl']:.2e} | " +
+                         " | ".join(f"{r[t]['hbm'] / 1e6:.1f} MB ({r[t]['aliased'] / 1e6:.1f} MB)" for t in topologies)
+                         + " | " + " | ".join(f"{r[t]['seconds'] * 1e6:.0f} us ({r[t]['bound']})" for t in topologies)
+                         + " |")
+        lines.append("")
+    for t in tpu:
+        lines += [f"## {t['name']} decode step on TPU ({t['params'] / 1e9:.2f}B parameters, {t['recipe']}, cache "
+                  f"{t['cache']} positions per slot; compiled by libtpu ahead of time)", "",
+                  "| batch | " + " | ".join(f"{tp} HBM / capacity | {tp} fits | {tp} roofline step | {tp} tokens/s (roofline)"
+                                         for tp in topologies) + " |",
+                  "|---:|" + "---:|---|---:|---:|" * len(topologies)]
+        for r in t["rows"]:
+            cells = []
+            for tp in topologies:
+                s = r[tp]
+                cells += [f"{s['hbm'] / gib:.2f} / {s['capacity'] / gib:.0f} GiB (aliased {s['aliased'] / gib:.2f})",
+                          "yes" if s["fits"] else "NO", f"{s['seconds'] * 1e3:.2f} ms ({s['bound']})",
+                          f"{r['batch'] / s['seconds']:,.0f}"]
+            lines.append(f"| {r['batch']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def table(results: list[dict], args) -> str:
     cpu = platform.processor() or platform.machine()
     lines = [f"# Serving on CPU PJRT ({datetime.date.today()}, {os.cpu_count()} cores, {cpu}, "
@@ -201,11 +332,24 @@ def main() -> int:
     p.add_argument("--configs", default="llama-30m")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--topologies", default="", help="TPU topologies for the compiler's view of the serving dtypes "
+                   "and the full-size decode step, e.g. v5e,v6e ('' for none)")
+    p.add_argument("--tpu-configs", default="qwen3-0.6b", help="full-size configs compiled for TPU ('' for none)")
+    p.add_argument("--tpu-batches", default="1,8,32")
+    p.add_argument("--tpu-cache", type=int, default=1024)
+    p.add_argument("--slots", type=int, default=16, help="decode_batch slots of the dtype comparison")
     p.add_argument("-o", "--output", default=None)
     args = p.parse_args()
-    concurrency = [int(n) for n in args.concurrency.split(",")]
-    results = [bench(name, concurrency, args.new_tokens) for name in args.configs.split(",")]
-    text = table(results, args)
+    concurrency = [int(n) for n in args.concurrency.split(",") if n]
+    names = [n for n in args.configs.split(",") if n]
+    text = table([bench(name, concurrency, args.new_tokens) for name in names], args) if concurrency else ""
+    topologies = [t for t in args.topologies.split(",") if t]
+    if topologies:
+        rows = dtypes(names[0], args.slots, topologies)
+        tpu = [t for name in args.tpu_configs.split(",") if name
+               for t in tpu_table(name, [int(b) for b in args.tpu_batches.split(",")], topologies, args.tpu_cache,
+                                  "bf16")]
+        text += "\n" + tpu_text(rows, names[0], tpu, topologies, args)
     print(text)
     if args.output:
         with open(args.output, "w") as f:
