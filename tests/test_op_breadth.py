@@ -90,6 +90,8 @@ RANDOM = {
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", sorted(RANDOM))
 def test_random_ops_match_torch_in_distribution_and_change_per_call(name, target):
+    # seeded: a permutation test at alpha 0.005 over many cells would otherwise fail one run in a few
+    torch.manual_seed(0)
     fn, args = RANDOM[name]
     prog = _convert(Fn(fn), args, target)
     got = _draws(prog, args, 40)

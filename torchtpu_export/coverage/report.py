@@ -202,6 +202,8 @@ def differences(want: dict, got: dict[str, Cell], runtimes: Sequence[str]) -> li
             if expect is not None:
                 bad.append(f"{rt}: no cell (expected {status})")
             continue
+        if cell.status != status and {cell.status, status} == {"pass", "mismatch"} and _simd_dependent(cell, expect):
+            continue
         if cell.status != status:
             detail = cell.reason or (f"max rel err {cell.max_rel_err} ({cell.sample})" if cell.status == "mismatch"
                                      else "")
@@ -214,6 +216,17 @@ def differences(want: dict, got: dict[str, Cell], runtimes: Sequence[str]) -> li
                 bad.append(f"{rt}: the mismatch grew: max rel err {now:.3g}, recorded {bound:.3g} "
                            f"(fails past {ERROR_GROWTH:g}x)")
     return bad
+
+
+def _simd_dependent(cell: Cell, expect) -> bool:
+    """Whether a pass/mismatch flip is the host's, not ours: the edge-values sample (+-0, +-3.5e37, +-inf,
+    NaN) meets the vectorised transcendental kernels of XNNPACK (LiteRT) and of XLA's CPU backend, whose
+    NaN and inf handling differs with the CPU's SIMD (AVX2 or AVX-512: log(NaN) is NaN on one, 88.7 on the
+    other). A cell that differs from its record only in NaN/inf positions there is accepted either way."""
+    nonfinite = "NaN/inf positions differ"
+    if cell.status == "mismatch":
+        return nonfinite in (cell.reason or "") and str(cell.sample or "").startswith("edge values")
+    return isinstance(expect, dict) and nonfinite in (expect.get("reason") or "")
 
 
 def _as_float(v) -> float:
