@@ -28,6 +28,7 @@ BENCHMARKS = {
     "opinfo-peers": ("opinfo_peers.py", ["-o", "RESULTS-opinfo-peers.md"]),
     "llm": ("llm.py", ["--rounds", "3", "-o", "RESULTS-llm.md"]),
     "serving": ("serving.py", ["-o", "RESULTS-serving.md"]),
+    "abstract-llm": ("abstract_llm.py", ["--configs", "llama3-8b,llama3-70b", "-o", "RESULTS-abstract-llm.md"]),
     "serving-tpu": ("serving.py", ["--concurrency", "", "--topologies", "v5e,v6e", "-o", "RESULTS-serving-tpu.md"]),
 }
 

@@ -10,6 +10,7 @@ Runtime) is set up when that target is first used.
 """
 from ._version import __version__
 from .api import SignatureSet, convert, export, load, signature
+from .capture import abstract_weights
 from .debugger import DebugReport, debug
 from .llm import export_llm
 from .errors import (ArtifactError, CaptureError, ConversionError, InputError, NumericsError, OutputError, TteError,
@@ -24,7 +25,7 @@ Converter = SignatureSet
 Model = EdgeModel
 
 __all__ = [
-    "__version__", "convert", "export", "export_llm", "load", "signature", "to_channel_last_io", "SignatureSet", "TpuProgram",
+    "__version__", "abstract_weights", "convert", "export", "export_llm", "load", "signature", "to_channel_last_io", "SignatureSet", "TpuProgram",
     "EdgeModel", "OnnxProgram", "LitertLmBundle", "Converter", "Model", "debug", "DebugReport",
     "TteError", "InputError", "UnsafeInputError", "CaptureError", "UnsupportedOpError", "ArtifactError",
     "NumericsError", "OutputError", "ConversionError",

@@ -10,7 +10,7 @@ import os
 from typing import Sequence
 
 from . import targets
-from .capture import CapturedProgram, capture
+from .capture import CapturedProgram, capture, is_abstract
 from .errors import InputError
 
 
@@ -23,6 +23,12 @@ def captures(entries: Sequence[tuple], target: str, strict_export=False,
     for name, module, args, kwargs, dyn in entries:
         out[name] = capture(module, args, kwargs, dynamic_shapes=dyn if dyn is not None else dynamic_shapes,
                             strict_export=strict_export, keep=converter.KEEP_WHOLE, lowerable=converter.lowerable)
+        abstract = [w for w, t in out[name].weights.items() if is_abstract(t)]
+        if abstract and not targets.get(targets.get(target).program_target or target).abstract_weights:
+            raise InputError(f"weight {abstract[0]!r} has no values (built under abstract_weights() or on the meta "
+                             f"device); the {target} target writes weights into its file",
+                             hint="load the weights (e.g. from safetensors) before converting, or export to the tpu "
+                                  "target, whose programs take abstract weights and bind values at load")
     return out
 
 

@@ -188,6 +188,65 @@ def _eval_mode(module):
             m.training = mode
 
 
+@contextlib.contextmanager
+def abstract_weights():
+    """Models built inside have their parameters on the meta device: shapes and dtypes, no values and no
+    memory (buffers such as RoPE frequencies, computed at construction, keep their values). Export such
+    a model to the tpu target and its programs take abstract weights: they compile for any topology, and
+    values are bound at load (``TpuProgram.bind_weights``)::
+
+        with tte.abstract_weights():
+            model = LlamaForCausalLM(config)            # an 8B or 70B config, nothing allocated
+        prog = tte.export_llm(model, target="tpu", quant_config="bf16")
+    """
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(self, name, param):
+        register(self, name, param)
+        p = self._parameters.get(name)
+        if p is not None and not p.is_meta:  # torch.empty reserved but never touched: no memory was used
+            self._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def is_abstract(t) -> bool:
+    """A weight without values: on the meta device, or a fake tensor."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(t, FakeTensor) or (isinstance(t, torch.Tensor) and t.is_meta)
+
+
+@contextlib.contextmanager
+def _abstract_weights(module):
+    """Parameters and buffers on the meta device (a model built without its weights, e.g. under
+    ``tte.abstract_weights()``) become fake CPU tensors while torch.export traces: shapes and dtypes
+    only, so the captured weights stay abstract and nothing of their size is ever allocated."""
+    found = [(m, kind, n, t) for m in module.modules() for kind in ("_parameters", "_buffers")
+             for n, t in getattr(m, kind).items() if t is not None and t.is_meta] \
+        if isinstance(module, torch.nn.Module) else []
+    if not found:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes: dict[int, torch.Tensor] = {}  # one per tensor: tied weights stay tied
+    try:
+        for m, kind, n, t in found:
+            if id(t) not in fakes:
+                with mode:
+                    fake = torch.empty(t.shape, dtype=t.dtype)
+                fakes[id(t)] = torch.nn.Parameter(fake, requires_grad=False) if kind == "_parameters" else fake
+            getattr(m, kind)[n] = fakes[id(t)]
+        yield
+    finally:
+        for m, kind, n, t in found:
+            getattr(m, kind)[n] = t
+
+
 def _export(module, args, kwargs, dynamic_shapes, strict) -> ExportedProgram:
     if strict == "auto":
         try:
@@ -201,7 +260,8 @@ def _export(module, args, kwargs, dynamic_shapes, strict) -> ExportedProgram:
     stderr = io.StringIO()
     try:
         # torch.export prints partial graphs to stderr on failure: keep them for -vv, not for the user
-        with _eval_mode(module), torch.no_grad(), contextlib.redirect_stderr(stderr), torch_internal_warnings():
+        with _eval_mode(module), torch.no_grad(), contextlib.redirect_stderr(stderr), torch_internal_warnings(), \
+                _abstract_weights(module):
             return torch.export.export(module, tuple(args), kwargs or None,
                                        dynamic_shapes=dynamic_shapes, strict=bool(strict))
     except Exception as e:  # torch.export raises many exception types
@@ -322,12 +382,18 @@ def _flatten(ep: ExportedProgram, sample_args, sample_kwargs) -> CapturedProgram
     weights: dict[str, torch.Tensor] = {}
     weight_placeholders: dict[str, str] = {}
     input_placeholders: list[str] = []
+    abstract_names: dict[int, str] = {}  # a tied abstract weight (one tensor, two names) is one weight
     for spec in sig.input_specs:
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             if spec.target in ep.state_dict:
                 value = ep.state_dict[spec.target]
             else:
                 value = ep.constants[spec.target]
+            if is_abstract(value) and id(value) in abstract_names:
+                weight_placeholders[spec.arg.name] = abstract_names[id(value)]
+                continue
+            if is_abstract(value):
+                abstract_names[id(value)] = spec.target
             weights[spec.target] = value.detach()
             weight_placeholders[spec.arg.name] = spec.target
         elif spec.kind == InputKind.USER_INPUT:

@@ -105,6 +105,9 @@ def _convert_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help="LLM folders, tpu target: also a decode_batch program for B sequences at once "
                         "(the serving engine's slots; default 1)")
+    p.add_argument("--abstract-weights", action="store_true",
+                   help="LLM folders, tpu target: build from config.json alone and export without weight values "
+                        "(compile and inspect a model larger than this machine; bind the checkpoint at load)")
     p.add_argument("--strict", default="false", choices=["false", "true", "auto"], help="torch.export strict mode")
     p.add_argument("--trust-pickle", action="store_true",
                    help="allow loading a pickled module (torch.save); unpickling runs code from the file")
@@ -129,8 +132,8 @@ def _convert(args) -> int:
     target = targets.get(args.target)
     if target.llm_only or os.path.isdir(args.model):
         return _convert_llm(args, target)
-    for flag in ("prefill_lengths", "cache_length", "tokenizer", "batch_size"):
-        if getattr(args, flag) is not None:
+    for flag in ("prefill_lengths", "cache_length", "tokenizer", "batch_size", "abstract_weights"):
+        if getattr(args, flag) not in (None, False):
             raise InputError(f"--{flag.replace('_', '-')} applies to LLMs (a Hugging Face model folder), "
                              f"not {args.model}")
     _check_target_flags(args, target)
@@ -197,7 +200,8 @@ def _convert_llm(args, target) -> int:
     if args.quantize:
         options["quant_config"] = args.quantize
     artifact = llm.export_llm(args.model, args.tokenizer, target=target.name, prefill_lengths=lengths,
-                              cache_length=args.cache_length or 1024, batch_size=args.batch_size or 1, **options)
+                              cache_length=args.cache_length or 1024, batch_size=args.batch_size or 1,
+                              abstract_weights=args.abstract_weights, **options)
     artifact.save(output)
     _out(args, f"wrote {output} ({_human(os.path.getsize(output))}) in {time.perf_counter() - t0:.1f} s "
                f"[target {target.name}; signatures {', '.join(artifact.signatures)}]")

@@ -38,7 +38,9 @@ def format_description(desc: dict) -> str:
                         f"{'yes' if llm.get('chat_template') else 'no'})" if llm.get("tokenizer") else "no tokenizer"))
     weights = desc.get("weights") or {}
     if weights.get("count") is not None:
-        lines.append(f"weights: {weights['count']} tensors, {weights.get('bytes', 0):,} bytes")
+        lines.append(f"weights: {weights['count']} tensors, {weights.get('bytes', 0):,} bytes"
+                     + (f" ({weights['abstract']} abstract: shapes only, values bound at load with bind_weights)"
+                        if weights.get("abstract") else ""))
     for name, prog in desc.get("programs", {}).items():
         lines.append(f"{desc.get('unit', 'program')} {name}:")
         lines += ["  input  " + _io_line(i) for i in prog["inputs"]]

@@ -152,7 +152,7 @@ class LlmSource:
     name: str
 
 
-def load_source(model_or_path, tokenizer=None) -> LlmSource:
+def load_source(model_or_path, tokenizer=None, abstract: bool = False) -> LlmSource:
     """The model and tokenizer from a local Hugging Face folder, ``file.py:factory`` (returning a model
     or ``(model, tokenizer)``), or a model object. Local files only: nothing is downloaded."""
     from .models import call_factory, is_factory
@@ -162,7 +162,7 @@ def load_source(model_or_path, tokenizer=None) -> LlmSource:
         model, name = model_or_path, type(model_or_path).__name__
     elif isinstance(model_or_path, (str, os.PathLike)) and os.path.isdir(model_or_path):
         path = os.fspath(model_or_path)
-        model, name = _load_hf_folder(path), os.path.basename(os.path.abspath(path))
+        model, name = _load_hf_folder(path, abstract), os.path.basename(os.path.abspath(path))
         tokenizer = path if tokenizer is None else tokenizer
     elif isinstance(model_or_path, str) and is_factory(model_or_path):
         made = call_factory(model_or_path)
@@ -186,14 +186,15 @@ def load_source(model_or_path, tokenizer=None) -> LlmSource:
     return LlmSource(model, tok, name)
 
 
-def _load_hf_folder(path: str):
-    """A causal LM from config.json and its safetensors weights (local files only)."""
+def _load_hf_folder(path: str, abstract: bool = False):
+    """A causal LM from config.json and its safetensors weights (local files only); with ``abstract``,
+    from config.json alone, its parameters on the meta device (``capture.abstract_weights``)."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise InputError(f"{path} has no config.json: not a Hugging Face model folder",
                          hint="save the model there with model.save_pretrained(folder)")
     weights = [f for f in os.listdir(path) if f.endswith(".safetensors")]
-    if not weights:
+    if not weights and not abstract:
         bins = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth"))]
         raise InputError(f"{path} has no .safetensors weights" + (f" ({', '.join(bins)} are pickles, never loaded)"
                                                                     if bins else ""),
@@ -209,6 +210,10 @@ def _load_hf_folder(path: str):
     if type(config) not in AutoModelForCausalLM._model_mapping:
         raise InputError(f"{cfg_path}: {config.model_type!r} is not a causal LM architecture transformers "
                          f"can build (architectures {getattr(config, 'architectures', None)})")
+    if abstract:
+        from .capture import abstract_weights
+        with abstract_weights():
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     try:
         hf_logging.set_verbosity_error()  # its load report is checked here, not printed
         model, info = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32",
@@ -418,7 +423,8 @@ def check_options(source: LlmSource, prefill_lengths: Sequence[int], cache_lengt
 
 
 def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefill_lengths: Sequence[int] = (128,),
-               cache_length: int = 1024, quant_config=None, batch_size: int = 1, **options):
+               cache_length: int = 1024, quant_config=None, batch_size: int = 1, abstract_weights: bool = False,
+               **options):
     """Exports a causal LM's prefill (one signature per length, ``prefill_<N>``) and ``decode`` steps.
 
     ``model_or_path``: a local Hugging Face folder (config.json, safetensors weights, tokenizer.json),
@@ -427,21 +433,24 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     ``target="tpu"`` (or ``"litert"``) the target's runnable with the same signatures.
     ``batch_size`` > 1 (tpu): ``decode_batch`` and ``prefill_batch_<N>`` programs too, stepping that many
     sequences at once, each at its own position: the slots of the serving engine (:mod:`torchtpu_export.engine`).
+    ``abstract_weights=True`` with a model folder: built from config.json alone, weights never read (tpu:
+    the programs take abstract weights, bound at load with ``TpuProgram.bind_weights``).
     """
     from . import targets
     from .api import SignatureSet
-    source = load_source(model_or_path, tokenizer)
+    source = load_source(model_or_path, tokenizer, abstract_weights)
     lengths = check_options(source, prefill_lengths, cache_length)
     t = targets.get(target)
     program_target = t.program_target or target
     from .quant import parse
     recipe = parse(quant_config, program_target)
     # serving in bf16 keeps the KV cache in bf16 too (half the HBM); LiteRT-LM's caches are float32
-    bf16 = program_target == "tpu" and recipe is not None and recipe.recipe == "bf16"
+    serving = targets.get(program_target).serving
+    bf16 = serving and recipe is not None and recipe.recipe == "bf16"
     layout = CacheLayout.of(source.model.config, cache_length, "bfloat16" if bf16 else "float32")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or not 1 <= batch_size <= 4096:
         raise InputError(f"batch_size must be an integer from 1 to 4096, got {batch_size!r}")
-    if batch_size > 1 and program_target != "tpu":
+    if batch_size > 1 and not serving:
         raise InputError(f"batch_size applies to target='tpu' (the serving engine's slots); {target} programs "
                          "step one sequence", hint="leave batch_size out, or export with target='tpu'")
     sigs = SignatureSet()

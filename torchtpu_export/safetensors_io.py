@@ -55,6 +55,21 @@ def from_numpy(a) -> torch.Tensor:
         return torch.from_numpy(a)
 
 
+def dtype_code(dtype) -> str:
+    """safetensors' name of a numpy dtype (``F32``, ``BF16``, ...)."""
+    code = _CODES.get(np.dtype(dtype))
+    if code is None:
+        raise TypeError(f"dtype {dtype} cannot be stored in safetensors")
+    return code
+
+
+def dtype_of(code: str) -> np.dtype:
+    """The numpy dtype of a safetensors dtype name; ValueError for one it does not define."""
+    if code not in _DTYPES:
+        raise ValueError(f"unknown safetensors dtype {code!r}")
+    return np.dtype(_DTYPES[code])
+
+
 def header_for(arrays: Iterable[tuple[str, np.ndarray]], metadata: Mapping[str, str] | None = None) -> bytes:
     header: dict = {}
     if metadata:

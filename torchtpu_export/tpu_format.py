@@ -6,7 +6,9 @@ Entries::
     programs/<program>/<platform>.jaxexport  a serialized jax.export.Exported
     stablehlo/<platform>.mlir              the module as text (one program), or
     stablehlo/<program>/<platform>.mlir    (several programs)
-    weights.safetensors                    every weight, shared by all programs
+    weights.safetensors                    every weight, shared by all programs (empty when the
+                                           weights are abstract: ``manifest["weights"]["abstract"]``
+                                           lists each one's dtype and shape; values are bound at load)
     executables/<topology>/<program>.bin   optional: a TPU executable compiled ahead of time
                                            (``manifest["compiled"]`` says for which libtpu, jax
                                            and chips, with its sha256 and the compiler's stats)
@@ -50,6 +52,34 @@ WEIGHTS = "weights.safetensors"
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class AbstractWeight:
+    """A weight known by its shape and dtype only: a model exported without materialising its weights
+    (built on the meta device). Programs compile against it; running needs values bound to it."""
+
+    shape: tuple
+    dtype: np.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+    def astype(self, dtype) -> "AbstractWeight":
+        return AbstractWeight(self.shape, np.dtype(dtype))
+
+
+def is_abstract(weights: Mapping) -> bool:
+    return any(isinstance(w, AbstractWeight) for w in weights.values())
+
+
 @dataclasses.dataclass
 class TpuArtifact:
     """The parts of a ``.tpu`` file held in memory (weights may be mmap views)."""
@@ -85,8 +115,12 @@ class TpuArtifact:
                 files[self.program_path(prog, p)] = blob
             for p, text in sorted(self.mlir.get(prog, {}).items()):
                 files[self.mlir_path(prog, p)] = text.encode()
+        abstract = {n: {"dtype": safetensors_io.dtype_code(w.dtype), "shape": list(w.shape)}
+                    for n, w in self.weights.items() if isinstance(w, AbstractWeight)}
         self.manifest["weights"] = {"file": WEIGHTS, "count": len(self.weights),
                                     "bytes": int(sum(w.nbytes for w in self.weights.values()))}
+        if abstract:
+            self.manifest["weights"]["abstract"] = dict(sorted(abstract.items()))
         self.manifest["format_version"] = FORMAT_VERSION
         digests = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
         with progress.stage("write"), atomic_open(path) as f, \
@@ -95,7 +129,7 @@ class TpuArtifact:
                 _write_entry(zf, name, files[name])
             with zf.open(_zipinfo(WEIGHTS), "w", force_zip64=True) as w:
                 hashing = _Hashing(w)
-                safetensors_io.write(hashing, self.weights)
+                safetensors_io.write(hashing, {n: w for n, w in self.weights.items() if n not in abstract})
             digests[WEIGHTS] = hashing.sha256.hexdigest()
             self.manifest["digests"] = dict(sorted(digests.items()))
             _write_entry(zf, MANIFEST, json.dumps(self.manifest, indent=1, sort_keys=True).encode())
@@ -184,6 +218,10 @@ def read(path) -> TpuArtifact:
             info = infos[manifest["weights"]["file"]]
             start = _entry_offset(f, info)
             weights = safetensors_io.read(memoryview(mm)[start:start + info.file_size]) if info.file_size else {}
+            for name, spec in manifest["weights"].get("abstract", {}).items():
+                if name in weights:
+                    raise ArtifactError(f"{path} is corrupt: weight {name[:80]!r} is both stored and abstract")
+                weights[name] = AbstractWeight(tuple(spec["shape"]), safetensors_io.dtype_of(spec["dtype"]))
         except ArtifactError:
             raise
         except (zipfile.BadZipFile, KeyError, ValueError, TypeError, OSError, EOFError, UnicodeDecodeError,
@@ -274,7 +312,8 @@ def _manifest_schema():
                       "op_histogram": MapOf(Count()), "quantization": Record({"recipe": STR}),
                       "sharding": Opt(sharding), "donate": ListOf(Count())})
     return Record({"format": OneOf(FORMAT), "format_version": Count(), "programs": MapOf(program),
-                   "weights": Record({"file": NAME}, {"count": Count(), "bytes": Count()})},
+                   "weights": Record({"file": NAME}, {"count": Count(), "bytes": Count(),
+                                                      "abstract": MapOf(Record({"dtype": STR, "shape": ListOf(Count())}))})},
                   {"versions": MapOf(STR), "platforms": ListOf(STR), "digests": MapOf(STR),
                    "mesh": Opt(Record({"axes": ListOf(TupleOf(NAME, Count())), "devices": Count()})),
                    "compiled": MapOf(MapOf(compiled)),

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 from torchtpu_export import progress, tpu_format  # noqa: E402
 from torchtpu_export._version import __version__  # noqa: E402
-from torchtpu_export.capture import CapturedProgram
+from torchtpu_export.capture import CapturedProgram, is_abstract
 from torchtpu_export.core_ops import core_aten_ops, rewritten_core_ops
 from torchtpu_export.errors import ConversionError, InputError, UnsupportedOpError
 from torchtpu_export.quant import parse as parse_quant
@@ -79,7 +79,7 @@ def _merge_weights(captures: Mapping[str, CapturedProgram]):
         for name, t in cap.weights.items():
             key = name
             if key in merged and not (merged[key] is t or (merged[key].shape == t.shape and merged[key].dtype == t.dtype
-                                                           and torch.equal(merged[key], t))):
+                                                           and _same_values(merged[key], t))):
                 key = f"{prog}.{name}"
             merged.setdefault(key, t)
             names.append(key)
@@ -225,9 +225,19 @@ def _jit_shardings(plan: dict, renames: dict, n_outputs: int) -> dict:
     return {"in_shardings": (weights, *inputs), "out_shardings": outputs}
 
 
-def _weight_array(t: torch.Tensor, narrow: bool) -> np.ndarray:
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values; abstract weights (no values) of one name and shape are taken as the same weight."""
+    if is_abstract(a) or is_abstract(b):
+        return is_abstract(a) and is_abstract(b)
+    return torch.equal(a, b)
+
+
+def _weight_array(t: torch.Tensor, narrow: bool):
     from torchtpu_export.safetensors_io import to_numpy
-    a = to_numpy(t)
+    if is_abstract(t):
+        a = tpu_format.AbstractWeight(tuple(t.shape), np.dtype(jax_dtype(t.dtype, False)))
+    else:
+        a = to_numpy(t)
     if narrow and a.dtype in (np.int64, np.float64, np.uint64):
         a = a.astype({np.dtype(np.int64): np.int32, np.dtype(np.float64): np.float32,
                       np.dtype(np.uint64): np.uint32}[a.dtype])

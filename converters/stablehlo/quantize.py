@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import ml_dtypes
+import numpy as np
 import torch
 
 from torchtpu_export.capture import CapturedProgram
 from torchtpu_export.quant import QuantConfig, per_channel_int8
+from torchtpu_export.tpu_format import AbstractWeight
 
 from .sharding import _matmul_weight, _weight_of
 
@@ -59,7 +61,11 @@ def apply(cfg: QuantConfig, captures: dict[str, CapturedProgram], np_weights: di
             artifact_name = renames[name]
             if artifact_name in dequantize:
                 continue
-            q, scale = per_channel_int8(np_weights[artifact_name], axis)
+            w = np_weights[artifact_name]
+            if isinstance(w, AbstractWeight):  # no values: the scales are computed when values are bound
+                q, scale = w.astype(np.int8), AbstractWeight((w.shape[axis],), np.dtype(np.float32))
+            else:
+                q, scale = per_channel_int8(w, axis)
             scale_name = f"{artifact_name}.scale"
             np_weights[artifact_name] = q
             np_weights[scale_name] = scale

@@ -51,6 +51,12 @@ class Target:
     program_target: str | None = None
     from_llm: Callable | None = None
     llm_only: bool = False
+    # datacenter serving: export_llm may add batched programs (the engine's slots), and the KV cache
+    # follows a bf16 recipe (on-device runtimes keep float32 caches)
+    serving: bool = False
+    # programs take weights by shape and dtype alone (a model built under abstract_weights()); values
+    # are bound at load. Other targets write weight values into their files.
+    abstract_weights: bool = False
 
 
 def no_topologies(topologies) -> None:

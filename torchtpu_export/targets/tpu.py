@@ -58,9 +58,27 @@ class TpuProgram(Runnable):
         """The runtime of one program on one PJRT platform (the local one by default)."""
         from ..runtimes.xla import XlaRunner
         key = (self.signature(signature_name), platform)
+        if key not in self._runners and self.abstract_weights:
+            raise InputError(f"this program's {len(self.abstract_weights)} weights are abstract (exported without "
+                             "values): it compiles and inspects, but runs only once values are bound",
+                             hint="prog = prog.bind_weights('model.safetensors' or a folder of safetensors shards)")
         if key not in self._runners:
             self._runners[key] = XlaRunner(self.artifact, key[0], platform, self._placed)
         return self._runners[key]
+
+    @property
+    def abstract_weights(self) -> list[str]:
+        """The names of the weights that have no values yet (``tte.abstract_weights()``)."""
+        return [n for n, w in self.artifact.weights.items() if isinstance(w, tpu_format.AbstractWeight)]
+
+    def bind_weights(self, source, *, prefix: str | None = None) -> "TpuProgram":
+        """A program whose abstract weights take values: ``source`` is a ``.safetensors`` file, a folder of
+        them (a Hugging Face checkpoint's shards) or a mapping of name to array or tensor. A weight is found
+        under its own name, or under it with a leading module path removed (``model.`` of an LLM's wrapper:
+        the checkpoint's names), or with ``prefix`` removed. Floats are cast to the program's dtype (bf16);
+        the int8 recipe quantizes here, as export would have. Every weight must be found, with its shape."""
+        from ..tpu_bind import bind
+        return TpuProgram(bind(self.artifact, source, prefix))
 
     def stablehlo_text(self, platform: str = "tpu", signature_name: str | None = None) -> str:
         """The StableHLO module of one platform, as MLIR text."""
@@ -124,7 +142,7 @@ def build(captures: dict, options: dict) -> TpuProgram:
     report = options.pop("quant_report", True)  # False: no error measured on the sample inputs
     prog = TpuProgram(converters.converter(TARGET.converter).convert(captures, **options))
     quant_config, platforms = options.get("quant_config"), options.get("platforms", ("tpu", "cpu"))
-    if quant_config is not None and "cpu" in platforms and report:
+    if quant_config is not None and "cpu" in platforms and report and not prog.abstract_weights:
         from ..quant import parse, report_against_eager
         float_bytes = sum(t.numel() * t.element_size() for c in captures.values() for t in c.weights.values())
         prog.quant_report = report_against_eager(prog, captures, parse(quant_config, "tpu").recipe, float_bytes,
@@ -165,7 +183,8 @@ def describe(path: str, topologies=None) -> dict:
     return {
         "path": path, "kind": "tpu", "size": os.path.getsize(path), "format_version": m["format_version"],
         "versions": m.get("versions", {}), "platforms": m.get("platforms", []), "programs": programs,
-        "weights": m.get("weights", {}), "entries": entries, "mesh": m.get("mesh"),
+        "weights": {k: (len(v) if k == "abstract" else v) for k, v in m.get("weights", {}).items()},
+        "entries": entries, "mesh": m.get("mesh"),
         **({"topologies": slices} if slices else {}), **({"llm": _llm_summary(m["llm"])} if "llm" in m else {}),
     }
 
@@ -239,5 +258,5 @@ TARGET = Target(
     converter="stablehlo", runtime="xla", suffix=".tpu", runnable=TpuProgram, signature="main",
     build=build, load=load, describe=describe, cli_options=cli_options, compile=compile_cli,
     cli_flags=("platforms", "kernels", "narrow_64bit", "mesh", "sharding", "quantize"),
-    local_options={"platforms": ("cpu",)}, from_llm=from_llm,
+    local_options={"platforms": ("cpu",)}, from_llm=from_llm, serving=True, abstract_weights=True,
 )
