@@ -81,10 +81,16 @@ class XlaRunner:
                     wsh = {}
                 placed = {} if placed is None else placed
                 self.weights = {}
+                self.bytes_read = 0  # weight bytes this process read (its own shards, under several processes)
                 for n in spec["weights"]:
                     key = (n, platform, repr(wsh.get(n)))
                     if key not in placed:
-                        placed[key] = jax.device_put(np.asarray(artifact.weights[n]), wsh.get(n))
+                        if self.mesh is not None and jax.process_count() > 1:
+                            placed[key], read = global_array(artifact.weights[n], wsh[n])
+                            self.bytes_read += read
+                        else:
+                            placed[key] = jax.device_put(np.asarray(artifact.weights[n]), wsh.get(n))
+                            self.bytes_read += artifact.weights[n].nbytes
                     self.weights[n] = placed[key]
             except (ArtifactError, InputError):
                 raise
@@ -157,12 +163,14 @@ class XlaRunner:
         arrays = [coerce_input(spec, x, dtype=dt) for spec, x, dt in zip(self.inputs, inputs, self._input_dtypes)]
         check_dims(self.inputs, arrays, self.dims)
         with jax.enable_x64(self.uses_x64):
-            if self._input_shardings:
+            if self._input_shardings and jax.process_count() > 1:
+                arrays = [global_array(a, sh)[0] for a, sh in zip(arrays, self._input_shardings)]
+            elif self._input_shardings:
                 arrays = [jax.device_put(a, sh) for a, sh in zip(arrays, self._input_shardings)]
             if self.rng_key:
                 arrays.append(new_key())
             try:
-                outs = [np.asarray(o) for o in self._call(self.weights, *arrays)]
+                outs = [to_host(o) for o in self._call(self.weights, *arrays)]
             except Exception as e:
                 # inputs were checked against the manifest above, and the program came from a file: one
                 # that XLA cannot compile or run is a bad file
@@ -174,6 +182,31 @@ class XlaRunner:
         for i, pos in self.ragged.items():
             outs[i] = outs[i][:int(outs[pos])]
         return outs[:len(self.outputs)]
+
+
+def global_array(value, sharding) -> tuple:
+    """``value`` (a host array, e.g. memory-mapped from the file) as an array over a mesh that spans
+    several processes (JAX's multi-controller runtime): each process reads only the slices its own
+    devices hold. Returns the array and the bytes this process read."""
+    seen: dict = {}
+
+    def shard(index):
+        key = tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in index)
+        part = np.ascontiguousarray(value[index])
+        seen[key] = part.nbytes
+        return part
+
+    return jax.make_array_from_callback(tuple(value.shape), sharding, shard), sum(seen.values())
+
+
+def to_host(out) -> np.ndarray:
+    """An output as a numpy array; under several processes, gathered from all of them."""
+    if getattr(out, "is_fully_addressable", True):
+        return np.asarray(out)
+    if out.is_fully_replicated:
+        return np.asarray(out.addressable_shards[0].data)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(out, tiled=True))
 
 
 def new_key() -> np.ndarray:
@@ -189,7 +222,9 @@ def _named(mesh, spec):
 
 
 def _local_mesh(mesh_spec: dict):
-    """The artifact's mesh over this machine's first devices (on CPU, XLA_FLAGS can make 8)."""
+    """The artifact's mesh over the first devices (on CPU, XLA_FLAGS can make 8); under JAX's
+    multi-controller runtime (``jax.distributed.initialize`` in every process) over the global devices
+    of all processes, each process holding its own."""
     from jax.sharding import Mesh
     names = [a for a, _ in mesh_spec["axes"]]
     shape = [int(n) for _, n in mesh_spec["axes"]]
