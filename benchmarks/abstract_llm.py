@@ -28,7 +28,8 @@ CONFIGS = {  # Llama 3's published shapes (GQA, RoPE theta 500000, untied embedd
     "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
 }
-DEFAULT_CASES = {"llama3-8b": ["v6e:1x1", "v5e:2x4@model=8"], "llama3-70b": ["v6e:2x4@model=8"]}
+DEFAULT_CASES = {"llama3-8b": ["v6e:1x1", "v5e:2x4@model=8"],
+                 "llama3-70b": ["v6e:2x4@model=8", "v6e:4x4@data=2,model=8", "v5e:4x8@data=2,model=16"]}
 
 
 def one(name: str, case: str, cache: int, batch: int) -> dict:
@@ -37,13 +38,13 @@ def one(name: str, case: str, cache: int, batch: int) -> dict:
 
     import torchtpu_export as tte
     from torchtpu_export import llm
-    topology, _, shard = case.partition("@")
-    mesh = {"model": int(shard.split("=")[1])} if shard else None
+    topology, _, shard = case.partition("@")  # v5e:4x8@data=2,model=16
+    mesh = {k: int(v) for k, v in (part.split("=") for part in shard.split(","))} if shard else None
     t = time.perf_counter()
     with tte.abstract_weights():
         model = LlamaForCausalLM(LlamaConfig(**CONFIGS[name], bos_token_id=1, eos_token_id=2)).eval()
     params = sum(p.numel() for p in model.parameters())
-    options = dict(mesh=(("data", 1), ("model", mesh["model"]))) if mesh else {}
+    options = dict(mesh=(("data", mesh.get("data", 1)), ("model", mesh.get("model", 1)))) if mesh else {}
     prog = tte.export_llm(model, None, target="tpu", prefill_lengths=(128,), cache_length=cache, batch_size=batch,
                           quant_config="bf16", platforms=("tpu",), **options)
     export_s = time.perf_counter() - t
@@ -52,7 +53,9 @@ def one(name: str, case: str, cache: int, batch: int) -> dict:
     st = prog.compiled_stats(topology, signature_name=sig)
     compile_s = time.perf_counter() - t
     weights = sum(w.nbytes for w in prog.artifact.weights.values())
-    return dict(name=name, case=case, params=params, weights=weights, batch=batch, cache=cache,
+    from torchtpu_export import tpu_compile
+    chips, hosts = tpu_compile.slice_size(topology)
+    return dict(chips=chips, hosts=hosts, collectives=st.get("collectives", {}), name=name, case=case, params=params, weights=weights, batch=batch, cache=cache,
                 export_s=export_s, compile_s=compile_s,
                 peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 hbm=st["hbm_bytes"]["total"], aliased=st["hbm_bytes"].get("aliased", 0),
@@ -67,17 +70,19 @@ def table(rows: list[dict], args) -> str:
              f"`python benchmarks/abstract_llm.py --configs {args.configs} --cache {args.cache} --batch {args.batch}`",
              "", "bf16 weights and KV cache; the decode step compiled by libtpu ahead of time. HBM is per chip; step "
              "time is the compiler's roofline (a lower bound), not a measurement.", "",
-             "| config | parameters | case | weights (bf16) | export | compile | peak RSS | HBM per chip / capacity | "
-             "fits | decode step (roofline) |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---|---:|"]
+             "| config | parameters | case | chips / hosts | weights (bf16) | export | compile | peak RSS | "
+             "HBM per chip / capacity | fits | collectives per chip per step | decode step (roofline) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | | {r['case']} | | | | | {r['error']} | | |")
+            lines.append(f"| {r['name']} | | {r['case']} | | | | | | {r['error']} | | | |")
             continue
+        comms = ", ".join(f"{k} {v['ops']}x {v['bytes'] / 2**20:.2f} MiB" for k, v in sorted(r["collectives"].items()))
         lines.append(f"| {r['name']} | {r['params'] / 1e9:.2f}B | {r['case']}, batch {r['batch']}, cache {r['cache']} | "
-                     f"{r['weights'] / gib:.1f} GiB | {r['export_s']:.0f} s | {r['compile_s']:.0f} s | "
-                     f"{r['peak_rss'] / gib:.2f} GiB | {r['hbm'] / gib:.2f} / {r['capacity'] / gib:.0f} GiB | "
-                     f"{'yes' if r['fits'] else 'NO'} | {r['seconds'] * 1e3:.2f} ms ({r['bound']}) |")
+                     f"{r['chips']} / {r['hosts']} | {r['weights'] / gib:.1f} GiB | {r['export_s']:.0f} s | "
+                     f"{r['compile_s']:.0f} s | {r['peak_rss'] / gib:.2f} GiB | {r['hbm'] / gib:.2f} / "
+                     f"{r['capacity'] / gib:.0f} GiB | {'yes' if r['fits'] else 'NO'} | {comms or 'none'} | "
+                     f"{r['seconds'] * 1e3:.2f} ms ({r['bound']}) |")
     return "\n".join(lines) + "\n"
 
 

@@ -210,6 +210,7 @@ def test_dynamic_program_without_upper_bound_says_so():
 @pytest.mark.parametrize("mesh,topologies", [
     ((("data", 1), ("model", 4)), ("v5e:2x2", "v6e:2x2")),
     ((("data", 2), ("model", 4)), ("v5e:2x4", "v6e:2x4")),
+    ((("data", 4), ("model", 8)), ("v5e:4x8",)),  # 32 chips on 8 hosts: one program for the whole slice
 ])
 def test_sharded_programs_compile_with_their_shardings(mesh, topologies):
     model, args = zoo.llama(batch=2, dim=256, heads=8, kv_heads=4, hidden=512)
@@ -221,6 +222,9 @@ def test_sharded_programs_compile_with_their_shardings(mesh, topologies):
     # tensor-parallel: each chip holds a share of the weights, not all of them
     full = sum(w.nbytes for w in prog.artifact.weights.values())
     assert stats[topologies[0]]["main"]["hbm_bytes"]["arguments"] < full * 0.6
+    # the compiler's collectives: the row-parallel linears' all-reduces, per chip per run
+    comms = stats[topologies[0]]["main"]["collectives"]
+    assert comms["all-reduce"]["ops"] >= 2 and comms["all-reduce"]["bytes"] > 0
 
 
 def test_sharded_program_on_too_few_chips_says_how_many():

@@ -303,6 +303,31 @@ def concrete_shape(shape, dims: dict | None) -> tuple:
     return tuple(out)
 
 
+_COLLECTIVE = re.compile(r"^(.*?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start|-done)?\(")
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
+_ITEM_BYTES = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
+
+
+def collectives(hlo_text: str) -> dict:
+    """Bytes each chip receives from collectives per run of a compiled program, by kind (the result
+    shapes of every all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute in the
+    compiled HLO; an async pair counted once, at its -done; an op inside a loop counted once)."""
+    out: dict = {}
+    for line in hlo_text.splitlines():
+        lhs, eq, rhs = line.partition(" = ")
+        m = _COLLECTIVE.match(rhs) if eq else None
+        if m is None or m.group(3) == "-start":
+            continue
+        size = 0
+        for dt, dims in _ARRAY.findall(m.group(1)):
+            item = _ITEM_BYTES.get(dt) or max(1, int(dt[1:]) // 8)
+            size += item * math.prod(int(d) for d in dims.split(",") if d)
+        entry = out.setdefault(m.group(2), {"ops": 0, "bytes": 0})
+        entry["ops"] += 1
+        entry["bytes"] += size
+    return out
+
+
 def stats(compiled, generation_: Generation, dtype: str = "bf16") -> dict:
     """What the compiler says about a program on one chip of ``generation_``."""
     mem = compiled.memory_analysis()
@@ -317,8 +342,13 @@ def stats(compiled, generation_: Generation, dtype: str = "bf16") -> dict:
     hbm = arg + out - alias + temp + code
     flops = float(cost.get("flops", 0.0))
     accessed = float(cost.get("bytes accessed", 0.0))
+    try:
+        comms = collectives(compiled.as_text())
+    except Exception:  # noqa: BLE001 (the HLO text is informative; its absence is not an error)
+        comms = {}
     return {
         "generation": generation_.name,
+        "collectives": comms,
         "hbm_bytes": {"arguments": arg, "outputs": out, "aliased": alias, "temporaries": temp, "code": code,
                       "total": hbm},
         "hbm_capacity_bytes": generation_.hbm_bytes,
@@ -344,7 +374,10 @@ def describe_stats(s: dict) -> str:
             f"out {_human(hbm['outputs'])}, temp {_human(hbm['temporaries'])}, code {_human(hbm['code'])}"
             + (f", aliased in place {_human(hbm['aliased'])}" if hbm.get("aliased") else "") + "); "
             f"{s['flops'] / 1e9:.3g} GFLOP, {_human(s['bytes_accessed'])} accessed; roofline "
-            f"{_seconds(roof['seconds'])} ({roof['bound']}-bound at {roof['dtype']} peak)")
+            f"{_seconds(roof['seconds'])} ({roof['bound']}-bound at {roof['dtype']} peak)"
+            + (("; collectives " + ", ".join(f"{k} {v['ops']}x {_human(v['bytes'])}"
+                                             for k, v in sorted(s["collectives"].items())) + " per chip per run")
+               if s.get("collectives") else ""))
 
 
 def _human(n: float) -> str:

@@ -296,7 +296,8 @@ def _manifest_schema():
                     "hbm_capacity_bytes": NUMBER, "fits": BOOL, "flops": NUMBER, "bytes_accessed": NUMBER,
                     "roofline": Record({"seconds": NUMBER, "dtype": STR, "bound": STR},
                                        {"peak_flops": NUMBER, "hbm_bytes_per_s": NUMBER})},
-                   {"generation": STR, "transcendentals": NUMBER, "kernel_estimates": Count()})
+                   {"generation": STR, "transcendentals": NUMBER, "kernel_estimates": Count(),
+                    "collectives": MapOf(Record({"ops": Count(), "bytes": Count()}))})
     compiled = Record({"stats": stats},
                       {"libtpu": Opt(STR), "jax": STR, "jaxlib": STR, "device_kind": STR, "devices": Count(),
                        "executable": Opt(Record({"file": NAME, "sha256": STR}, {"bytes": Count()})),
