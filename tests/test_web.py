@@ -10,8 +10,10 @@ from __future__ import annotations
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -207,9 +209,14 @@ def test_serve_web_cli_serves_until_interrupted(tmp_path):
         assert line.startswith("serving m.tflite at http://127.0.0.1:"), line + proc.stderr.read()
         url = line.split(" at ")[1].split()[0]
         assert _get(url + "models.json")[0] == 200
+        # a client that stays connected and idle (a browser tab) must not hold the server's exit
+        host, port = url.split("//")[1].rstrip("/").rsplit(":", 1)
+        idle = socket.create_connection((host, int(port)))
+        time.sleep(0.5)
     finally:
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=20)
+    idle.close()
     assert proc.returncode == 0, err
 
 

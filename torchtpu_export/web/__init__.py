@@ -186,6 +186,7 @@ class WebServer(HTTPServer):
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tte-web")
         self._pending = 0
         self._lock = threading.Lock()
+        self._open: set = set()  # connections being served: closed at shutdown so no worker waits on one
 
     def process_request(self, request, client_address):
         with self._lock:
@@ -199,6 +200,8 @@ class WebServer(HTTPServer):
         self._pool.submit(self._serve, request, client_address)
 
     def _serve(self, request, client_address):
+        with self._lock:
+            self._open.add(request)
         try:
             self.finish_request(request, client_address)
         except Exception:  # noqa: BLE001 (reported by handle_error, as socketserver does)
@@ -207,6 +210,7 @@ class WebServer(HTTPServer):
             self.shutdown_request(request)
             with self._lock:
                 self._pending -= 1
+                self._open.discard(request)
 
     def handle_error(self, request, client_address):
         error = sys.exc_info()[1]
@@ -218,6 +222,15 @@ class WebServer(HTTPServer):
     def server_close(self):
         super().server_close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        # an idle keep-alive connection (a browser tab left open) would hold its worker, and the
+        # interpreter's exit that joins it, for up to Handler.timeout: end them now
+        with self._lock:
+            open_ = list(self._open)
+        for sock in open_:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def host_allowed(self, host: str | None) -> bool:
         """Whether a request's Host header names this server: its bound address or localhost (any
