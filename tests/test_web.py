@@ -201,9 +201,12 @@ def test_serve_web_cli_serves_until_interrupted(tmp_path):
     require_web_deps()
     model = tmp_path / "m.tflite"
     model.write_bytes(fx.mlp_model())
+    # Ctrl-C as a terminal delivers it: the test worker may run with SIGINT ignored (inherited by children,
+    # which Python then leaves ignored), so the server starts with the default disposition
     proc = subprocess.Popen([sys.executable, "-m", "torchtpu_export.web", str(model), "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                            env=dict(os.environ, PYTHONWARNINGS="ignore"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()
         assert line.startswith("serving m.tflite at http://127.0.0.1:"), line + proc.stderr.read()
