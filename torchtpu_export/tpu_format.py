@@ -76,10 +76,6 @@ class AbstractWeight:
         return AbstractWeight(self.shape, np.dtype(dtype))
 
 
-def is_abstract(weights: Mapping) -> bool:
-    return any(isinstance(w, AbstractWeight) for w in weights.values())
-
-
 @dataclasses.dataclass
 class TpuArtifact:
     """The parts of a ``.tpu`` file held in memory (weights may be mmap views)."""
