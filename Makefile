@@ -8,9 +8,11 @@ JOBS ?= 2
 
 .PHONY: venv web-deps demo test test-fast coverage bench clean
 
-$(STAMP): pyproject.toml
+# tools/qnn_libs.py: the test suite's Qualcomm NPU compiler libraries, from the onnxruntime-qnn wheel
+$(STAMP): pyproject.toml tools/qnn_libs.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,hf,tpu,litertlm,serve]'
+	$(PY) tools/qnn_libs.py
 	@touch $(STAMP)
 
 venv: $(STAMP)

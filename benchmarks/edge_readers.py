@@ -1,11 +1,14 @@
-"""The README's table of .tflite readers other than LiteRT's CPU interpreter, per zoo model: LiteRT's
-GPU-delegate compatibility analyzer (what `inspect --gpu` prints) and OpenVINO's TFLite frontend on
-its CPU device, as the max error against torch eager relative to each output's scale.
+"""The README's table of .tflite readers other than LiteRT's CPU interpreter, per zoo model:
+Qualcomm's NPU compiler through LiteRT's AOT path (every Qualcomm SoC LiteRT knows; ops on the
+NPU; the SM8650 file run on QNN's HTP simulator), LiteRT's GPU-delegate compatibility analyzer (what
+`inspect --gpu` prints) and OpenVINO's TFLite frontend on its CPU device. Errors are the max error
+against torch eager relative to each output's scale.
 
     python benchmarks/edge_readers.py
 
-tests/test_edge_consumers.py asserts the same (compatible; OpenVINO within 1e-5); this prints the
-numbers. Needs `openvino` (in the [test] extra).
+tests/test_npu.py and tests/test_edge_consumers.py assert the same (the CNNs on three SoCs within
+their tolerances; GPU compatible; OpenVINO within 1e-5); this prints the numbers. Needs the [test]
+extra (`openvino`, `onnxruntime-qnn`) and `make`'s QNN libraries (tools/qnn_libs.py).
 """
 from __future__ import annotations
 
@@ -25,15 +28,42 @@ import torch.utils._pytree as pytree  # noqa: E402
 
 import torchtpu_export as tte  # noqa: E402
 import zoo  # noqa: E402
-from torchtpu_export import targets  # noqa: E402
+from torchtpu_export import npu, targets  # noqa: E402
 from torchtpu_export.numerics import compare  # noqa: E402
 
 SIZES = {"resnet18": {"size": 64}, "mobilenet_v2": {"size": 64}}  # the rest at the zoo's defaults
 
 
+def _npu_columns(path: str, args, ref) -> tuple[str, str, str]:
+    # (SoCs compiled, ops on the NPU, HTP-simulator error on SM8650)
+    socs = npu.parse_targets("qualcomm:all")
+    try:
+        compiled = npu.compile_model(path, socs, keep_going=True)
+    except tte.TteError as e:
+        return "0", f"failed: {str(e)[:80]}", "-"
+    results = npu.soc_results(compiled)
+    failed = "; ".join(f"not {b.target_id.split('_', 1)[1]}: {why}" for b, why in compiled.failed_backends)
+    if not results:
+        return f"0/{len(socs)} ({failed})", "-", "-"
+    r = next((r for r in results if r.name == "Qualcomm_SM8650"), results[0])
+    ops = f"{r.ops_on_npu}/{r.ops_total}" + (f" ({r.partitions} partitions)" if r.partitions > 1 else "")
+    if r.ops_on_npu != r.ops_total:
+        return f"{len(results)}/{len(socs)}", ops, "- (CPU ops left: the simulator runs whole-graph files)"
+    socs_text = f"{len(results)}/{len(socs)}" + (f" ({failed})" if failed else "")
+    with tempfile.TemporaryDirectory() as tmp:
+        p = os.path.join(tmp, "npu.tflite")
+        with open(p, "wb") as f:
+            f.write(r.content)
+        outs = tte.load(p).run_flat([np.asarray(a.numpy()) for a in pytree.tree_leaves(args)], runtime="qnn_htp")
+    err = max(float(np.abs(np.asarray(o, np.float64) - x).max() / max(np.abs(x).max(), 1e-12))
+              for o, x in zip(outs, ref))
+    return socs_text, ops, f"{err:.1e}"
+
+
 def main() -> int:
-    print("| model | GPU delegate (LiteRT's analyzer) | OpenVINO CPU vs torch (max error / output scale) |")
-    print("|---|---|---|")
+    print("| model | Qualcomm SoCs compiled | ops on the NPU | HTP simulator vs torch (fp16 math) "
+          "| GPU delegate (LiteRT's analyzer) | OpenVINO CPU vs torch |")
+    print("|---|---|---|---|---|---|")
     core = ov.Core()
     with tempfile.TemporaryDirectory() as tmp:
         for name, factory in zoo.ZOO.items():
@@ -47,7 +77,8 @@ def main() -> int:
             error = compare([result[o] for o in compiled.outputs], ref, rtol=1e-5).max_rel_err
             gpu = targets.get("litert").gpu_check(path)
             verdict = "compatible" if gpu["compatible"] else "not: " + "; ".join(gpu["problems"])[:200]
-            print(f"| {name} | {verdict} | {error:.1e} |", flush=True)
+            socs, ops, sim = _npu_columns(path, args, ref)
+            print(f"| {name} | {socs} | {ops} | {sim} | {verdict} | {error:.1e} |", flush=True)
     return 0
 
 

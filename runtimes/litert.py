@@ -16,7 +16,10 @@ import numpy as np
 from torchtpu_export.errors import ArtifactError, InputError
 from torchtpu_export.specs import TensorSpec, bind_dims, coerce_input, eval_dim
 
-RUNTIMES = ("interpreter", "compiled_model")
+# "qnn_htp": a file compiled for a Qualcomm NPU, on QNN's HTP simulator (runtimes/qnn_htp.py)
+RUNTIMES = ("interpreter", "compiled_model", "qnn_htp")
+NPU_HINT = ("the file is compiled for a phone NPU (DISPATCH_OP): run it on that SoC; one compiled for a Qualcomm "
+            "NPU also runs on QNN's HTP simulator (runtime='qnn_htp', or run --runtime qnn_htp)")
 
 
 class InterpreterRunner:
@@ -54,7 +57,8 @@ class InterpreterRunner:
             # (ResizeInputTensor + AllocateTensors): dynamic dims take the size they are given
             out = self._runner(**feed)
         except (ValueError, RuntimeError) as e:
-            raise ArtifactError(f"LiteRT failed to run the model: {str(e).strip()[:300]}") from e
+            raise ArtifactError(f"LiteRT failed to run the model: {str(e).strip()[:300]}",
+                                hint=NPU_HINT if "DISPATCH_OP" in str(e) else None) from e
         missing = [s.name for s in self.outputs if s.name not in out]
         if missing:
             raise ArtifactError(f"LiteRT gave no output {missing[0][:80]!r}",

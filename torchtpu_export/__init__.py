@@ -9,7 +9,7 @@ Importing the package only defines names: a target's toolchain (jax and libtpu, 
 Runtime) is set up when that target is first used.
 """
 from ._version import __version__
-from .api import SignatureSet, convert, export, load, signature
+from .api import SignatureSet, convert, experimental_add_compilation_backend, export, load, signature
 from .capture import abstract_weights
 from .debugger import DebugReport, debug
 from .llm import export_llm
@@ -25,7 +25,7 @@ Converter = SignatureSet
 Model = EdgeModel
 
 __all__ = [
-    "__version__", "abstract_weights", "convert", "export", "export_llm", "load", "signature", "to_channel_last_io", "SignatureSet", "TpuProgram",
+    "__version__", "abstract_weights", "convert", "experimental_add_compilation_backend", "export", "export_llm", "load", "signature", "to_channel_last_io", "SignatureSet", "TpuProgram",
     "EdgeModel", "OnnxProgram", "LitertLmBundle", "Converter", "Model", "debug", "DebugReport",
     "TteError", "InputError", "UnsafeInputError", "CaptureError", "UnsupportedOpError", "ArtifactError",
     "NumericsError", "OutputError", "ConversionError",

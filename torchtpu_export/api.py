@@ -80,6 +80,32 @@ class SignatureSet:
 
     def __init__(self):
         self.entries: list[tuple] = []
+        self.compilation_configs: list = []  # NPU targets (ai_edge_litert.aot CompilationConfigs)
+
+    def experimental_add_compilation_backend(self, target=None, **kwargs) -> "SignatureSet":
+        """litert-torch's NPU hook: ``convert`` then compiles the ``.tflite`` for ``target`` (an
+        ``ai_edge_litert.aot`` target such as ``qualcomm.target.Target(SocModel.SM8650)``, a SoC
+        string ``"qualcomm:SM8650"``/``"qualcomm:all"``, or None for every registered vendor)
+        through ``ai_edge_litert.aot.aot_compile`` and returns its ``CompilationResult``. Adding a
+        target twice is a no-op; ``kwargs`` go to the vendor's compiler."""
+        from ai_edge_litert.aot.core import aot_types
+
+        from . import npu
+        if target is None:
+            from ai_edge_litert.aot.vendors import import_vendor
+            found = [import_vendor.AllRegisteredTarget()]
+        elif isinstance(target, str):
+            found = npu.parse_targets(target)
+        elif isinstance(target, aot_types.Target):
+            found = [target]
+        else:
+            raise InputError(f"experimental_add_compilation_backend takes an ai_edge_litert.aot Target or a "
+                             f"SoC string such as 'qualcomm:SM8650', not {type(target).__name__}")
+        for t in found:
+            if not any(type(c.target) is type(t) and c.target.flatten() == t.flatten()
+                       for c in self.compilation_configs):
+                self.compilation_configs.append(aot_types.CompilationConfig(target=t, **kwargs))
+        return self
 
     def signature(self, name: str, module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *,
                   dynamic_shapes=None) -> "SignatureSet":
@@ -102,7 +128,11 @@ class SignatureSet:
             if any(e[0] == default for e in entries):
                 raise InputError(f"signature {default!r} is given twice")
             entries.append((default, module, _tuple(sample_args), sample_kwargs, dynamic_shapes))
-        return self._export(entries, "litert", strict_export, dict(options, quant_config=quant_config))
+        edge = self._export(entries, "litert", strict_export, dict(options, quant_config=quant_config))
+        if self.compilation_configs:  # litert-torch's result type: ai_edge_litert.aot's CompilationResult
+            from . import npu
+            return npu.compile_model(edge.model_content(), self.compilation_configs)
+        return edge
 
     def export(self, *, target: str = "tpu", strict_export: bool | str = False, **options):
         """One artifact of ``target`` with every signature (tpu and litert take several)."""
@@ -125,6 +155,12 @@ def signature(name: str, module, sample_args: Sequence = (), sample_kwargs: dict
               dynamic_shapes=None) -> SignatureSet:
     """Starts a multi-signature export: ``tte.signature("prefill", m, a).signature("decode", m, b).convert()``."""
     return SignatureSet().signature(name, module, sample_args, sample_kwargs, dynamic_shapes=dynamic_shapes)
+
+
+def experimental_add_compilation_backend(target=None, **kwargs) -> SignatureSet:
+    """``tte.experimental_add_compilation_backend(target).convert(model, args)``: the ``.tflite``
+    compiled for an NPU through ``ai_edge_litert.aot`` (see :meth:`SignatureSet.experimental_add_compilation_backend`)."""
+    return SignatureSet().experimental_add_compilation_backend(target, **kwargs)
 
 
 def load(path: str | os.PathLike):

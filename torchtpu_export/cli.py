@@ -273,6 +273,9 @@ def _inspect_args(p):
                    help=".tpu: compile for these TPU topologies (libtpu) and show what the compiler says")
     p.add_argument("--gpu", action="store_true",
                    help=".tflite: LiteRT's GPU-delegate compatibility check (its model analyzer) of every op")
+    p.add_argument("--soc", default=None, metavar="VENDOR:SOC[,...]",
+                   help=".tflite: compile for these NPUs in memory (LiteRT's AOT path) and show, per SoC, the ops "
+                        "its NPU takes and those left on the CPU, e.g. qualcomm:all")
 
 
 def _inspect(args) -> int:
@@ -281,10 +284,20 @@ def _inspect(args) -> int:
     if args.gpu and (target is None or target.gpu_check is None):
         takers = [t.suffix for t in targets.all_targets().values() if t.gpu_check is not None]
         raise InputError(f"--gpu applies to {' and '.join(takers)} files (a GPU delegate's compatibility check)")
+    if args.soc and (target is None or target.npu_check is None):
+        takers = [t.suffix for t in targets.all_targets().values() if t.npu_check is not None]
+        raise InputError(f"--soc applies to {' and '.join(takers)} files (NPU compilation)")
     desc = describe(args.artifact, topologies=args.topology)
     if args.gpu:
         desc["gpu_delegate"] = target.gpu_check(args.artifact)
+    if args.soc:
+        desc["npu_socs"] = target.npu_check(args.artifact, args.soc)
     text = json.dumps(desc, indent=1, sort_keys=True) if args.json else format_description(desc)
+    if args.soc and not args.json:
+        for r in desc["npu_socs"]:
+            left = ", ".join(f"{op} {n}" for op, n in sorted(r["cpu_ops"].items())) or "none"
+            text += (f"\nNPU {r['soc']}: {r['ops_on_npu']}/{r['ops_total']} ops in {r['partitions']} "
+                     f"partition{'s' if r['partitions'] != 1 else ''}; on the CPU: {left}")
     if args.gpu and not args.json:
         gpu = desc["gpu_delegate"]
         text += "\nGPU delegate: " + ("every op compatible" if gpu["compatible"] else
@@ -297,26 +310,30 @@ def _inspect(args) -> int:
 # ---- compile -------------------------------------------------------------------------------
 
 def _compile_args(p):
-    p.add_argument("artifact", help="a .tpu file")
-    p.add_argument("--topology", required=True, metavar="T[,T...]",
-                   help="TPU topologies to compile for, e.g. v5e:2x2 or v5e:2x2,v6e:2x2 (no TPU needed)")
-    p.add_argument("--signature", default=None, help="compile one program only (artifacts with several)")
-    p.add_argument("-o", "--output", default=None, help="write the artifact with its executables here "
-                                                         "(default: replace the input file)")
+    p.add_argument("artifact", help="a .tpu file (for TPUs) or a .tflite file (for phone NPUs)")
+    p.add_argument("--topology", default=None, metavar="T[,T...]",
+                   help=".tpu: TPU topologies to compile for, e.g. v5e, v5e:2x2 or v5e:2x2,v6e-8 (no TPU needed)")
+    p.add_argument("--signature", default=None, help=".tpu: compile one program only (artifacts with several)")
+    p.add_argument("--soc", default=None, metavar="VENDOR:SOC[,...]",
+                   help=".tflite: NPUs to compile for through LiteRT's AOT path, e.g. qualcomm:SM8650 or "
+                        "qualcomm:all; one <stem>_<SoC>.tflite each")
+    p.add_argument("--ai-pack", default=None, metavar="DIR",
+                   help=".tflite with --soc: write an Android AI Pack (Play for On-device AI) to DIR instead")
+    p.add_argument("-o", "--output", default=None,
+                   help=".tpu: write the artifact with its executables here (default: replace the input file); "
+                        ".tflite: the folder for the compiled files (default: beside the model)")
 
 
 def _compile(args) -> int:
-    from .fileio import check_writable
     target = targets.for_file(args.artifact)
     if target is None or target.compile is None:
         takers = [t.suffix for t in targets.all_targets().values() if t.compile is not None]
         raise InputError(f"{args.artifact} is not an artifact that is compiled ahead of time",
                          hint=f"compile takes {' or '.join(takers)} files")
-    output = check_writable(args.output or args.artifact)
     t0 = time.perf_counter()
-    for line in target.compile(args, output):
+    for line in target.compile(args):
         _out(args, printable(line))
-    _out(args, f"wrote {output} ({_human(os.path.getsize(output))}) in {time.perf_counter() - t0:.1f} s")
+    _out(args, f"compiled in {time.perf_counter() - t0:.1f} s")
     return 0
 
 
@@ -331,6 +348,9 @@ def _run_args(p):
     p.add_argument("--prompt", default=None, help=".litertlm: generate text after this prompt (LiteRT-LM's engine)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="with --prompt: the most tokens to generate")
     p.add_argument("--chat", action="store_true", help="with --prompt: send it as a user message (chat template)")
+    p.add_argument("--runtime", default=None, metavar="NAME",
+                   help=".tflite: interpreter (default), compiled_model, or qnn_htp (a file compiled for a Qualcomm "
+                        "NPU, on QNN's HTP simulator: x86-64 with onnxruntime-qnn)")
 
 
 def _run(args) -> int:
@@ -363,7 +383,10 @@ def _run(args) -> int:
                 require_memory(s.shape, numpy_dtype(s.dtype), f"{args.artifact}'s input {s.name}", ArtifactError)
         inputs = parse_inputs([_spec_text(s) for s in specs])
     t0 = time.perf_counter()
-    outs = art.run_flat(inputs, args.signature)
+    import inspect as _inspect_mod
+    if args.runtime is not None and "runtime" not in _inspect_mod.signature(art.run_flat).parameters:
+        raise InputError(f"--runtime applies to .tflite files, not {args.artifact}")
+    outs = art.run_flat(inputs, args.signature, **({"runtime": args.runtime} if args.runtime else {}))
     dt = time.perf_counter() - t0
     for spec, o in zip(art.outputs(args.signature), outs):
         o = np.asarray(o)
@@ -403,7 +426,7 @@ def _setup_logging(args) -> None:
 COMMANDS: dict[str, tuple[Callable, Callable, str]] = {
     "inspect": (_inspect_args, _inspect, "inputs, outputs, op histogram, kernels and sizes of an artifact"),
     "compile": (_compile_args, _compile,
-                "compile a .tpu's programs for TPU topologies with libtpu and store the executables"),
+                "compile a .tpu for TPU topologies (libtpu), or a .tflite for phone NPUs (LiteRT's AOT compilers)"),
     "run": (_run_args, _run, "run an artifact on inputs and print (or save) the outputs"),
     "coverage": (coverage_cli.add_arguments, coverage_cli.run, coverage_cli.HELP),
     "debug": (debugger.add_arguments, debugger.run_cli, debugger.HELP),

@@ -389,7 +389,10 @@ def read_metadata(content: bytes, *, verify: bool = False) -> dict | None:
                 if problem:
                     raise ArtifactError(f"the flatbuffer's {METADATA_NAME} metadata is malformed: {problem}",
                                         hint="convert the model again")
-                if verify and "weights_blake2b" in meta:
+                # LiteRT's NPU compiler (ai_edge_litert.aot, which stamps its files LiteRtStamp) moves the
+                # weights its NPU runs into the appended bytecode: the digest of the CPU file no longer applies
+                stamped = any(model.Metadata(j).Name() == b"LiteRtStamp" for j in range(model.MetadataLength()))
+                if verify and "weights_blake2b" in meta and not stamped:
                     _verify_digest(model, content, {m.Buffer()}, meta["weights_blake2b"])
                 return meta
     except ArtifactError:
@@ -462,7 +465,8 @@ def opcode_names(model) -> list[str]:
     for i in range(model.OperatorCodesLength()):
         oc = model.OperatorCodes(i)
         code = max(oc.BuiltinCode(), oc.DeprecatedBuiltinCode())
-        codes.append(names.get(code, f"CUSTOM:{(oc.CustomCode() or b'').decode()}" if code == 32 else str(code)))
+        codes.append(f"CUSTOM:{(oc.CustomCode() or b'').decode(errors='replace')}" if code == 32
+                     else names.get(code, str(code)))
     return codes
 
 

@@ -45,6 +45,7 @@ class Target:
     multi_signature: bool = True  # several signatures (tte.signature) in one artifact
     debuggable: bool = True  # `torchtpu-export debug` compares its intermediates
     gpu_check: Callable | None = None  # path -> {"compatible", "problems"}: `inspect --gpu` (a GPU delegate's verdict)
+    npu_check: Callable | None = None  # (path, "vendor:SoC,...") -> per-SoC ops on the NPU/CPU: `inspect --soc`
     # LLMs (llm.export_llm): the target whose converter makes the prefill/decode programs (None: this one),
     # what wraps them into this target's artifact ((program, source, cache layout, prefill lengths) -> Runnable),
     # and whether the target takes only LLMs (its CLI input is a model folder, not a module)

@@ -169,7 +169,8 @@ class EdgeModel(Runnable):
 
     def runner(self, signature_name: str | None = None, *, runtime: str = "interpreter",
                num_threads: int | None = None):
-        """The runner of one signature: LiteRT's ``"interpreter"`` or its ``"compiled_model"`` API."""
+        """The runner of one signature: LiteRT's ``"interpreter"`` or its ``"compiled_model"`` API, or for a
+        file compiled for a Qualcomm NPU, ``"qnn_htp"``: QNN's HTP simulator (x86-64, onnxruntime-qnn)."""
         from ..runtimes import litert
         sig = self.signature(signature_name)
         if runtime not in litert.RUNTIMES:
@@ -188,6 +189,9 @@ class EdgeModel(Runnable):
                 r = litert.InterpreterRunner(self._source(), sig, ins, outs, num_threads=num_threads,
                                              interpreter=interp)
                 self._interpreters[num_threads] = r.interpreter
+            elif runtime == "qnn_htp":
+                from ..runtimes.qnn_htp import QnnHtpRunner
+                r = QnnHtpRunner(self._source(), sig, ins, outs)
             else:
                 r = litert.CompiledModelRunner(self._source(), sig, ins, outs, num_threads=num_threads)
             self._runners[key] = r
@@ -456,7 +460,8 @@ def _describe(path: str, content: bytes) -> dict:
             weight_count += 1
             weight_bytes += n
     versions = meta.get("versions", {})
-    extra = [f"TRANSPOSE ops: {transposes}",
+    npu_info = _npu_description(model, content, programs)
+    extra = ([npu_info["line"]] if npu_info else []) + [f"TRANSPOSE ops: {transposes}",
              "made by torchtpu-export" if meta else "not made by torchtpu-export (no pytree metadata)"]
     quant = meta.get("quantization")
     if quant:
@@ -466,14 +471,135 @@ def _describe(path: str, content: bytes) -> dict:
         "path": path, "kind": "litert", "unit": "signature", "size": os.path.getsize(path), "programs": programs,
         "versions": versions, "schema_version": model.Version(),
         "weights": {"count": weight_count, "bytes": weight_bytes},
-        "transposes": transposes, "quantization": quant,
+        "transposes": transposes, "quantization": quant, "npu": npu_info,
         "extra_lines": extra,
     }
+
+
+def _npu_description(model, content, programs: dict) -> dict | None:
+    # a file compiled by LiteRT's AOT path: its SoC, NPU partitions and the ops left on the CPU
+    from .. import npu
+    parts = npu.dispatch_ops(model, content)
+    if not parts:
+        return None
+    stamp = npu.soc_stamp(content, model)
+    soc = " ".join(stamp) if stamp else "an NPU"
+    cpu: dict[str, int] = {}
+    for prog in programs.values():
+        for op, n in prog["op_histogram"].items():
+            if op != "CUSTOM:DISPATCH_OP":
+                cpu[op] = cpu.get(op, 0) + n
+    nbytes = sum(p["bytecode_size"] for p in parts)
+    left = ", ".join(f"{op} {n}" for op, n in sorted(cpu.items())) or "none"
+    return {"soc": stamp, "partitions": parts, "cpu_ops": cpu, "bytecode_bytes": nbytes,
+            "line": f"compiled for {soc}: {len(parts)} NPU partition{'s' if len(parts) != 1 else ''} "
+                    f"(DISPATCH_OP, {nbytes:,} bytes of NPU bytecode); ops left on the CPU: {left}"}
+
+
+def npu_report(path: str, soc: str) -> list[dict]:
+    """``inspect model.tflite --soc ...``: compiles in memory for each SoC and says how many of the
+    model's ops its NPU takes and which stay on the CPU (nothing is written)."""
+    from .. import npu
+    content = _read_plain_tflite(path)
+    out = []
+    for r in npu.soc_results(npu.compile_model(content, npu.parse_targets(soc))):
+        compiled = validate(r.content)
+        codes = opcode_names(compiled)
+        cpu: dict[str, int] = {}
+        for k in range(compiled.SubgraphsLength()):
+            sub = compiled.Subgraphs(k)
+            for j in range(sub.OperatorsLength()):
+                name = codes[sub.Operators(j).OpcodeIndex()]
+                if name != "CUSTOM:DISPATCH_OP":
+                    cpu[name] = cpu.get(name, 0) + 1
+        out.append({"soc": r.name, "ops_on_npu": r.ops_on_npu, "ops_total": r.ops_total,
+                    "partitions": r.partitions, "cpu_ops": cpu, "size": len(r.content)})
+    return out
+
+
+def _read_plain_tflite(path: str) -> bytes:
+    # a .tflite to compile for NPUs: validated, and not one already compiled
+    from .. import npu
+    try:
+        with open(path, "rb") as f:
+            content = f.read()
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror}") from e
+    model = validate(content)
+    if npu.dispatch_ops(model, content):
+        raise InputError(f"{path} is already compiled for an NPU (it has DISPATCH_OPs)",
+                         hint="compile the CPU .tflite it was made from")
+    return content
+
+
+def compile_cli(args) -> list[str]:
+    """``torchtpu-export compile model.tflite --soc qualcomm:SM8650[,...] [-o DIR | --ai-pack DIR]``:
+    one ``<stem>_<SoC>.tflite`` per SoC (and the CPU model as the fallback when DIR is not the
+    model's folder), or an Android AI Pack. Every SoC compiles before anything is written."""
+    from .. import npu
+    from ..fileio import check_writable
+    for flag in ("topology", "signature"):
+        if getattr(args, flag, None):
+            raise InputError(f"--{flag} applies to .tpu programs; a .tflite compiles for NPUs with --soc")
+    if not args.soc:
+        raise InputError("compile model.tflite needs --soc", hint="e.g. --soc qualcomm:SM8650 or --soc qualcomm:all")
+    if args.ai_pack and args.output:
+        raise InputError("give -o DIR (one file per SoC) or --ai-pack DIR, not both")
+    socs = npu.parse_targets(args.soc)
+    content = _read_plain_tflite(args.artifact)
+    stem = os.path.splitext(os.path.basename(args.artifact))[0]
+    if args.ai_pack:
+        return _write_ai_pack(content, socs, args.ai_pack, stem)
+    out_dir = args.output or os.path.dirname(os.path.abspath(args.artifact))
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise InputError(f"-o {out_dir} is a file: give the folder for the compiled models")
+    results = npu.soc_results(npu.compile_model(content, socs))
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [check_writable(os.path.join(out_dir, f"{stem}_{r.name}.tflite"), inputs=(args.artifact,))
+             for r in results]
+    lines = []
+    for r, path in zip(results, paths):
+        write_bytes_atomic(path, r.content)
+        lines.append(f"{r.name}: {r.ops_on_npu}/{r.ops_total} ops on the NPU in {r.partitions} "
+                     f"partition{'s' if r.partitions != 1 else ''}; wrote {path} ({len(r.content):,} bytes)")
+    fallback = os.path.join(out_dir, f"{stem}.tflite")
+    if not (os.path.exists(fallback) and os.path.samefile(fallback, args.artifact)):
+        write_bytes_atomic(check_writable(fallback), content)
+        lines.append(f"CPU fallback: wrote {fallback}")
+    return lines
+
+
+def _write_ai_pack(content: bytes, socs: list, folder: str, stem: str) -> list[str]:
+    # ai_edge_litert.aot's AI Pack writer, into a new folder made whole or not at all
+    import tempfile
+
+    from ai_edge_litert.aot.ai_pack import export_lib
+    from ai_edge_litert.aot.vendors import fallback_backend
+
+    from .. import npu
+    if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
+        raise InputError(f"--ai-pack {folder} exists and is not an empty folder", hint="give a new folder")
+    result = npu.compile_model(content, [*socs, fallback_backend.FallbackTarget()])
+    parent = os.path.dirname(os.path.abspath(folder))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tte-aipack-", dir=parent)
+    try:
+        export_lib.export(result, tmp, ai_pack_name=stem, litert_model_name=stem)
+        if os.path.isdir(folder):
+            os.rmdir(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    lines = [f"{r.name}: {r.ops_on_npu}/{r.ops_total} ops on the NPU" for r in npu.soc_results(result)]
+    files = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
+    return lines + [f"wrote AI Pack {folder}: {len(files)} files ({', '.join(files[:4])}{', ...' if len(files) > 4 else ''})"]
 
 
 TARGET = Target(
     name="litert", summary="LiteRT flatbuffers (.tflite) for Android, iOS, desktop and the browser",
     converter="litert", runtime="litert", suffix=".tflite", runnable=EdgeModel, signature="serving_default",
     build=build, load=load, describe=describe, cli_options=cli_options, prepare=prepare,
-    cli_flags=("io_dtypes", "channels_last", "quantize"), gpu_check=gpu_compatibility,
+    cli_flags=("io_dtypes", "channels_last", "quantize"), gpu_check=gpu_compatibility, compile=compile_cli,
+    npu_check=npu_report,
 )

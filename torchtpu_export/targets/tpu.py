@@ -193,10 +193,17 @@ def _llm_summary(info: dict) -> dict:
     return {k: v for k, v in info.items() if k != "chat_template"} | {"chat_template": bool(info.get("chat_template"))}
 
 
-def compile_cli(args, output: str) -> list[str]:
+def compile_cli(args) -> list[str]:
     """``torchtpu-export compile model.tpu --topology ...``: compiles, stores the executables in
-    ``output``, and returns a line per program and topology."""
+    ``-o`` (default: the input file), and returns a line per program and topology."""
     from .. import tpu_compile
+    from ..fileio import check_writable
+    if args.topology is None:
+        raise InputError("compile model.tpu needs --topology", hint="e.g. --topology v5e or v5e:2x2,v6e-8")
+    for flag in ("soc", "ai_pack"):
+        if getattr(args, flag, None):
+            raise InputError(f"--{flag.replace('_', '-')} applies to .tflite files (NPUs), not .tpu programs")
+    output = check_writable(args.output or args.artifact)
     topologies = tpu_compile.parse_topologies(args.topology)
     tpu_compile.require_libtpu("torchtpu-export compile")
     prog = load(args.artifact)
@@ -209,6 +216,7 @@ def compile_cli(args, output: str) -> list[str]:
         for name, entry in sorted(prog.manifest["compiled"][topo].items()):
             stored = "executable stored" if entry.get("executable") else entry.get("executable_reason", "not stored")
             lines.append(f"{topo} {name}: {tpu_compile.describe_stats(entry['stats'])} [{stored}]")
+    lines.append(f"wrote {output} ({os.path.getsize(output):,} bytes)")
     return lines
 
 
