@@ -4,7 +4,10 @@ NPU; the SM8650 file run on QNN's HTP simulator), LiteRT's GPU-delegate compatib
 `inspect --gpu` prints) and OpenVINO's TFLite frontend on its CPU device. Errors are the max error
 against torch eager relative to each output's scale.
 
-    python benchmarks/edge_readers.py
+    python benchmarks/edge_readers.py [--no-peers]
+
+Then the GPU-delegate verdicts of litert-torch 0.10's files of the same models beside ours, with
+the op types only one of them uses (litert-torch runs in .venv-bench-litert-torch, made on first use).
 
 tests/test_npu.py and tests/test_edge_consumers.py assert the same (the CNNs on three SoCs within
 their tolerances; GPU compatible; OpenVINO within 1e-5); this prints the numbers. Needs the [test]
@@ -18,6 +21,7 @@ import tempfile
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # litert_vs_litert_torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))  # zoo
 warnings.filterwarnings("ignore")
 
@@ -60,6 +64,49 @@ def _npu_columns(path: str, args, ref) -> tuple[str, str, str]:
     return socs_text, ops, f"{err:.1e}"
 
 
+def _histogram(path: str) -> dict[str, int]:
+    from torchtpu_export.litert_format import opcode_names, validate
+    with open(path, "rb") as f:
+        model = validate(f.read())
+    codes = opcode_names(model)
+    hist: dict[str, int] = {}
+    for k in range(model.SubgraphsLength()):
+        sub = model.Subgraphs(k)
+        for j in range(sub.OperatorsLength()):
+            op = codes[sub.Operators(j).OpcodeIndex()]
+            hist[op] = hist.get(op, 0) + 1
+    return hist
+
+
+def _verdict(gpu: dict) -> str:
+    return "compatible" if gpu["compatible"] else "not: " + "; ".join(gpu["problems"])[:200]
+
+
+def peers_table(tmp: str) -> list[str]:
+    """The same models converted by litert-torch 0.10 (in its own venv, as benchmarks/
+    litert_vs_litert_torch.py makes it): GPU-delegate verdicts side by side, and the op types only
+    one of the two files uses."""
+    from litert_vs_litert_torch import convert_in_child, ensure_bench_venv
+    peer_py = ensure_bench_venv()
+    lines = ["| model | ours: ops, GPU delegate | litert-torch 0.10: ops, GPU delegate | op types only ours use "
+             "| op types only litert-torch's use |", "|---|---|---|---|---|"]
+    for name in zoo.ZOO:
+        ours, theirs = os.path.join(tmp, f"{name}.tflite"), os.path.join(tmp, f"{name}_litert_torch.tflite")
+        conv = convert_in_child(peer_py, "litert_torch", name, theirs, SIZES.get(name, {}))
+        h_ours = _histogram(ours)
+        ours_text = f"{sum(h_ours.values())}, {_verdict(targets.get('litert').gpu_check(ours))}"
+        if "error" in conv:
+            lines.append(f"| {name} | {ours_text} | conversion failed: {conv['error'][:120]} | | |")
+            continue
+        h_theirs = _histogram(theirs)
+        only = (", ".join(sorted(set(h_ours) - set(h_theirs))) or "-",
+                ", ".join(sorted(set(h_theirs) - set(h_ours))) or "-")
+        lines.append(f"| {name} | {ours_text} | {sum(h_theirs.values())}, "
+                     f"{_verdict(targets.get('litert').gpu_check(theirs))} | {only[0]} | {only[1]} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> int:
     print("| model | Qualcomm SoCs compiled | ops on the NPU | HTP simulator vs torch (fp16 math) "
           "| GPU delegate (LiteRT's analyzer) | OpenVINO CPU vs torch |")
@@ -75,10 +122,13 @@ def main() -> int:
             compiled = core.compile_model(core.read_model(path), "CPU")
             result = compiled([np.asarray(a.numpy()) for a in pytree.tree_leaves(args)])
             error = compare([result[o] for o in compiled.outputs], ref, rtol=1e-5).max_rel_err
-            gpu = targets.get("litert").gpu_check(path)
-            verdict = "compatible" if gpu["compatible"] else "not: " + "; ".join(gpu["problems"])[:200]
+            verdict = _verdict(targets.get("litert").gpu_check(path))
             socs, ops, sim = _npu_columns(path, args, ref)
             print(f"| {name} | {socs} | {ops} | {sim} | {verdict} | {error:.1e} |", flush=True)
+        if "--no-peers" not in sys.argv:
+            print()
+            lines = peers_table(tmp)
+            print("\n".join(["", "full table:", *lines]))
     return 0
 
 

@@ -79,10 +79,11 @@ def ensure_bench_venv() -> str:
     return py
 
 
-def convert_in_child(python: str, tool: str, name: str, out: str) -> dict:
-    zoo_path = os.path.join(REPO, "torchtpu_export", "zoo.py")
+def convert_in_child(python: str, tool: str, name: str, out: str, kwargs: dict | None = None) -> dict:
+    zoo_path = os.path.join(REPO, "examples", "zoo.py")
     env = dict(os.environ, PYTHONWARNINGS="ignore", TF_CPP_MIN_LOG_LEVEL="3")
-    r = subprocess.run([python, "-c", _CHILD, tool, name, json.dumps(MODELS[name]), out, zoo_path],
+    kwargs = MODELS[name] if kwargs is None else kwargs
+    r = subprocess.run([python, "-c", _CHILD, tool, name, json.dumps(kwargs), out, zoo_path],
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=1800)
     for line in r.stdout.splitlines():
         if line.startswith("RESULT "):

@@ -44,8 +44,7 @@ def test_openvino_runs_the_tflite_like_torch_and_the_gpu_delegate_takes_it(name,
     agreement = compare([o.astype(r.dtype) if o.dtype != r.dtype and o.dtype.kind == r.dtype.kind else o
                          for o, r in zip(outs, ref)], ref, rtol=RTOL)
     assert agreement.ok, f"{name} on OpenVINO: {agreement}"
-    from torchtpu_export import targets
-    gpu = targets.get("litert").gpu_check(str(path))
+    gpu = _gpu_compatible(path)
     assert gpu["compatible"], gpu["problems"]
 
 
@@ -75,3 +74,31 @@ def test_tensor_names_are_unique_and_reshapes_state_their_shape(tmp_path):
         for op in sg.operators:
             if codes[op.opcodeIndex] == fb.BuiltinOperator.RESHAPE and op.builtinOptions is not None:
                 assert list(op.builtinOptions.newShape) == list(sg.tensors[op.outputs[0]].shape)
+
+
+def _gpu_compatible(path) -> dict:
+    from torchtpu_export import targets
+    return targets.get("litert").gpu_check(str(path))
+
+
+def test_decoder_prefill_and_decode_signatures_are_gpu_compatible(tmp_path):
+    # examples/llama.py's file: two signatures, an explicit KV cache updated in the graph
+    model, (tokens,) = zoo.llama(seq=12)
+    prefill, decode = zoo.Prefill(model), zoo.Decode(model)
+    k, v = model.empty_cache(1)
+    path = tmp_path / "llama.tflite"
+    (tte.signature("prefill", prefill, (tokens,))
+     .signature("decode", decode, (tokens[:, -1:], torch.tensor([tokens.shape[1]]), k, v)).convert().export(path))
+    gpu = _gpu_compatible(path)
+    assert gpu["compatible"], gpu["problems"]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gpt2", "bert", "vit", "whisper_encoder"])
+def test_hf_transformers_examples_are_gpu_compatible(name, tmp_path):
+    pytest.importorskip("transformers")
+    import hf_transformers
+    model, args = getattr(hf_transformers, name)()
+    path = tmp_path / f"{name}.tflite"
+    tte.convert(model, args).export(path)
+    gpu = _gpu_compatible(path)
+    assert gpu["compatible"], gpu["problems"]
