@@ -65,8 +65,11 @@ def format_description(desc: dict) -> str:
             lines.append(f"  sharding {plan['mode']}: {len(plan['column_parallel'])} column-parallel, "
                          f"{len(plan['row_parallel'])} row-parallel, {len(plan['weights']) - len(sharded)} replicated")
             lines += [f"  shard {w}: [{', '.join(a or '-' for a in s)}]" for w, s in sorted(sharded.items())]
-            lines += [f"  shard input {i}: [{', '.join(a or '-' for a in s)}]" for i, s in enumerate(plan["inputs"])
-                      if any(s)]
+            names = [i["name"] for i in prog.get("inputs", [])]
+            lines += [f"  shard input {names[i] if i < len(names) else i}: [{', '.join(a or '-' for a in s)}]"
+                      for i, s in enumerate(plan["inputs"]) if any(s)]
+            lines += [f"  shard output {i}: [{', '.join(a or '-' for a in s)}]"
+                      for i, s in enumerate(plan.get("outputs", [])) if any(s)]
     if desc.get("entries"):
         lines.append("entries:")
         lines += [f"  {n}: {s:,} bytes" for n, s in sorted(desc["entries"].items())]

@@ -463,6 +463,9 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
         for n in lengths:  # requests arriving together are prefilled together, straight into their slots
             sigs.signature(PREFILL_BATCH.format(n), CacheStep(source.model, layout, logits=False, slots=True), (),
                            slot_inputs(layout, batch_size, n))
+    if options.get("mesh") and options.get("sharding", "tensor_parallel") in (None, "tensor_parallel"):
+        # tensor parallel splits attention by head: each chip keeps its own heads' KV cache, never the whole
+        options.setdefault("input_shardings", cache_shardings(layout, options["mesh"]))
     if quant_config is not None:
         # quality is the agreement of next tokens (benchmarks/llm.py), not the error on zero-filled samples,
         # and measuring that would run both models on every signature's full cache
@@ -472,6 +475,19 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     if t.from_llm is None:
         return program
     return t.from_llm(program, source, layout, lengths)
+
+
+def cache_shardings(layout: CacheLayout, mesh) -> dict:
+    """Each cache ``[slots, kv_heads, length, head_dim]`` split by KV head over the mesh's ``model``
+    axis, when the heads divide over it (else replicated, as XLA would gather them anyway)."""
+    try:
+        axes = dict(mesh.items() if hasattr(mesh, "items") else mesh)
+    except (TypeError, ValueError):
+        return {}  # the converter says what is wrong with the mesh
+    n = axes.get("model", 1)
+    if not isinstance(n, int) or n <= 1 or layout.kv_heads % n:
+        return {}
+    return {name: [None, "model", None, None] for name in layout.names()}
 
 
 def prefill_lengths(signatures) -> list[int]:

@@ -301,7 +301,8 @@ def _manifest_schema():
     kernel = Record({}, {k: STR for k in ("node", "op", "kernel", "detail", "reason", "platform")}
                     | {"cost": MapOf(NUMBER)})
     sharding = Record({"mode": STR, "weights": MapOf(ListOf(axis)), "inputs": ListOf(ListOf(axis)),
-                       "column_parallel": ListOf(NAME), "row_parallel": ListOf(NAME)}, {"mesh": MapOf(Count())})
+                       "column_parallel": ListOf(NAME), "row_parallel": ListOf(NAME)},
+                      {"mesh": MapOf(Count()), "outputs": ListOf(ListOf(axis))})
     program = Record({"files": MapOf(NAME), "weights": ListOf(NAME)},
                      {"stablehlo": MapOf(NAME), "uses_x64": BOOL, "narrow_64bit": BOOL,
                       "calling_convention_version": Opt(Count()), "kernels": ListOf(kernel),
@@ -358,6 +359,7 @@ def _check_program(spec: dict, where: str) -> None:
     if not problem and any(not k.isdigit() for k in spec.get("ragged_outputs", {})):
         problem = "its ragged outputs are not keyed by output positions"
     if not problem and plan is not None and (len(plan["inputs"]) != len(spec["inputs"])
+                                             or len(plan.get("outputs", spec["outputs"])) != len(spec["outputs"])
                                              or not set(plan["weights"]) <= set(spec["weights"])):
         problem = "its sharding plan does not match its inputs and weights"
     if not problem and any(int(k) >= n_out for k in spec.get("ragged_outputs", {})):

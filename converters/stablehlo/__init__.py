@@ -89,11 +89,14 @@ def _merge_weights(captures: Mapping[str, CapturedProgram]):
 
 def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str] = ("tpu", "cpu"),
                     kernels: str = "auto", narrow_64bit: bool = False, mesh=None,
-                    sharding: str | None = None, quant_config=None, precompile=()) -> tpu_format.TpuArtifact:
+                    sharding: str | None = None, input_shardings=None, quant_config=None,
+                    precompile=()) -> tpu_format.TpuArtifact:
     """Lowers each captured program for each platform and packs them as one ``.tpu`` artifact.
 
     With ``mesh`` (e.g. ``(("data", 1), ("model", 8))``) the programs are sharded over that many
-    devices following ``sharding`` (default ``"tensor_parallel"``; see sharding.py).
+    devices following ``sharding`` (default ``"tensor_parallel"``; see sharding.py);
+    ``input_shardings`` (``{input name: [axis or None per dim]}``) splits named inputs, and the
+    outputs of the same name, as given (state such as a KV cache split by head).
     ``precompile`` (TPU topologies, e.g. ``("v5e:2x2",)``) stores an executable per program and
     topology, compiled by libtpu. Where libtpu is installed, every Pallas kernel is first compiled
     for the generations of ``precompile`` (default v5e and v6e); one the compiler rejects falls
@@ -118,6 +121,14 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
     mesh_axes = sharding_plans.parse_mesh(mesh)
     if sharding is not None and not mesh_axes:
         raise InputError("sharding= needs a mesh=, e.g. mesh=(('data', 1), ('model', 8))")
+    if input_shardings and not mesh_axes:
+        raise InputError("input_shardings= needs a mesh=, e.g. mesh=(('data', 1), ('model', 8))")
+    if input_shardings:
+        known = {spec.name for cap in captures.values() for spec in cap.inputs}
+        unknown = sorted(set(input_shardings) - known)
+        if unknown:
+            raise InputError(f"input_shardings names {unknown[0]!r}, which no program takes",
+                             hint=f"the inputs are {', '.join(sorted(known)[:12])}")
     weights, weight_names = _merge_weights(captures)
     np_weights = {name: _weight_array(t, narrow_64bit) for name, t in weights.items()}
     quant = parse_quant(quant_config, "tpu")
@@ -143,8 +154,9 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
         programs[prog], mlir[prog] = {}, {}
         kernel_log: list[dict] = []
         calling_convention = None
-        plan = sharding_plans.plan(cap, mesh_axes, sharding or "tensor_parallel") if mesh_axes else None
-        jit_kwargs = _jit_shardings(plan, renames, len(cap.outputs)) if plan else {}
+        plan = sharding_plans.plan(cap, mesh_axes, sharding or "tensor_parallel", input_shardings) \
+            if mesh_axes else None
+        jit_kwargs = _jit_shardings(plan, renames) if plan else {}
         for platform in platforms:
             ctx = LoweringContext(platform, narrow_64bit=narrow_64bit, kernels=kernels, float_dtype=float_dtype,
                                   sharded=bool(mesh_axes),
@@ -215,13 +227,13 @@ def _kernel_topologies(precompile: Sequence[str]) -> tuple[str, ...]:
     return tuple(by_generation.values())
 
 
-def _jit_shardings(plan: dict, renames: dict, n_outputs: int) -> dict:
+def _jit_shardings(plan: dict, renames: dict) -> dict:
     from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
     axes = plan["mesh"]
     mesh = AbstractMesh(tuple(axes.values()), tuple(axes))
     weights = {renames[k]: NamedSharding(mesh, PartitionSpec(*v)) for k, v in plan["weights"].items()}
     inputs = [NamedSharding(mesh, PartitionSpec(*s)) for s in plan["inputs"]]
-    outputs = [NamedSharding(mesh, PartitionSpec()) for _ in range(n_outputs)]
+    outputs = [NamedSharding(mesh, PartitionSpec(*s)) for s in plan["outputs"]]
     return {"in_shardings": (weights, *inputs), "out_shardings": outputs}
 
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
+from torchtpu_export import treespec
 from torchtpu_export.capture import CapturedProgram
 from torchtpu_export.errors import InputError
 
@@ -84,8 +85,14 @@ def _matmul_weight(node, captured):
     return None
 
 
-def plan(captured: CapturedProgram, mesh: Mapping[str, int], mode: str) -> dict:
-    """Per weight and input: a partition spec (a list with an axis name or None per dim)."""
+def plan(captured: CapturedProgram, mesh: Mapping[str, int], mode: str,
+         input_shardings: Mapping[str, Sequence] | None = None) -> dict:
+    """Per weight, input and output: a partition spec (a list with an axis name or None per dim).
+
+    ``input_shardings`` names inputs and how they are split (``{"kv_cache_k_0": [None, "model",
+    None, None]}``): state a program takes and returns, such as an LLM's KV cache split by head.
+    An output of the same name is split the same way, so a donated input's buffer can become it
+    in place; other outputs are replicated."""
     if mode not in SHARDING_MODES:
         raise InputError(f"sharding must be one of {', '.join(SHARDING_MODES)}, not {mode!r}")
     model_axis = "model" if "model" in mesh else None
@@ -123,10 +130,37 @@ def plan(captured: CapturedProgram, mesh: Mapping[str, int], mode: str) -> dict:
                 and isinstance(spec.shape[0], int) and spec.shape[0] % mesh[data_axis] == 0:
             s[0] = data_axis
         inputs.append(s)
+    for k, spec in enumerate(captured.inputs):
+        given = (input_shardings or {}).get(spec.name)
+        if given is not None:
+            inputs[k] = _given_spec(spec, given, mesh, inputs[k])
+    by_name = {spec.name: (list(spec.shape), s) for spec, s in zip(captured.inputs, inputs)}
+    # outputs by the module's names for them (a dict's keys, as litert-torch names signature outputs)
+    out_names = treespec.unique(treespec.output_names(captured.out_spec))
+    outputs = [list(by_name[n][1]) if n in by_name and by_name[n][0] == list(o.shape) else [None] * len(o.shape)
+               for n, o in zip(out_names, captured.outputs)]
     if mode == "data_parallel":
         column, row = [], []
-    return {"mode": mode, "mesh": dict(mesh), "weights": weights, "inputs": inputs,
+    return {"mode": mode, "mesh": dict(mesh), "weights": weights, "inputs": inputs, "outputs": outputs,
             "column_parallel": column, "row_parallel": row}
+
+
+def _given_spec(spec, given: Sequence, mesh: Mapping[str, int], default: list) -> list:
+    """A user's partition spec for an input, checked against its shape and the mesh; dims it leaves
+    None keep the default split (the batch over ``data``) unless it uses that axis itself."""
+    given = list(given)
+    if len(given) != len(spec.shape):
+        raise InputError(f"input_shardings[{spec.name!r}] has {len(given)} entries; the input has "
+                         f"{len(spec.shape)} dims {list(spec.shape)}")
+    for dim, (axis, size) in enumerate(zip(given, spec.shape)):
+        if axis is None:
+            continue
+        if axis not in mesh:
+            raise InputError(f"input_shardings[{spec.name!r}] names axis {axis!r}; the mesh has {', '.join(mesh)}")
+        if not isinstance(size, int) or size % mesh[axis]:
+            raise InputError(f"input {spec.name} dim {dim} ({size}) does not divide over the {axis!r} axis "
+                             f"({mesh[axis]} devices)")
+    return [g if g is not None else (d if d not in given else None) for g, d in zip(given, default)]
 
 
 def devices_needed(mesh: Mapping[str, int]) -> int:

@@ -130,7 +130,8 @@ class TpuProgram(Runnable):
         return f"TpuProgram(programs={self.signatures}, platforms={self.manifest['platforms']})"
 
 
-_OPTIONS = ("platforms", "kernels", "narrow_64bit", "quant_config", "mesh", "sharding", "precompile", "quant_report")
+_OPTIONS = ("platforms", "kernels", "narrow_64bit", "quant_config", "mesh", "sharding", "input_shardings",
+            "precompile", "quant_report")
 
 
 def build(captures: dict, options: dict) -> TpuProgram:
