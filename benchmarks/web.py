@@ -68,7 +68,9 @@ def main() -> int:
     import torchtpu_export as tte
     from torchtpu_export import web
     server = web.start_server({}, port=0)
-    browser = Browser(server.url + ("" if args.threads else "?threads=0"))
+    # the CPU (WASM) path, as the README's table reports; the page's default would pick WebGPU when
+    # the browser has it (here SwiftShader, a software GPU)
+    browser = Browser(server.url + "?accelerator=wasm" + ("" if args.threads else "&threads=0"))
     print("| model | size | convert s | LiteRT.js compile ms | first run ms | median ms | wasm threads "
           "| Python interpreter median ms | max diff |")
     print("|---|---|---|---|---|---|---|---|---|")

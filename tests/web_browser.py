@@ -61,11 +61,16 @@ def decode(t: dict) -> np.ndarray:
 
 
 class Browser:
-    """Headless Chromium on one page of the web server, driven by driver.mjs."""
+    """Headless Chromium on one page of the web server, driven by driver.mjs.
 
-    def __init__(self, url: str, *, timeout: float = 120):
+    ``webgpu="swiftshader"`` (default) gives the browser WebGPU on SwiftShader, Chromium's software
+    Vulkan; ``webgpu="off"`` launches it without, so WebGPU has no adapter (the page falls back to WASM).
+    """
+
+    def __init__(self, url: str, *, webgpu: str = "swiftshader", timeout: float = 120):
         self._log = tempfile.NamedTemporaryFile("w+", prefix="tte-browser-", suffix=".log", delete=False)
-        self._proc = subprocess.Popen(["node", str(WEB_DIR / "driver.mjs"), url, "--chromium", CHROMIUM],
+        self._proc = subprocess.Popen(["node", str(WEB_DIR / "driver.mjs"), url, "--chromium", CHROMIUM,
+                                       "--webgpu", webgpu],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                       text=True, cwd=WEB_DIR)
         self._lines: queue.Queue = queue.Queue()
@@ -107,11 +112,15 @@ class Browser:
         return reply["result"]
 
     def run(self, model_url: str, inputs: dict[str, np.ndarray], *, signature: str | None = None,
-            repeats: int = 0) -> tuple[dict[str, np.ndarray], dict]:
-        """Runs a served model on named inputs; returns ({output name: array}, timings in ms)."""
+            repeats: int = 0, accelerator: str | None = None) -> tuple[dict[str, np.ndarray], dict]:
+        """Runs a served model on named inputs on an accelerator ("auto", "webgpu", "wasm"; default the
+        page's, auto); returns ({output name: array}, timings in ms plus "accelerator", the page's
+        {requested, used, fullyAccelerated, cpuOps, adapter, note, text})."""
         result = self.call("run", {"model": model_url, "signature": signature, "repeats": repeats,
+                                   "accelerator": accelerator,
                                    "inputs": {k: _encode(v) for k, v in inputs.items()}})
-        return {k: decode(v) for k, v in result["outputs"].items()}, result["timings"]
+        return {k: decode(v) for k, v in result["outputs"].items()}, {**result["timings"],
+                                                                       "accelerator": result["accelerator"]}
 
     def close(self):
         if self._proc.poll() is None:

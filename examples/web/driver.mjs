@@ -1,6 +1,12 @@
 // Drives a served page in headless Chromium and calls its `window.tte` API.
 //
-//   node driver.mjs URL [--chromium /usr/bin/chromium] [--screenshot out.png]
+//   node driver.mjs URL [--chromium /usr/bin/chromium] [--webgpu swiftshader|off] [--screenshot out.png]
+//
+// --webgpu: whether the browser has WebGPU (which LiteRT.js's WebGPU accelerator needs).
+//   swiftshader (default): WebGPU on SwiftShader, Chromium's software Vulkan, so any machine (CI)
+//     has an adapter: --enable-unsafe-webgpu --use-webgpu-adapter=swiftshader. Headless Chromium
+//     has navigator.gpu but no adapter without them.
+//   off: without those flags: requestAdapter() gives no adapter and the page's 'auto' runs on WASM.
 //
 // Reads one JSON request a line on stdin, {"id": 1, "call": "run", "args": {...}}, calls
 // window.tte[call](args) in the page, and writes {"id": 1, "ok": true, "result": ...} (or
@@ -12,16 +18,25 @@ import {createInterface} from 'node:readline';
 import {chromium} from 'playwright-core';
 
 function parseArgs(argv) {
-  const opts = {url: null, chromium: process.env.CHROMIUM || '/usr/bin/chromium', screenshot: null};
+  const opts = {url: null, chromium: process.env.CHROMIUM || '/usr/bin/chromium', screenshot: null, webgpu: 'swiftshader'};
   for (let i = 0; i < argv.length; i++) {
     if (argv[i] === '--chromium') opts.chromium = argv[++i];
+    else if (argv[i] === '--webgpu') opts.webgpu = argv[++i];
     else if (argv[i] === '--screenshot') opts.screenshot = argv[++i];
     else if (!opts.url) opts.url = argv[i];
     else throw new Error(`unexpected argument ${argv[i]}`);
   }
-  if (!opts.url) throw new Error('usage: node driver.mjs URL [--chromium PATH] [--screenshot FILE]');
+  if (!opts.url) {
+    throw new Error('usage: node driver.mjs URL [--chromium PATH] [--webgpu swiftshader|off] [--screenshot FILE]');
+  }
+  if (!(opts.webgpu in WEBGPU_FLAGS)) throw new Error(`--webgpu ${opts.webgpu}: one of ${Object.keys(WEBGPU_FLAGS).join(', ')}`);
   return opts;
 }
+
+const WEBGPU_FLAGS = {
+  swiftshader: ['--disable-gpu', '--enable-unsafe-webgpu', '--use-webgpu-adapter=swiftshader'],
+  off: ['--disable-gpu'],
+};
 
 const write = (obj) => new Promise((resolve) => process.stdout.write(JSON.stringify(obj) + '\n', resolve));
 
@@ -31,8 +46,8 @@ async function main() {
     executablePath: opts.chromium,
     headless: true,
     // playwright-core gives the browser a fresh temporary --user-data-dir of its own
-    args: ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking',
-           '--disable-component-update', '--disable-sync'],
+    args: ['--no-sandbox', ...WEBGPU_FLAGS[opts.webgpu], '--disable-quic', '--no-first-run',
+           '--disable-background-networking', '--disable-component-update', '--disable-sync'],
   });
   try {
     const context = await browser.newContext();
@@ -50,7 +65,7 @@ async function main() {
       return pages.get(url);
     };
     const first = await open(opts.url);
-    await write({ready: true, userAgent: await first.evaluate(() => navigator.userAgent)});
+    await write({ready: true, userAgent: await first.evaluate(() => navigator.userAgent), webgpu: opts.webgpu});
     const lines = createInterface({input: process.stdin, crlfDelay: Infinity});
     for await (const line of lines) {
       if (!line.trim()) continue;

@@ -1,10 +1,12 @@
 """Serve converted .tflite models to a browser page that runs them with LiteRT.js.
 
     torchtpu-export serve-web MODEL.tflite [MORE.tflite ...] [--inputs x.npy ...] [--port 8000]
+                             [--accelerator auto|webgpu|wasm]
     python -m torchtpu_export.web MODEL.tflite
 
-The page (``page/``, installed with the package) loads LiteRT.js (``@litertjs/core``, WASM
-backend) through an import map. Everything is served from this process: the page, the models,
+The page (``page/``, installed with the package) loads LiteRT.js (``@litertjs/core``) through an
+import map and runs the model on its WebGPU accelerator where the browser has WebGPU, else on its
+CPU (WASM) path, saying which (``--accelerator`` or the page's ``?accelerator=`` insists on one). Everything is served from this process: the page, the models,
 and LiteRT.js's JavaScript and .wasm files, so nothing is fetched from a CDN at run time.
 LiteRT.js comes from ``--litertjs DIR`` (a ``node_modules`` folder), ``$TTE_LITERTJS``, a
 checkout's ``examples/web/node_modules`` (``make web-deps``), or else is fetched once with npm
@@ -13,7 +15,8 @@ into the user cache (``~/.cache/torchtpu_export/litertjs-<version>``). The serve
 
 URLs: ``/`` (runner page), ``/classify.html`` (image-classification demo), ``/models.json``,
 ``/models/NAME.tflite`` (``/model.tflite`` is the first model), ``/inputs.json`` and
-``/inputs/NAME.npy`` (inputs given with ``--inputs``), ``/labels.json`` (``--labels``), and
+``/inputs/NAME.npy`` (inputs given with ``--inputs``), ``/labels.json`` (``--labels``),
+``/config.json`` (``{"accelerator": ...}``, the page's default) and
 ``/vendor/@litertjs/{core,wasm-utils}/...``.
 """
 from __future__ import annotations
@@ -44,6 +47,9 @@ LITERTJS_VERSION = "2.5.3"  # examples/web/package.json pins the same
 # LiteRT.js 2.5 tensors are float32, int32 or uint8 (its DATATYPES table); anything else at the
 # model boundary makes loadAndCompile throw "Element type ... is not supported".
 WEB_DTYPES = ("float32", "int32", "uint8")
+# the page's accelerator choices: auto (WebGPU where the browser has it and the model compiles for it,
+# else WASM), or one of LiteRT.js's two, insisted on (webgpu fails, saying why, where it cannot run)
+ACCELERATORS = ("auto", "webgpu", "wasm")
 # npm package -> the folders of it the page may load
 _VENDOR = {"@litertjs/core": ("dist", "wasm"), "@litertjs/wasm-utils": ("dist",)}
 _MIME = {".js": "text/javascript", ".mjs": "text/javascript", ".wasm": "application/wasm",
@@ -175,8 +181,8 @@ class WebServer(HTTPServer):
     backlog = 64
 
     def __init__(self, models: dict[str, bytes], *, page_dir: Path, vendor_dir: Path, host: str, port: int,
-                 inputs: dict[str, bytes] | None = None, labels: list[str] | None = None):
-        self.models, self.inputs, self.labels = dict(models), inputs or {}, labels
+                 inputs: dict[str, bytes] | None = None, labels: list[str] | None = None, accelerator: str = "auto"):
+        self.models, self.inputs, self.labels, self.accelerator = dict(models), inputs or {}, labels, accelerator
         self.page_dir, self.vendor_dir = page_dir, vendor_dir
         if ":" in host:
             self.address_family = socket.AF_INET6
@@ -264,6 +270,8 @@ class WebServer(HTTPServer):
             return json.dumps([{"name": n, "url": f"/inputs/{n}.npy"} for n in self.inputs]).encode(), _MIME[".json"]
         if path.startswith("/inputs/") and path.endswith(".npy") and path[8:-4] in self.inputs:
             return self.inputs[path[8:-4]], _MIME[".npy"]
+        if path == "/config.json":
+            return json.dumps({"accelerator": self.accelerator}).encode(), _MIME[".json"]
         if path == "/labels.json" and self.labels is not None:
             return json.dumps(self.labels).encode(), _MIME[".json"]
         if path.startswith("/vendor/"):
@@ -339,13 +347,17 @@ class _Handler(SimpleHTTPRequestHandler):
 def start_server(models: list[str | os.PathLike] | dict[str, bytes], *, host: str = "127.0.0.1", port: int = 8000,
                  web_dir: str | os.PathLike | None = None, litertjs: str | os.PathLike | None = None,
                  inputs: list[str] | None = None, labels: str | os.PathLike | None = None,
-                 check_dtypes: bool = True) -> WebServer:
+                 check_dtypes: bool = True, accelerator: str = "auto") -> WebServer:
     """Binds the server (``port=0`` picks a free port) and serves it from a daemon thread.
 
     ``models`` are .tflite paths, or ``{file name: flatbuffer bytes}`` (``add_model`` serves more
     later). ``web_dir`` replaces the installed page; ``litertjs`` names LiteRT.js's node_modules
-    folder (default: see the module docstring). Stop it with ``shutdown()`` then ``server_close()``.
+    folder (default: see the module docstring). ``accelerator`` is the page's default: ``auto``
+    (WebGPU where the browser has it, else WASM), ``webgpu`` or ``wasm``; a page URL's
+    ``?accelerator=`` overrides it. Stop it with ``shutdown()`` then ``server_close()``.
     """
+    if accelerator not in ACCELERATORS:
+        raise InputError(f"accelerator {accelerator!r} is not one of {', '.join(ACCELERATORS)}")
     page_dir = Path(web_dir) if web_dir is not None else PAGE_DIR
     _check_page_dir(page_dir)
     blobs = dict(models) if isinstance(models, dict) else _read_models(models)
@@ -356,7 +368,7 @@ def start_server(models: list[str | os.PathLike] | dict[str, bytes], *, host: st
     label_list = _read_labels(labels) if labels is not None else None
     try:
         server = WebServer(blobs, page_dir=page_dir, vendor_dir=litertjs_dir(litertjs), host=host, port=port,
-                           inputs=served_inputs, labels=label_list)
+                           inputs=served_inputs, labels=label_list, accelerator=accelerator)
     except OSError as e:
         raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}",
                          hint="pick another --port (0 takes any free one)") from None
@@ -415,6 +427,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inputs", nargs="+", default=None, metavar="FILE",
                    help=".npy files (one per input, in order) or an .npz keyed by input name; default: random")
     p.add_argument("--labels", default=None, help="class names for the classification demo (.txt lines or .json list)")
+    p.add_argument("--accelerator", choices=ACCELERATORS, default="auto",
+                   help="where the page runs the model: auto (default: LiteRT.js's WebGPU accelerator where the "
+                        "browser has WebGPU, else its CPU/WASM path, saying why), webgpu (an error where WebGPU "
+                        "cannot run it), wasm; a page URL's ?accelerator= overrides it")
     p.add_argument("--web-dir", default=None, help="a page folder to serve instead of the installed one")
     p.add_argument("--litertjs", default=None, metavar="DIR",
                    help="node_modules folder holding @litertjs/core and @litertjs/wasm-utils "
@@ -423,7 +439,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_cli(args) -> int:
     server = start_server(args.models, host=args.host, port=args.port, web_dir=args.web_dir,
-                          litertjs=args.litertjs, inputs=args.inputs, labels=args.labels)
+                          litertjs=args.litertjs, inputs=args.inputs, labels=args.labels,
+                          accelerator=args.accelerator)
     if not args.quiet:
         print(f"serving {', '.join(server.models)} at {server.url}  (image classification: {server.url}classify.html)"
               "\npress Ctrl-C to stop", flush=True)

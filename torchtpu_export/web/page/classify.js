@@ -1,6 +1,6 @@
 // Image classification: an image drawn to a canvas becomes the model's float32 input, in NHWC
 // (the canvas's own order: rows of RGB pixels) or, for a model that takes NCHW, transposed here.
-import {initLiteRt, loadModel, median, runModel, toBase64} from './litert_runner.js';
+import {initLiteRt, loadModel, median, runModel, runtime, toBase64} from './litert_runner.js';
 
 const $ = (id) => document.getElementById(id);
 const MEAN = [0.485, 0.456, 0.406];
@@ -88,17 +88,17 @@ function imageInput() {
   return {spec, inp: spec.inputs[0], ...imageLayout(spec.inputs[0])};
 }
 
-async function useModel(url) {
-  current = await loadModel(url);
+async function useModel(url, accelerator = null) {
+  current = await loadModel(url, accelerator);
   const {inp, layout, height, width} = imageInput();
   const canvas = $('canvas');
   canvas.width = width;
   canvas.height = height;
   drawSample(canvas.getContext('2d', {willReadFrequently: true}), width, height);
   $('model-info').textContent = `${url}: input ${inp.name} float32 [${inp.shape}] (${layout}` +
-      (layout === 'NCHW' ? ', transposed from the canvas in JS' : '') + ')';
+      (layout === 'NCHW' ? ', transposed from the canvas in JS' : '') + `), on ${current.accelerator.where}`;
   $('run').disabled = false;
-  setStatus(`compiled in ${current.timings.compileMs.toFixed(1)} ms (wasm, ${current.threads ? 'multi' : 'single'}-threaded)`);
+  setStatus(`compiled in ${current.timings.compileMs.toFixed(1)} ms (${current.accelerator.text})`);
 }
 
 async function classify({norm = $('norm').value, repeats = 5} = {}) {
@@ -122,7 +122,8 @@ async function classify({norm = $('norm').value, repeats = 5} = {}) {
     return tr;
   }));
   $('timings').querySelector('tbody').replaceChildren(...Object.entries({
-    'canvas → tensor': prepMs, 'compile (wasm)': timings.compileMs, 'first run': timings.firstRunMs,
+    'canvas → tensor': prepMs, [`compile (${current.accelerator.used})`]: timings.compileMs,
+    'first run': timings.firstRunMs,
     [`median of ${repeats} runs`]: timings.medianRunMs,
   }).map(([k, v]) => {
     const tr = document.createElement('tr');
@@ -130,16 +131,21 @@ async function classify({norm = $('norm').value, repeats = 5} = {}) {
               Object.assign(document.createElement('td'), {textContent: Number.isFinite(v) ? `${v.toFixed(2)} ms` : '–'}));
     return tr;
   }));
-  setStatus(`top-1: ${top[0].label} (${(100 * top[0].probability).toFixed(1)}%)`);
-  return {layout, inputName: inp.name, inputShape: inp.shape, outputName: outName, width, height, norm,
+  setStatus(`top-1: ${top[0].label} (${(100 * top[0].probability).toFixed(1)}%) on ${current.accelerator.where}`);
+  return {accelerator: {...current.accelerator, threads: current.threads}, layout, inputName: inp.name,
+          inputShape: inp.shape, outputName: outName, width, height, norm,
           rgba: toBase64(rgba), input: toBase64(data), logits: toBase64(logits), top, timings};
 }
 
 window.tte = {
-  /** Loads a model (default: the one the page shows), draws the sample picture and classifies it. */
-  async classify({model = null, norm = 'imagenet', repeats = 5} = {}) {
+  /** Loads a model (default: the one the page shows) for an accelerator (default: the page's choice,
+   *  ?accelerator=), draws the sample picture and classifies it. */
+  async classify({model = null, accelerator = null, norm = 'imagenet', repeats = 5} = {}) {
     await started.catch(() => {});  // the page's own first load and run come first
-    if (model && model !== current?.url) await useModel(model);
+    const acc = accelerator ?? runtime.accelerator;
+    if ((model && model !== current?.url) || (current && acc !== current.accelerator.requested)) {
+      await useModel(model ?? current.url, acc);
+    }
     return classify({norm, repeats});
   },
 };

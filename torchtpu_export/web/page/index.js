@@ -1,21 +1,29 @@
 // The runner page: pick a served model, run it on random or given inputs, show outputs and timings.
 // `window.tte` is the page's API for scripts (driver.mjs uses it in the browser tests).
-import {fromBase64, initLiteRt, loadModel, median, npyToInput, parseNpy, randomInputs, runModel,
-        toBase64} from './litert_runner.js';
+import {ACCELERATORS, checkAccelerator, fromBase64, initLiteRt, loadModel, median, npyToInput, parseNpy,
+        randomInputs, runModel, runtime, toBase64} from './litert_runner.js';
 
 const $ = (id) => document.getElementById(id);
-const loaded = new Map();  // model url -> loadModel() result
+const loaded = new Map();  // accelerator + model url -> loadModel() result
 let current = null;        // the model shown in the page
 let given = {};            // input name -> {dtype, shape, data} from --inputs or picked files
 
-async function getModel(url) {
-  if (!loaded.has(url)) loaded.set(url, loadModel(url));
+/** A model compiled for an accelerator ('auto', 'webgpu', 'wasm'; default: the page's choice), cached. */
+async function getModel(url, accelerator = null) {
+  const acc = checkAccelerator(accelerator ?? runtime.accelerator);
+  const key = `${acc} ${url}`;
+  if (!loaded.has(key)) loaded.set(key, loadModel(url, acc));
   try {
-    return await loaded.get(url);
+    return await loaded.get(key);
   } catch (e) {
-    loaded.delete(url);
+    loaded.delete(key);
     throw e;
   }
+}
+
+/** Where a loaded model runs, for the API: loadModel()'s accelerator report and the wasm threading. */
+function acceleratorReport(m) {
+  return {...m.accelerator, threads: m.threads};
 }
 
 function setStatus(text, error = false) {
@@ -86,17 +94,18 @@ function showResult(result, timings) {
 
 async function selectModel(url) {
   setStatus(`loading ${url}…`);
+  $('run').disabled = true;
+  current = null;
   current = await getModel(url);
   given = {};
   const sel = $('signature');
   sel.replaceChildren(...Object.keys(current.signatures).map((k) => new Option(k, k)));
   sel.value = current.defaultSignature;
-  $('model-info').textContent = `${(current.bytes / 1024).toFixed(1)} KB`;
+  $('model-info').textContent = `${(current.bytes / 1024).toFixed(1)} KB, on ${current.accelerator.where}`;
   if (url === '/models/' + firstModelName) await loadGivenInputs();
   showInputs();
   $('run').disabled = false;
-  setStatus(`${url} compiled in ${current.timings.compileMs.toFixed(1)} ms ` +
-            `(wasm, ${current.threads ? 'multi-threaded' : 'single-threaded'})`);
+  setStatus(`${url} compiled in ${current.timings.compileMs.toFixed(1)} ms (${current.accelerator.text})`);
 }
 
 async function loadGivenInputs() {
@@ -119,10 +128,11 @@ async function runPage() {
     const repeats = Math.max(0, Math.min(1000, Number($('repeats').value) || 0));
     const result = await runModel(current, inputs, {signature: $('signature').value, repeats});
     lastResult = {inputs, outputs: result.outputs};
-    showResult(result, {'fetch model': current.timings.fetchMs, 'compile (wasm)': current.timings.compileMs,
+    showResult(result, {'fetch model': current.timings.fetchMs,
+                        [`compile (${current.accelerator.used})`]: current.timings.compileMs,
                         'first run': result.firstRunMs, [`median of ${repeats} runs`]: median(result.runMs)});
     const source = spec.inputs.every((i) => given[i.name]) ? 'given' : Object.keys(given).length ? 'given and random' : 'random';
-    setStatus(`ran ${$('signature').value} on ${source} inputs (wasm, ${current.threads ? 'multi' : 'single'}-threaded)`);
+    setStatus(`ran ${$('signature').value} on ${source} inputs (${current.accelerator.text})`);
   } catch (e) {
     setStatus(String(e.message ?? e), true);
   } finally {
@@ -149,24 +159,33 @@ window.tte = {
     $('run').click();
     await lastRun;
     return {status: $('status').textContent, error: $('status').className === 'error',
+            modelInfo: $('model-info').textContent, accelerator: current && acceleratorReport(current),
             outputs: tableText('outputs'), timings: tableText('timings'),
             data: lastResult && {inputs: encodeTensors(lastResult.inputs), outputs: encodeTensors(lastResult.outputs)}};
   },
-  /** Loads (and caches) a model; returns its signatures, size and load timings. */
-  async load(url) {
-    await started.catch(() => {});  // the page's own first load and run come first
-    const m = await getModel(url);
-    return {signatures: m.signatures, defaultSignature: m.defaultSignature, bytes: m.bytes, threads: m.threads,
-            timings: m.timings};
+  /** What the page found: {accelerator: its choice, webgpu: {available, adapter, reason}, build, threads}. */
+  async webgpu() {
+    await initLiteRt();
+    return {accelerator: runtime.accelerator, webgpu: runtime.webgpu, build: runtime.build, threads: runtime.threads};
   },
-  /** {model, signature?, inputs: {name: {dtype, shape, b64}}, repeats?} -> {outputs, timings}. */
-  async run({model, signature = null, inputs, repeats = 0}) {
+  /** Loads (and caches) a model, URL or {model, accelerator?}; returns its signatures, size, load timings
+   *  and the accelerator it runs on ({requested, used, fullyAccelerated, cpuOps, adapter, note, text}). */
+  async load(args) {
+    await started.catch(() => {});  // the page's own first load and run come first
+    const {model, accelerator: acc = null} = typeof args === 'string' ? {model: args} : args;
+    const m = await getModel(model, acc);
+    return {signatures: m.signatures, defaultSignature: m.defaultSignature, bytes: m.bytes, threads: m.threads,
+            timings: m.timings, accelerator: acceleratorReport(m)};
+  },
+  /** {model, accelerator?, signature?, inputs: {name: {dtype, shape, b64}}, repeats?} -> {outputs, timings,
+   *  accelerator}; accelerator defaults to the page's choice (?accelerator=, else auto). */
+  async run({model, accelerator: acc = null, signature = null, inputs, repeats = 0}) {
     await started.catch(() => {});
-    const m = await getModel(model);
+    const m = await getModel(model, acc);
     const decoded = Object.fromEntries(Object.entries(inputs).map(([name, t]) =>
       [name, {dtype: t.dtype, shape: t.shape, data: fromBase64(t.b64, t.dtype)}]));
     const r = await runModel(m, decoded, {signature, repeats});
-    return {signature: r.signature, outputs: encodeTensors(r.outputs),
+    return {signature: r.signature, outputs: encodeTensors(r.outputs), accelerator: acceleratorReport(m),
             timings: {fetchMs: m.timings.fetchMs, compileMs: m.timings.compileMs, firstRunMs: r.firstRunMs,
                       medianRunMs: median(r.runMs), runs: r.runMs.length, threads: m.threads}};
   },
@@ -174,8 +193,22 @@ window.tte = {
 
 let firstModelName = null;
 
+function showWebGpu() {
+  const gpu = runtime.webgpu;
+  $('webgpu').textContent = gpu.available ? `WebGPU: ${gpu.adapter}` : `WebGPU unavailable: ${gpu.reason}`;
+  const acc = $('accelerator');
+  acc.replaceChildren(...ACCELERATORS.map((a) => new Option(a, a)));
+  acc.value = runtime.accelerator;
+}
+
 async function main() {
   await initLiteRt();
+  showWebGpu();
+  $('accelerator').addEventListener('change', () => {  // a reload: the choice decides which LiteRT.js build loads
+    const url = new URL(location.href);
+    url.searchParams.set('accelerator', $('accelerator').value);
+    location.assign(url);
+  });
   const models = await (await fetch('/models.json')).json();
   const sel = $('model');
   sel.replaceChildren(...models.map((m) => new Option(`${m.name} (${(m.bytes / 1024).toFixed(1)} KB)`, m.url)));
