@@ -268,6 +268,12 @@ def repeat_interleave(ctx, x, repeats, dim=None, *, output_size=None):
         dim = 0
     dim = dim % x.rank
     shape = x.shape
+    if all(is_static(d) for d in shape):
+        # (p..., n, r...) -> (P, n, 1, R) -> broadcast (P, n, r, R) -> (p..., n * r, r...): 4-D whatever the
+        # rank, as GPU delegates need (LiteRT.js's WebGPU takes no 5-D tensor: GQA's k/v repeat made one)
+        outer, inner = int(np.prod(shape[:dim], dtype=np.int64)), int(np.prod(shape[dim + 1:], dtype=np.int64))
+        x4 = ctx.reshape(x, (outer, shape[dim], 1, inner))
+        return ctx.reshape(ctx.broadcast_to(x4, (outer, shape[dim], repeats, inner)), ctx.out_shape())
     # (..., n, ...) -> (..., n, 1, ...) -> broadcast (..., n, r, ...) -> (..., n * r, ...)
     x5 = ctx.reshape(x, shape[:dim + 1] + (1,) + shape[dim + 1:])
     x5 = ctx.broadcast_to(x5, shape[:dim + 1] + (repeats,) + shape[dim + 1:])
