@@ -99,7 +99,7 @@ LLM_SCRIPT = textwrap.dedent("""
     model, tok = hf_llms.build("llama")  # 4 query heads, 2 KV heads
     feed, res = None, {}
     for mesh in (None, (("data", 1), ("model", 2))):
-        prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8,), cache_length=64,
+        prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8,), cache_length=64, batch_size=2,
                               platforms=("tpu", "cpu"), **({"mesh": mesh} if mesh else {}))
         spec = prog.manifest["programs"]["decode"]
         if feed is None:
@@ -110,7 +110,10 @@ LLM_SCRIPT = textwrap.dedent("""
         names = [i["name"] for i in spec["inputs"]]
         outs = prog.run_flat([feed[n] for n in names], "decode")
         stats = prog.compiled_stats("v5e:2x2" if mesh else "v5e", signature_name="decode")
+        ids = tok("hello world, this is a tiny model")["input_ids"]
         res["sharded" if mesh else "plain"] = {
+            # the serving engine (two slots), its caches split as the plan says
+            "generated": prog.generate(ids, 12),
             "outs": [o.tolist() for o in outs], "plan": spec.get("sharding"), "names": names,
             "aliased": stats["hbm_bytes"]["aliased"], "collectives": stats.get("collectives", {}),
             "cache_bytes": sum(int(np.prod(spec["inputs"][i]["shape"])) * 4 for i in spec["donate"])}
@@ -121,7 +124,8 @@ LLM_SCRIPT = textwrap.dedent("""
 def test_tensor_parallel_llm_keeps_each_chips_kv_heads(tmp_path):
     """export_llm with a model axis splits each KV cache by head, as attention is: the cache input and its
     updated output keep the same split (donated in place, half the cache per chip), the compiled decode step
-    all-gathers nothing, and its numbers equal the unsharded program's."""
+    all-gathers nothing, its numbers equal the unsharded program's, and the serving engine generates the same
+    tokens from it over the two devices."""
     import json
     proc = subprocess.run([sys.executable, "-c", LLM_SCRIPT], capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, PYTHONWARNINGS="ignore"))
@@ -136,6 +140,7 @@ def test_tensor_parallel_llm_keeps_each_chips_kv_heads(tmp_path):
     import numpy as np
     for a, b in zip(sharded["outs"], plain["outs"]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert sharded["generated"] == plain["generated"] and len(plain["generated"]) == 12
     # libtpu, v5e: each chip aliases its half of the cache; only the row-parallel all-reduces remain
     assert plain["aliased"] >= plain["cache_bytes"] and sharded["aliased"] >= plain["cache_bytes"] // 2
     assert sharded["aliased"] < plain["aliased"]

@@ -204,6 +204,18 @@ class Engine:
         self.vocab = outs["logits"].shape[-1]
         weights = self.decode_runner.weights
         self.device = next(iter(weights.values())).devices().pop() if weights else jax.devices()[0]
+        if jax.process_count() > 1 and self.decode_runner.mesh is not None:
+            raise InputError("the serving engine runs a sharded program in one process; this one is one of "
+                             f"{jax.process_count()} (jax.distributed)",
+                             hint="serve it from a single process over its devices")
+        # where the engine's arrays live: one device, or for a sharded program its mesh (token ids and
+        # positions replicated, each cache split as the program's plan splits it: by KV head)
+        from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+        mesh = self.decode_runner.mesh
+        self._small = SingleDeviceSharding(self.device) if mesh is None else NamedSharding(mesh, PartitionSpec())
+        batch_sh = _cache_shardings(self.decode_runner, self.cache_names, self._small)
+        slot_sh = _cache_shardings(program.runner(PREFILL.format(self.lengths[0]), platform), self.cache_names,
+                                   self._small)
         self._slot_specs = [(tuple(spec[n].shape[1:]), np.dtype(spec[n].dtype)) for n in self.cache_names]
         self._fns = {sig: self._prefill_fn(sig) for sig in self.runners}
         # prefill of several slots at once, straight into the batch's cache (requests arriving together)
@@ -215,13 +227,12 @@ class Engine:
         self._set_row = jax.jit(_set_row, donate_argnums=(0,))
         self._decode = self._decode_fn(decode_sig)
         self._insert = jax.jit(_insert, donate_argnums=(0, 1))
-        from jax.sharding import SingleDeviceSharding
         shapes = self._slot_specs
         self._zeros = jax.jit(lambda: tuple(jax.numpy.zeros((1, *s), d) for s, d in shapes),
-                              out_shardings=SingleDeviceSharding(self.device))
+                              out_shardings=slot_sh)
         self._state = self._put(_state_rows(self.slots))
         self._caches = jax.jit(lambda: tuple(jax.numpy.zeros((self.slots, *s), d) for s, d in shapes),
-                               out_shardings=SingleDeviceSharding(self.device))()
+                               out_shardings=batch_sh)()
         self._slots = [_Slot() for _ in range(self.slots)]
         self._waiting: collections.deque[Request] = collections.deque()
         self._cv = threading.Condition()
@@ -277,7 +288,7 @@ class Engine:
         return jax.jit(decode, donate_argnums=(1, 2))
 
     def _put(self, x):
-        return self._jax.device_put(x, self.device)
+        return self._jax.device_put(x, self._small)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -539,6 +550,12 @@ def _plan(count: int, lengths: tuple) -> tuple:
         plan.append(pick[c])
         c -= pick[c]
     return tuple(plan)
+
+
+def _cache_shardings(runner, cache_names: list[str], default) -> tuple:
+    """The sharding of each cache input of ``runner``'s program (its plan's), or ``default``."""
+    by_name = dict(zip([s.name for s in runner.inputs], runner._input_shardings or ()))
+    return tuple(by_name.get(n, default) for n in cache_names)
 
 
 def _state_rows(slots: int):
