@@ -65,17 +65,9 @@ def _npu_columns(path: str, args, ref) -> tuple[str, str, str]:
 
 
 def _histogram(path: str) -> dict[str, int]:
-    from torchtpu_export.litert_format import opcode_names, validate
+    from torchtpu_export.litert_format import op_histogram, validate
     with open(path, "rb") as f:
-        model = validate(f.read())
-    codes = opcode_names(model)
-    hist: dict[str, int] = {}
-    for k in range(model.SubgraphsLength()):
-        sub = model.Subgraphs(k)
-        for j in range(sub.OperatorsLength()):
-            op = codes[sub.Operators(j).OpcodeIndex()]
-            hist[op] = hist.get(op, 0) + 1
-    return hist
+        return op_histogram(validate(f.read()))
 
 
 def _verdict(gpu: dict) -> str:

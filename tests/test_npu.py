@@ -39,6 +39,15 @@ def qnn_libraries():
                                     "(tools/qnn_libs.py links them from the onnxruntime-qnn wheel)")
 
 
+@pytest.fixture
+def cnn_tflite(tmp_path):
+    """zoo.small_cnn converted for the CPU: what `compile` takes."""
+    model, args = zoo.small_cnn()
+    src = tmp_path / "cnn.tflite"
+    tte.convert(model, args).export(src)
+    return src
+
+
 def _rel_err(y, ref) -> float:
     return float(np.abs(np.asarray(y, np.float64) - ref).max() / np.abs(ref).max())
 
@@ -111,10 +120,8 @@ def test_a_vendor_whose_sdk_is_missing_is_one_clear_error(tmp_path):
         npu.parse_targets("snapdragon")
 
 
-def test_cli_compile_every_qualcomm_soc_inspect_and_run_on_the_simulator(cli, tmp_path):
-    model, args = zoo.small_cnn()
-    src = tmp_path / "cnn.tflite"
-    tte.convert(model, args).export(src)
+def test_cli_compile_every_qualcomm_soc_inspect_and_run_on_the_simulator(cli, tmp_path, cnn_tflite):
+    src = cnn_tflite
     out = tmp_path / "npu"
     r = cli("compile", src, "--soc", "qualcomm:all", "-o", out)
     assert r.returncode == 0, r.stderr
@@ -137,10 +144,8 @@ def test_cli_compile_every_qualcomm_soc_inspect_and_run_on_the_simulator(cli, tm
     assert r.returncode == 5 and "qnn_htp" in r.stderr
 
 
-def test_cli_ai_pack(cli, tmp_path):
-    model, args = zoo.small_cnn()
-    src = tmp_path / "cnn.tflite"
-    tte.convert(model, args).export(src)
+def test_cli_ai_pack(cli, tmp_path, cnn_tflite):
+    src = cnn_tflite
     pack = tmp_path / "pack"
     r = cli("compile", src, "--soc", "qualcomm:SM8650,qualcomm:SM8750", "--ai-pack", pack)
     assert r.returncode == 0, r.stderr
@@ -154,10 +159,8 @@ def test_cli_ai_pack(cli, tmp_path):
     assert r.returncode == 2 and "not an empty folder" in r.stderr
 
 
-def test_cli_compile_errors(cli, tmp_path):
-    model, args = zoo.small_cnn()
-    src = tmp_path / "cnn.tflite"
-    tte.convert(model, args).export(src)
+def test_cli_compile_errors(cli, tmp_path, cnn_tflite):
+    src = cnn_tflite
     r = cli("compile", src, "--soc", "qualcomm:SM8650,mediatek:MT6989,google_tensor:Tensor_G4")
     assert r.returncode == 4, r.stderr
     err = r.stderr.strip().splitlines()

@@ -470,6 +470,18 @@ def opcode_names(model) -> list[str]:
     return codes
 
 
+def op_histogram(model, subgraphs=None) -> dict[str, int]:
+    """How many operators of each kind a validated model's subgraphs (default: all) hold, by name."""
+    codes = opcode_names(model)
+    hist: dict[str, int] = {}
+    for k in range(model.SubgraphsLength()) if subgraphs is None else subgraphs:
+        sub = model.Subgraphs(k)
+        for j in range(sub.OperatorsLength()):
+            name = codes[sub.Operators(j).OpcodeIndex()]
+            hist[name] = hist.get(name, 0) + 1
+    return hist
+
+
 def int8_ops(content: bytes) -> dict[str, int]:
     """The operators of a flatbuffer that read an 8-bit integer tensor, by name: the kernels that run
     quantized. DEQUANTIZE counts only for constant inputs (weights stored int8, dequantized at load);

@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import ArtifactError, InputError
 from ..fileio import atomic_open, write_bytes_atomic
-from ..litert_format import (LiteRTArtifact, damaged, opcode_names, read_metadata, signature_io, validate)
+from ..litert_format import (LiteRTArtifact, damaged, op_histogram, read_metadata, signature_io, validate)
 from ..specs import TensorSpec, as_numpy, bind_dims, check_dims, numpy_dtype
 from .base import Runnable, Target, no_topologies
 
@@ -431,17 +431,12 @@ def gpu_compatibility(path: str) -> dict:
 
 def _describe(path: str, content: bytes) -> dict:
     model = validate(content)
-    codes = opcode_names(model)
     io = signature_io(model)
     meta = read_metadata(content) or {}
     programs = {}
     transposes = 0
     for sig, spec in io.items():
-        sub = model.Subgraphs(spec["subgraph"])
-        hist: dict[str, int] = {}
-        for j in range(sub.OperatorsLength()):
-            name = codes[sub.Operators(j).OpcodeIndex()]
-            hist[name] = hist.get(name, 0) + 1
+        hist = op_histogram(model, [spec["subgraph"]])
         transposes += hist.get("TRANSPOSE", 0)
         sig_meta = meta.get("signatures", {}).get(sig)
         programs[sig] = {
@@ -503,15 +498,8 @@ def npu_report(path: str, soc: str) -> list[dict]:
     content = _read_plain_tflite(path)
     out = []
     for r in npu.soc_results(npu.compile_model(content, npu.parse_targets(soc))):
-        compiled = validate(r.content)
-        codes = opcode_names(compiled)
-        cpu: dict[str, int] = {}
-        for k in range(compiled.SubgraphsLength()):
-            sub = compiled.Subgraphs(k)
-            for j in range(sub.OperatorsLength()):
-                name = codes[sub.Operators(j).OpcodeIndex()]
-                if name != "CUSTOM:DISPATCH_OP":
-                    cpu[name] = cpu.get(name, 0) + 1
+        cpu = op_histogram(validate(r.content))
+        cpu.pop("CUSTOM:DISPATCH_OP", None)
         out.append({"soc": r.name, "ops_on_npu": r.ops_on_npu, "ops_total": r.ops_total,
                     "partitions": r.partitions, "cpu_ops": cpu, "size": len(r.content)})
     return out
