@@ -93,12 +93,12 @@ def test_sharded_program_falls_back_from_pallas_visibly():
 
 LLM_SCRIPT = textwrap.dedent("""
     import os, sys, json
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     import numpy as np, torch, torchtpu_export as tte
     import hf_llms
     model, tok = hf_llms.build("llama")  # 4 query heads, 2 KV heads
     feed, res = None, {}
-    for mesh in (None, (("data", 1), ("model", 2))):
+    for mesh in (None, (("data", 1), ("model", 2)), (("data", 1), ("model", 4))):
         prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8,), cache_length=64, batch_size=2,
                               platforms=("tpu", "cpu"), **({"mesh": mesh} if mesh else {}))
         spec = prog.manifest["programs"]["decode"]
@@ -111,7 +111,7 @@ LLM_SCRIPT = textwrap.dedent("""
         outs = prog.run_flat([feed[n] for n in names], "decode")
         stats = prog.compiled_stats("v5e:2x2" if mesh else "v5e", signature_name="decode")
         ids = tok("hello world, this is a tiny model")["input_ids"]
-        res["sharded" if mesh else "plain"] = {
+        res[str(mesh[1][1]) if mesh else "plain"] = {
             # the serving engine (two slots), its caches split as the plan says
             "generated": prog.generate(ids, 12),
             "outs": [o.tolist() for o in outs], "plan": spec.get("sharding"), "names": names,
@@ -125,13 +125,13 @@ def test_tensor_parallel_llm_keeps_each_chips_kv_heads(tmp_path):
     """export_llm with a model axis splits each KV cache by head, as attention is: the cache input and its
     updated output keep the same split (donated in place, half the cache per chip), the compiled decode step
     all-gathers nothing, its numbers equal the unsharded program's, and the serving engine generates the same
-    tokens from it over the two devices."""
+    tokens from it over the two devices. With more chips than KV heads each head's features are split."""
     import json
     proc = subprocess.run([sys.executable, "-c", LLM_SCRIPT], capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    plain, sharded = res["plain"], res["sharded"]
+    plain, sharded, by_features = res["plain"], res["2"], res["4"]
     plan = sharded["plan"]
     for name, spec in zip(sharded["names"], plan["inputs"]):
         assert spec == ([None, "model", None, None] if name.startswith("kv_cache_") else [None] * len(spec)), name
@@ -141,6 +141,12 @@ def test_tensor_parallel_llm_keeps_each_chips_kv_heads(tmp_path):
     for a, b in zip(sharded["outs"], plain["outs"]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     assert sharded["generated"] == plain["generated"] and len(plain["generated"]) == 12
+    # 4 chips, 2 KV heads: each head's features split instead (head_dim), numbers and tokens unchanged
+    assert all(s == [None, None, None, "model"] for n, s in zip(by_features["names"], by_features["plan"]["inputs"])
+               if n.startswith("kv_cache_"))
+    for a, b in zip(by_features["outs"], plain["outs"]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert by_features["generated"] == plain["generated"]
     # libtpu, v5e: each chip aliases its half of the cache; only the row-parallel all-reduces remain
     assert plain["aliased"] >= plain["cache_bytes"] and sharded["aliased"] >= plain["cache_bytes"] // 2
     assert sharded["aliased"] < plain["aliased"]

@@ -485,9 +485,13 @@ def cache_shardings(layout: CacheLayout, mesh) -> dict:
     except (TypeError, ValueError):
         return {}  # the converter says what is wrong with the mesh
     n = axes.get("model", 1)
-    if not isinstance(n, int) or n <= 1 or layout.kv_heads % n:
+    if not isinstance(n, int) or n <= 1:
         return {}
-    return {name: [None, "model", None, None] for name in layout.names()}
+    if layout.kv_heads % n == 0:
+        return {name: [None, "model", None, None] for name in layout.names()}
+    if layout.head_dim % n == 0:  # more chips than KV heads (GQA): split each head's features instead
+        return {name: [None, None, None, "model"] for name in layout.names()}
+    return {}
 
 
 def prefill_lengths(signatures) -> list[int]:
