@@ -97,3 +97,24 @@ def test_cli_exports_a_config_only_folder(qwen3, cli, tmp_path):
     assert not (tmp_path / "q.litertlm").exists()
     r = cli(config_only, "--target", "tpu", "-o", tmp_path / "r.tpu")  # without the flag the weights are needed
     assert r.returncode == 2 and "no .safetensors weights" in r.stderr
+
+
+def test_a_float32_checkpoint_binds_to_a_bf16_program_cast_as_read(qwen3, tmp_path):
+    """bf16 serving from a float32 checkpoint: the weights stay memory-mapped and are cast as each is read
+    (one at a time, or a process's own slices), never held cast all at once; the bound program runs like
+    the same model exported with its values."""
+    from torchtpu_export.safetensors_io import CastOnRead
+    model, tok, abstract, folder = qwen3
+    prog = tte.export_llm(abstract, tok, target="tpu", prefill_lengths=(8,), cache_length=48, quant_config="bf16",
+                          platforms=("cpu",))
+    bound = prog.bind_weights(folder)
+    lazy = [n for n, w in bound.artifact.weights.items() if isinstance(w, CastOnRead)]
+    assert lazy and all(bound.artifact.weights[n].dtype.name == "bfloat16" for n in lazy)
+    w = bound.artifact.weights[lazy[0]]
+    np.testing.assert_array_equal(w[:1], np.asarray(w)[:1])  # a slice casts alone, as the whole does
+    ids = tok("hello world, this is a tiny language model")["input_ids"]
+    ref = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8,), cache_length=48, quant_config="bf16",
+                         platforms=("cpu",))
+    assert bound.generate(ids, 12) == ref.generate(ids, 12)
+    bound.save(tmp_path / "bound.tpu")  # written one weight at a time
+    assert tte.load(tmp_path / "bound.tpu").generate(ids, 12) == ref.generate(ids, 12)

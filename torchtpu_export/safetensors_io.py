@@ -27,9 +27,40 @@ _CODES = {np.dtype(v): k for k, v in _DTYPES.items()}
 MAX_HEADER_BYTES = 100 << 20  # the safetensors package's own cap
 
 
+class CastOnRead:
+    """A checkpoint tensor (memory-mapped) seen in the program's dtype, cast only as it is read: a slice
+    when a process places its own shards (``value[index]``), the whole tensor when one device takes
+    it (``np.asarray``), one weight at a time. Binding a checkpoint stored in another float type thus
+    never holds a cast copy of the whole model."""
+
+    def __init__(self, value: np.ndarray, dtype: np.dtype):
+        self._value, self.dtype = value, np.dtype(dtype)
+        self.shape, self.ndim = tuple(value.shape), value.ndim
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def __getitem__(self, index) -> np.ndarray:
+        return np.asarray(self._value[index]).astype(self.dtype)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.asarray(self._value).astype(self.dtype)
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+
 def to_numpy(t) -> np.ndarray:
     """A tensor (bf16 included), or anything numpy reads (a JAX array: ``ml_dtypes`` types stay as they
     are), as a numpy array sharing memory where possible."""
+    if isinstance(t, CastOnRead):  # stays lazy: a writer reads it when it gets to it
+        return t
     if not isinstance(t, torch.Tensor):
         return np.asarray(t)
     t = t.detach()

@@ -2,8 +2,9 @@
 
 The programs were traced and compiled against shapes and dtypes only; here each abstract weight is
 found in safetensors files (a Hugging Face checkpoint's shards) or a mapping, checked against the shape
-the program takes, cast to its dtype, and quantized the way export would have (int8 weight-only: one
-scale per output channel). Files are read through ``safetensors_io`` (bounds checked, memory-mapped).
+the program takes, cast to its dtype as it is read (:class:`CastOnRead`), and quantized the way export
+would have (int8 weight-only: one scale per output channel, computed here from the whole weight). Files
+are read through ``safetensors_io`` (bounds checked, memory-mapped).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from . import tpu_format
 from .errors import ArtifactError, InputError
 from .quant import per_channel_int8
 from .safetensors_io import read as read_safetensors
-from .safetensors_io import to_numpy
+from .safetensors_io import CastOnRead, to_numpy
 
 
 def _open(path: str) -> tuple[dict, mmap.mmap | None]:
@@ -110,7 +111,7 @@ def bind(artifact: tpu_format.TpuArtifact, source, prefix: str | None = None) ->
             if not (_floating(value.dtype) and _floating(target)):
                 raise InputError(f"weight {key!r} is {value.dtype.name} in the checkpoint; the program takes "
                                  f"{target.name}")
-            value = value.astype(target)
+            value = CastOnRead(value, target)
         weights[name] = value
     if missing:
         raise InputError(f"{len(missing)} of the program's weights are not in the checkpoint: "
