@@ -18,6 +18,7 @@ import numpy as np  # noqa: E402
 
 from torchtpu_export.errors import ArtifactError, InputError
 from torchtpu_export.specs import TensorSpec, check_dims, coerce_input
+from torchtpu_export import tpu_format
 from torchtpu_export.tpu_format import TpuArtifact
 
 log = logging.getLogger("torchtpu_export")
@@ -36,9 +37,11 @@ class XlaRunner:
     name = "xla"
 
     def __init__(self, artifact: TpuArtifact, program: str = "main", platform: str | None = None,
-                 placed: dict | None = None):
+                 placed: dict | None = None, state: dict | None = None):
         """``placed``: weights already on the device, shared by the programs of one artifact (keyed by
-        name and sharding); the weights this runner places are added to it."""
+        name and sharding); the weights this runner places are added to it. ``state``: the values of
+        the buffers the programs change in place, on the device, shared likewise (by name and platform);
+        each call takes them (donated) and leaves their new values there."""
         spec = artifact.manifest["programs"].get(program)
         if spec is None:
             raise InputError(f"no program {program!r} in the artifact; it has {sorted(artifact.manifest['programs'])}")
@@ -56,6 +59,13 @@ class XlaRunner:
                 f"{jax.export.maximum_supported_calling_convention_version}",
                 hint="jax.export artifacts load in jax releases up to about 6 months newer: re-export it with this jax")
         self.inputs = [TensorSpec.from_json(d) for d in spec["inputs"]]
+        self.state_specs = [TensorSpec.from_json(d) for d in spec.get("state", ())]
+        self._state_store = {} if state is None else state
+        self._artifact_state = {d["name"]: artifact.weights.get(tpu_format.STATE_PREFIX + d["name"])
+                                for d in spec.get("state", ())}
+        if any(v is None for v in self._artifact_state.values()):
+            raise ArtifactError("the artifact lacks the initial value of its programs' state",
+                                hint="export the model again")
         self.outputs = [TensorSpec.from_json(d) for d in spec["outputs"]]
         self.uses_x64 = bool(spec.get("uses_x64", True))
         self.dims = {k: tuple(v) for k, v in spec.get("dims", {}).items()}
@@ -101,7 +111,7 @@ class XlaRunner:
             if platform == "tpu":
                 self._call = self._stored(artifact, program)
             # inputs the program updates in place (a KV cache): their buffers become the outputs'
-            self.donate = tuple(int(i) for i in spec.get("donate", ()))
+            self.donate = tpu_format.donated(spec)
             if self._call is None:
                 self._call = jax.jit(self.exported.call, donate_argnums=tuple(1 + i for i in self.donate))
         avals = self.exported.in_avals[len(spec["weights"]):]
@@ -113,7 +123,7 @@ class XlaRunner:
         """The deserialized program against the manifest and the weights: the call structure the runner
         uses, one argument per weight and input with the weight's own shape and dtype, enough results."""
         exp, names = self.exported, spec["weights"]
-        n_args = len(names) + len(self.inputs) + (1 if self.rng_key else 0)
+        n_args = len(names) + len(self.inputs) + len(self.state_specs) + (1 if self.rng_key else 0)
         try:
             expected = jax.tree.structure((({n: 0 for n in names}, *([0] * (n_args - len(names)))), {}))
             same = exp.in_tree == expected
@@ -156,6 +166,23 @@ class XlaRunner:
             log.warning("compiling the tpu program %r: no stored executable can run here (%s)", program, why)
         return None
 
+    def state_arrays(self) -> list:
+        """The current value of each buffer the program changes in place, on the device (placed from the
+        artifact's initial values on first use, and after ``TpuProgram.reset_state``)."""
+        arrays = []
+        n = len(self.inputs)
+        for k, spec in enumerate(self.state_specs):
+            key = (spec.name, self.platform)
+            if key not in self._state_store:
+                value = np.asarray(self._artifact_state[spec.name])
+                sharding = self._input_shardings[n + k] if self._input_shardings else None
+                if sharding is not None and jax.process_count() > 1:
+                    self._state_store[key] = global_array(value, sharding)[0]
+                else:
+                    self._state_store[key] = jax.device_put(value, sharding)
+            arrays.append(self._state_store[key])
+        return arrays
+
     def run(self, inputs: Sequence) -> list[np.ndarray]:
         if len(inputs) != len(self.inputs):
             raise InputError(f"expected {len(self.inputs)} inputs ({', '.join(str(s) for s in self.inputs)}), "
@@ -167,10 +194,15 @@ class XlaRunner:
                 arrays = [global_array(a, sh)[0] for a, sh in zip(arrays, self._input_shardings)]
             elif self._input_shardings:
                 arrays = [jax.device_put(a, sh) for a, sh in zip(arrays, self._input_shardings)]
+            arrays += self.state_arrays()
             if self.rng_key:
                 arrays.append(new_key())
             try:
-                outs = [to_host(o) for o in self._call(self.weights, *arrays)]
+                results = list(self._call(self.weights, *arrays))
+                n = len(self.outputs)
+                for spec_state, value in zip(self.state_specs, results[n:n + len(self.state_specs)]):
+                    self._state_store[(spec_state.name, self.platform)] = value  # stays on the device
+                outs = [to_host(o) for o in results[:n]] + [to_host(o) for o in results[n + len(self.state_specs):]]
             except Exception as e:
                 # inputs were checked against the manifest above, and the program came from a file: one
                 # that XLA cannot compile or run is a bad file

@@ -22,7 +22,8 @@ def captures(entries: Sequence[tuple], target: str, strict_export=False,
     out = {}
     for name, module, args, kwargs, dyn in entries:
         out[name] = capture(module, args, kwargs, dynamic_shapes=dyn if dyn is not None else dynamic_shapes,
-                            strict_export=strict_export, keep=converter.KEEP_WHOLE, lowerable=converter.lowerable)
+                            strict_export=strict_export, keep=converter.KEEP_WHOLE, lowerable=converter.lowerable,
+                            state=targets.get(target).stateful)
         abstract = [w for w, t in out[name].weights.items() if is_abstract(t)]
         if abstract and not targets.get(targets.get(target).program_target or target).abstract_weights:
             raise InputError(f"weight {abstract[0]!r} has no values (built under abstract_weights() or on the meta "

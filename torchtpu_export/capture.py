@@ -52,6 +52,12 @@ class CapturedProgram:
     constant_inputs: dict[int, Any]
     sample_inputs: list[torch.Tensor]
     dim_ranges: dict[str, tuple] = dataclasses.field(default_factory=dict)  # symbolic dim -> (min, max or None)
+    # buffers the module changes in place (a KV cache kept as a buffer), for targets that keep state:
+    # (buffer name, its value before the first call). They are the last len(state) inputs and outputs
+    # (the value before the call in, the value after it out); ``output_order`` maps those outputs to
+    # the graph's (which lists the buffers' new values first).
+    state: list[tuple[str, torch.Tensor]] = dataclasses.field(default_factory=list)
+    output_order: list[int] | None = None
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -64,9 +70,14 @@ class CapturedProgram:
     def call_metadata(self) -> dict:
         """What an artifact records to be called like the module: torch-side input and output specs,
         the call's pytree structure (treespec text), and the non-tensor inputs torch.export specialised."""
-        return {"inputs": [s.to_json() for s in self.inputs], "outputs": [s.to_json() for s in self.outputs],
+        n = len(self.inputs) - len(self.state), len(self.outputs) - len(self.state)
+        meta = {"inputs": [s.to_json() for s in self.inputs[:n[0]]],
+                "outputs": [s.to_json() for s in self.outputs[:n[1]]],
                 "in_spec": treespec.dumps(self.in_spec), "out_spec": treespec.dumps(self.out_spec),
                 "constant_inputs": {str(i): jsonable(v) for i, v in self.constant_inputs.items()}}
+        if self.state:
+            meta["state"] = [dict(s.to_json(), name=name) for (name, _), s in zip(self.state, self.inputs[n[0]:])]
+        return meta
 
     def op_histogram(self) -> dict[str, int]:
         hist: dict[str, int] = {}
@@ -285,12 +296,14 @@ def _export(module, args, kwargs, dynamic_shapes, strict) -> ExportedProgram:
 
 def capture(module, sample_args: Sequence = (), sample_kwargs: dict | None = None, *,
             dynamic_shapes=None, strict_export: bool | str = False, keep: Iterable = (),
-            lowerable: Callable | None = None) -> CapturedProgram:
+            lowerable: Callable | None = None, state: bool = False) -> CapturedProgram:
     """Exports ``module`` (or takes an ExportedProgram) and decomposes it to core ATen.
 
     ``keep`` names composite ops that the calling target lowers whole. ``lowerable(op)`` says
     whether the target has a rule for ``op``: when every op of the exported graph has one and
     none mutates, decomposition (a full retrace, most of a warm capture's time) is skipped.
+    ``state``: buffers the module changes in place become state (``CapturedProgram.state``) for a
+    target whose runtime keeps them between calls; otherwise such a module is refused.
     """
     if strict_export not in (True, False, "auto"):
         raise InputError(f"strict_export must be True, False or 'auto', not {strict_export!r}")
@@ -319,7 +332,7 @@ def capture(module, sample_args: Sequence = (), sample_kwargs: dict | None = Non
             log.debug("every op is lowered as it is: decomposition skipped")
     except Exception as e:
         raise CaptureError(f"decomposition to core ATen failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
-    return _flatten(ep, tuple(sample_args or ()), dict(sample_kwargs or {}))
+    return _flatten(ep, tuple(sample_args or ()), dict(sample_kwargs or {}), state)
 
 
 @contextlib.contextmanager
@@ -369,22 +382,29 @@ def _drop_effect_tokens(ep: ExportedProgram) -> ExportedProgram:
     return _remove_effect_tokens(ep)
 
 
-def _flatten(ep: ExportedProgram, sample_args, sample_kwargs) -> CapturedProgram:
+def _flatten(ep: ExportedProgram, sample_args, sample_kwargs, allow_state: bool = False) -> CapturedProgram:
     ep = _drop_input_mutations(_drop_effect_tokens(ep))
     sig = ep.graph_signature
-    mutated = [o for o in sig.output_specs if o.kind not in (OutputKind.USER_OUTPUT,)]
+    kept = (OutputKind.USER_OUTPUT, OutputKind.BUFFER_MUTATION) if allow_state else (OutputKind.USER_OUTPUT,)
+    mutated = [o for o in sig.output_specs if o.kind not in kept]
     if mutated:
         raise CaptureError(
             f"the model changes state in place during forward ({', '.join(str(o.target or o.arg.name) for o in mutated)}); "
-            "only stateless inference programs can be exported",
+            + ("only buffers may change in place" if allow_state else
+               "this target exports stateless programs only (the tpu target keeps buffers changed in place)"),
             hint="pass state such as buffers and KV caches as explicit inputs and return the updated values as outputs")
+    # a buffer changed in place -> (its name, the graph output holding its new value)
+    changed = {o.target: i for i, o in enumerate(sig.output_specs) if o.kind == OutputKind.BUFFER_MUTATION}
     placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
     weights: dict[str, torch.Tensor] = {}
     weight_placeholders: dict[str, str] = {}
     input_placeholders: list[str] = []
     abstract_names: dict[int, str] = {}  # a tied abstract weight (one tensor, two names) is one weight
+    state_placeholders: list[tuple[str, str]] = []  # (buffer name, placeholder)
     for spec in sig.input_specs:
-        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+        if spec.kind == InputKind.BUFFER and spec.target in changed:
+            state_placeholders.append((spec.target, spec.arg.name))
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             if spec.target in ep.state_dict:
                 value = ep.state_dict[spec.target]
             else:
@@ -411,16 +431,27 @@ def _flatten(ep: ExportedProgram, sample_args, sample_kwargs) -> CapturedProgram
 
     inputs = [TensorSpec(name, shape_of(placeholders[name].meta["val"]), dtype_name(placeholders[name].meta["val"].dtype))
               for name in input_placeholders]
+    state = []
+    for target, ph in state_placeholders:  # after the user's inputs and outputs, in the same order
+        val = placeholders[ph].meta["val"]
+        inputs.append(TensorSpec(f"state.{target}", shape_of(val), dtype_name(val.dtype)))
+        input_placeholders.append(ph)
+        state.append((target, (ep.state_dict[target] if target in ep.state_dict else ep.constants[target]).detach()))
     out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    order = [i for i, o in enumerate(sig.output_specs) if o.kind == OutputKind.USER_OUTPUT] + \
+        [changed[target] for target, _ in state_placeholders]
     outputs = []
-    for i, o in enumerate(out_node.args[0]):
+    for k, i in enumerate(order):
+        o = out_node.args[0][i]
         val = o.meta["val"] if isinstance(o, torch.fx.Node) else torch.tensor(o)
-        outputs.append(TensorSpec(f"output_{i}", shape_of(val), dtype_name(val.dtype)))
+        name = f"output_{k}" if k < len(order) - len(state) else f"state.{state[k - len(order) + len(state)][0]}"
+        outputs.append(TensorSpec(name, shape_of(val), dtype_name(val.dtype)))
     symbols = {d for spec in inputs for d in spec.shape if isinstance(d, str)}
     dim_ranges = {str(sym): (_finite_int(rng.lower) or 0, _finite_int(rng.upper))
                   for sym, rng in ep.range_constraints.items() if str(sym) in symbols}
     return CapturedProgram(ep, weights, weight_placeholders, inputs, input_placeholders, outputs,
-                           in_spec, ep.call_spec.out_spec, constant_inputs, sample_inputs, dim_ranges)
+                           in_spec, ep.call_spec.out_spec, constant_inputs, sample_inputs, dim_ranges,
+                           state, order if state else None)
 
 
 def _finite_int(bound) -> int | None:

@@ -45,6 +45,8 @@ def format_description(desc: dict) -> str:
         lines.append(f"{desc.get('unit', 'program')} {name}:")
         lines += ["  input  " + _io_line(i) for i in prog["inputs"]]
         lines += ["  output " + _io_line(o) for o in prog["outputs"]]
+        lines += ["  state  " + _io_line(st) + " (a buffer changed in place: kept on the device between calls)"
+                  for st in prog.get("state") or []]
         hist = prog.get("op_histogram") or {}
         if hist:
             lines.append(f"  ops ({sum(hist.values())}): " + ", ".join(f"{k} {v}" for k, v in

@@ -28,6 +28,7 @@ import pickle
 import re
 
 from .errors import ArtifactError, ConversionError, InputError
+from .tpu_format import donated
 
 log = logging.getLogger("torchtpu_export")
 
@@ -486,10 +487,10 @@ def compile_artifact(artifact, topology_name: str, programs=None, *, store: bool
             if bounds:  # the smallest shapes must compile too; the statistics are the largest's
                 compile_exported(exported, topology_name, uses_x64=uses_x64, mesh_axes=mesh_axes,
                                  shardings=spec.get("sharding"), dims={n: lo for n, (lo, _) in bounds.items()},
-                                 donate=tuple(spec.get("donate", ())))
+                                 donate=donated(spec))
             compiled = compile_exported(exported, topology_name, uses_x64=uses_x64, mesh_axes=mesh_axes,
                                         shardings=spec.get("sharding"), dims={n: hi for n, (_, hi) in bounds.items()},
-                                        donate=tuple(spec.get("donate", ())))
+                                        donate=donated(spec))
         except CompileError as e:
             raise CompileError(f"the TPU compiler ({topology_name}) rejects program {prog!r}:\n{e}") from e
         st = stats(compiled, gen)

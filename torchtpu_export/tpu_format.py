@@ -48,6 +48,7 @@ FORMAT = "torchtpu-export.tpu"
 FORMAT_VERSION = 2  # 2: digests of every entry in the manifest (1: none; still read)
 MAX_MANIFEST_BYTES = 16 << 20
 MANIFEST = "manifest.json"
+STATE_PREFIX = "state:"  # the initial value of a program's state (a buffer it changes in place), among the weights
 WEIGHTS = "weights.safetensors"
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 
@@ -308,7 +309,8 @@ def _manifest_schema():
                       "calling_convention_version": Opt(Count()), "kernels": ListOf(kernel),
                       "ragged_outputs": MapOf(Count(), key=Is(str, max_len=12)), "rng_key": BOOL,
                       "op_histogram": MapOf(Count()), "quantization": Record({"recipe": STR}),
-                      "sharding": Opt(sharding), "donate": ListOf(Count())})
+                      "sharding": Opt(sharding), "donate": ListOf(Count()),
+                      "state": ListOf(Record({"name": STR, "shape": ListOf(Count()), "dtype": STR}))})
     return Record({"format": OneOf(FORMAT), "format_version": Count(), "programs": MapOf(program),
                    "weights": Record({"file": NAME}, {"count": Count(), "bytes": Count(),
                                                       "abstract": MapOf(Record({"dtype": STR, "shape": ListOf(Count())}))})},
@@ -319,6 +321,13 @@ def _manifest_schema():
                                  {"tokenizer": NAME, "chat_template": Opt(STR), "bos_id": Opt(Count()),
                                   "pad_id": Opt(Count()), "stop_ids": ListOf(Count()), "slots": Count(),
                                   "name": STR})})
+
+
+def donated(spec: dict) -> tuple[int, ...]:
+    """The positions of a program's inputs whose buffers its outputs may take over: the ``donate`` list
+    (a KV cache passed in), then the state after the inputs (buffers the module changes in place)."""
+    n = len(spec["inputs"])
+    return tuple(int(i) for i in spec.get("donate", ())) + tuple(n + k for k in range(len(spec.get("state", ()))))
 
 
 def check_manifest(manifest, path: str = "artifact") -> None:
@@ -370,5 +379,7 @@ def _check_program(spec: dict, where: str) -> None:
         ins = spec["inputs"]
         if any(i >= len(ins) or (tuple(ins[i]["shape"]), ins[i]["dtype"]) not in outs for i in spec["donate"]):
             problem = "a donated input has no output of its shape and dtype"
+    if not problem and spec.get("state") and spec.get("ragged_outputs"):
+        problem = "a program with state has ragged outputs"
     if problem:
         raise ArtifactError(f"{where} is corrupt: in the manifest, {problem}", hint="export the model again")

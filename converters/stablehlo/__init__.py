@@ -131,6 +131,11 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
                              hint=f"the inputs are {', '.join(sorted(known)[:12])}")
     weights, weight_names = _merge_weights(captures)
     np_weights = {name: _weight_array(t, narrow_64bit) for name, t in weights.items()}
+    # buffers changed in place: their values before the first call, stored beside the weights (programs of
+    # one module share them by name)
+    for cap in captures.values():
+        for name, value in cap.state:
+            np_weights.setdefault(tpu_format.STATE_PREFIX + name, _weight_array(value, narrow_64bit))
     quant = parse_quant(quant_config, "tpu")
     float_dtype, dequantize = quantize.apply(quant, captures, np_weights, weight_names) if quant else (None, {})
     manifest = {

@@ -122,6 +122,8 @@ def to_jax_function(captured: CapturedProgram, ctx: LoweringContext, weight_name
             elif node.op == "output":
                 outs = [_declared(env[o], o) if isinstance(o, torch.fx.Node) else jnp.asarray(o)
                         for o in node.args[0]]
+                if captured.output_order is not None:  # the user's outputs, then the buffers' new values
+                    outs = [outs[i] for i in captured.output_order]
                 counts = [(i, o.count) for i, o in enumerate(outs) if isinstance(o, Ragged)]
                 fn.ragged_outputs = {i: len(outs) + k for k, (i, _) in enumerate(counts)}
                 return [o.values if isinstance(o, Ragged) else o for o in outs] + [c for _, c in counts]

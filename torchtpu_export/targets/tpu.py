@@ -34,6 +34,7 @@ class TpuProgram(Runnable):
         self.artifact = artifact
         self._runners: dict = {}
         self._placed: dict = {}  # weights on the device, shared by the runners of every program
+        self._state: dict = {}  # buffers the programs change in place: their current values, on the device
         self.quant_report = None  # set by export(..., quant_config=...)
 
     @property
@@ -63,8 +64,26 @@ class TpuProgram(Runnable):
                              "values): it compiles and inspects, but runs only once values are bound",
                              hint="prog = prog.bind_weights('model.safetensors' or a folder of safetensors shards)")
         if key not in self._runners:
-            self._runners[key] = XlaRunner(self.artifact, key[0], platform, self._placed)
+            self._runners[key] = XlaRunner(self.artifact, key[0], platform, self._placed, self._state)
         return self._runners[key]
+
+    @property
+    def state(self) -> dict[str, np.ndarray]:
+        """The buffers the model changes in place (a cache kept as a buffer), as they are now: kept on the
+        device between calls (each call donates them and keeps their new values), shared by the programs
+        of one artifact by buffer name. Before the first call, the values the module had at export."""
+        out = {}
+        for spec in self.manifest["programs"].values():
+            for d in spec.get("state", ()):
+                live = [v for (name, _), v in self._state.items() if name == d["name"]]
+                out[d["name"]] = np.asarray(live[0]) if live else \
+                    np.asarray(self.artifact.weights[tpu_format.STATE_PREFIX + d["name"]])
+        return out
+
+    def reset_state(self) -> "TpuProgram":
+        """Back to the state the module had at export (the next call starts from it)."""
+        self._state.clear()
+        return self
 
     @property
     def abstract_weights(self) -> list[str]:
@@ -148,6 +167,7 @@ def build(captures: dict, options: dict) -> TpuProgram:
         float_bytes = sum(t.numel() * t.element_size() for c in captures.values() for t in c.weights.values())
         prog.quant_report = report_against_eager(prog, captures, parse(quant_config, "tpu").recipe, float_bytes,
                                                  sum(w.nbytes for w in prog.artifact.weights.values()))
+        prog.reset_state()  # measuring ran the program: the state starts over, as exported
     return prog
 
 
@@ -172,7 +192,7 @@ def describe(path: str, topologies=None) -> dict:
     programs = {}
     for name, spec in m["programs"].items():
         programs[name] = {
-            "inputs": spec["inputs"], "outputs": spec["outputs"],
+            "inputs": spec["inputs"], "outputs": spec["outputs"], "state": spec.get("state", []),
             "platforms": sorted(spec["files"]),
             "weights": len(spec["weights"]),
             "op_histogram": spec.get("op_histogram", {}),
@@ -267,5 +287,5 @@ TARGET = Target(
     converter="stablehlo", runtime="xla", suffix=".tpu", runnable=TpuProgram, signature="main",
     build=build, load=load, describe=describe, cli_options=cli_options, compile=compile_cli,
     cli_flags=("platforms", "kernels", "narrow_64bit", "mesh", "sharding", "quantize"),
-    local_options={"platforms": ("cpu",)}, from_llm=from_llm, serving=True, abstract_weights=True,
+    local_options={"platforms": ("cpu",)}, from_llm=from_llm, serving=True, abstract_weights=True, stateful=True,
 )
