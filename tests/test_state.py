@@ -117,3 +117,33 @@ def test_targets_without_state_refuse_by_buffer_name(cli, tmp_path):
     r = cli("inspect", tmp_path / "c.tpu")
     assert r.returncode == 0, r.stderr
     assert "state  cache: float32[8, 4] (a buffer changed in place" in r.stdout
+
+
+def test_state_of_a_sharded_program_is_split_as_given():
+    """State is an input and an output like others: input_shardings names it ("state.<buffer>"), and the
+    buffers stay split over the devices between calls."""
+    import os
+    import subprocess
+    import sys
+    script = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import copy, numpy as np, torch, torchtpu_export as tte
+from test_state import BufferCacheDecoder
+torch.manual_seed(0)
+m = BufferCacheDecoder().eval(); eager = copy.deepcopy(m)
+prompt = torch.randint(0, 64, (1, 5))
+split = [None, "model", None, None]
+prog = tte.export(m, (prompt, torch.arange(5)), platforms=("cpu",), mesh=(("data", 1), ("model", 2)),
+                  input_shardings={"state.k_cache": split, "state.v_cache": split})
+for t in range(2):
+    with torch.no_grad():
+        want = eager(prompt, torch.arange(5)).numpy()
+    assert np.abs(np.asarray(prog(prompt, torch.arange(5))) - want).max() < 1e-5
+assert all(tuple(v.sharding.spec)[:2] == (None, 'model') for v in prog._state.values()), prog._state
+print("ok")
+"""
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=here,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=here))
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]

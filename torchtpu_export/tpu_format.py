@@ -367,8 +367,9 @@ def _check_program(spec: dict, where: str) -> None:
     plan = spec.get("sharding")
     if not problem and any(not k.isdigit() for k in spec.get("ragged_outputs", {})):
         problem = "its ragged outputs are not keyed by output positions"
-    if not problem and plan is not None and (len(plan["inputs"]) != len(spec["inputs"])
-                                             or len(plan.get("outputs", spec["outputs"])) != len(spec["outputs"])
+    if not problem and plan is not None and (len(plan["inputs"]) != len(spec["inputs"]) + len(spec.get("state", ()))
+                                             or len(plan.get("outputs", spec["outputs"]))
+                                             != len(spec["outputs"]) + len(spec.get("state", ()))
                                              or not set(plan["weights"]) <= set(spec["weights"])):
         problem = "its sharding plan does not match its inputs and weights"
     if not problem and any(int(k) >= n_out for k in spec.get("ragged_outputs", {})):

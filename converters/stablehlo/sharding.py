@@ -124,7 +124,7 @@ def plan(captured: CapturedProgram, mesh: Mapping[str, int], mode: str,
             if node.target in _FLOW:
                 split[node] = any(split.get(a) for a in node.all_input_nodes)
     inputs = []
-    for spec, sample in zip(captured.inputs, captured.sample_inputs):
+    for spec in captured.inputs:
         s = [None] * len(spec.shape)
         if mode in ("tensor_parallel", "data_parallel") and data_axis and mesh[data_axis] > 1 and s \
                 and isinstance(spec.shape[0], int) and spec.shape[0] % mesh[data_axis] == 0:
@@ -137,6 +137,7 @@ def plan(captured: CapturedProgram, mesh: Mapping[str, int], mode: str,
     by_name = {spec.name: (list(spec.shape), s) for spec, s in zip(captured.inputs, inputs)}
     # outputs by the module's names for them (a dict's keys, as litert-torch names signature outputs)
     out_names = treespec.unique(treespec.output_names(captured.out_spec))
+    out_names += [o.name for o in captured.outputs[len(out_names):]]  # state: "state.<buffer>", as its input
     outputs = [list(by_name[n][1]) if n in by_name and by_name[n][0] == list(o.shape) else [None] * len(o.shape)
                for n, o in zip(out_names, captured.outputs)]
     if mode == "data_parallel":
