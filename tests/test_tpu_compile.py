@@ -413,3 +413,18 @@ def test_float64_the_tpu_compiler_lacks_says_to_narrow():
         prog.compile("v5e:2x2")
     assert "narrow_64bit=True" in e.value.hint
     assert_compiles(tte.export(_Spectrum(), (x,), platforms=("tpu",), narrow_64bit=True), ("v5e:2x2",))
+
+
+@pytest.mark.parametrize("model_axis,topology", [(4, "v5e:2x2"), (8, "v6e:2x4")])
+def test_tensor_parallel_programs_run_their_kernels_per_shard(model_axis, topology):
+    """The attention and norm kernels of a tensor-parallel program, in shard_map over the model axis
+    (attention by head, norms on whole rows), compiled by libtpu for 4 and 8 chips."""
+    model, args = zoo.llama(dim=1024, heads=8, kv_heads=8, head_dim=128, seq=256, max_seq=256, layers=1)
+    prog = tte.export(model, args, mesh=(("data", 1), ("model", model_axis)), platforms=("tpu",))
+    used = [e for e in prog.kernels() if e.get("kernel")]
+    assert {e["kernel"] for e in used} == {"pallas.splash_attention", "pallas.rms_norm"}, prog.kernels()
+    attention = next(e for e in used if "attention" in e["kernel"])
+    assert f"{8 // model_axis} of 8 heads on each of {model_axis} devices" in attention["detail"]
+    assert prog.stablehlo_text("tpu").count("tpu_custom_call") == len(used)
+    stats = assert_compiles(prog, (topology,))
+    assert stats[topology]["main"]["hbm_bytes"]["total"] > 0

@@ -164,7 +164,7 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
         jit_kwargs = _jit_shardings(plan, renames) if plan else {}
         for platform in platforms:
             ctx = LoweringContext(platform, narrow_64bit=narrow_64bit, kernels=kernels, float_dtype=float_dtype,
-                                  sharded=bool(mesh_axes),
+                                  sharded=bool(mesh_axes), mesh_axes=mesh_axes,
                                   kernel_topologies=kernel_topologies if platform == "tpu" else ())
             fn = to_jax_function(cap, ctx, renames, dequantize)
             with jax.enable_x64(uses_x64), _no_source_paths(), progress.stage(f"lower ({platform})"):

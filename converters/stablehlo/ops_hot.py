@@ -37,6 +37,18 @@ aten = torch.ops.aten
 KEEP_WHOLE = [aten.scaled_dot_product_attention.default, aten.rms_norm.default]
 
 
+@dataclasses.dataclass(frozen=True)
+class Shards:
+    """How a kernel runs per shard of a sharded program (``jax.shard_map`` over the program's mesh):
+    each operand's and the output's partition spec, and the operands' per-shard shapes (for the plan
+    and the compiler's check)."""
+
+    in_specs: tuple
+    out_specs: object
+    local: tuple                # jax.ShapeDtypeStruct per operand: what one shard's kernel gets
+    detail: str
+
+
 @dataclasses.dataclass
 class Candidate:
     """A kernel that may lower a node: its plan (or why it does not fit) and the call to make."""
@@ -47,6 +59,7 @@ class Candidate:
     operands: tuple
     key: tuple = ()             # what ``call`` binds besides the plan (causal, scale, eps, ...)
     cost: dict | None = None    # for kernels that declare no cost estimate to the compiler
+    shards: Shards | None = None  # in a sharded program: how it runs per shard (None: it cannot)
 
 
 def dispatch(ctx, *candidates: Candidate):
@@ -61,21 +74,27 @@ def dispatch(ctx, *candidates: Candidate):
     reasons = []
     if ctx.kernels == "xla":
         reasons.append("kernels='xla'")
-    elif ctx.sharded:
-        # XLA cannot partition a Mosaic kernel; it would need a shard_map per kernel
-        reasons.append("the program is sharded over a mesh, and Pallas kernels are not partitioned automatically")
     else:
         for c in candidates:
             why = c.fit.reason if isinstance(c.fit, Unfit) else None
+            if why is None and ctx.sharded and c.shards is None:
+                # XLA cannot partition a Mosaic kernel: it runs per shard (shard_map) or not at all
+                why = "the program is sharded over a mesh, and this kernel has no per-shard form here"
+            operands = c.operands if c.shards is None else c.shards.local
             if why is None and ctx.kernel_topologies:
-                rejected = compiler_rejects(c.kernel, c.call, c.operands, (c.fit, *c.key), ctx.kernel_topologies)
+                rejected = compiler_rejects(c.kernel, c.call, operands, (c.fit, *c.key), ctx.kernel_topologies)
                 why = f"the TPU compiler rejects it ({rejected})" if rejected else None
             if why is None:
                 entry.update(kernel=f"pallas.{c.kernel}", detail=c.fit.describe())
+                call = c.call
+                if c.shards is not None:
+                    entry["detail"] += f"; per shard: {c.shards.detail}"
+                    call = jax.shard_map(c.call, mesh=_mesh(ctx), in_specs=c.shards.in_specs,
+                                         out_specs=c.shards.out_specs, check_vma=False)
                 if c.cost:
                     entry["cost"] = c.cost
                 ctx.kernel_log.append(entry)
-                return c.call(*c.operands)
+                return call(*c.operands)
             reasons.append(why if len(candidates) == 1 else f"{c.kernel}: {why}")
     if ctx.kernels == "pallas":
         raise UnsupportedOpError(
@@ -89,6 +108,56 @@ def dispatch(ctx, *candidates: Candidate):
 
 def _default(op):
     return LOWERINGS[op][None]
+
+
+def _mesh(ctx):
+    """The mesh a per-shard kernel maps over: the one the program is traced under where it is set
+    (``jax.set_mesh``: the same axes, with its devices' kind), else the export's abstract mesh."""
+    from jax.sharding import get_abstract_mesh
+    current = get_abstract_mesh()
+    same = not current.empty and tuple(current.axis_names) == tuple(ctx.mesh.axis_names) \
+        and tuple(current.axis_sizes) == tuple(ctx.mesh.axis_sizes)
+    return current if same else ctx.mesh
+
+
+def _local(x, shape) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
+
+def _batch_axis(ctx, batch) -> str | None:
+    # the data axis splits the batch where it divides (as the plan splits the inputs)
+    n = ctx.mesh_axes.get("data", 1)
+    return "data" if n > 1 and isinstance(batch, int) and batch % n == 0 else None
+
+
+def _head_shards(ctx, q, k, v, mask=None) -> Shards | Unfit:
+    """Attention per shard: q, k and v (B, H, L, D) split by head over ``model`` (tensor parallelism
+    splits attention that way), the batch over ``data`` where it divides; a mask splits along."""
+    from jax.sharding import PartitionSpec as P
+    n = ctx.mesh_axes.get("model", 1)
+    if q.ndim != 4 or k.ndim != 4:
+        return Unfit(f"sharded: the per-shard kernel takes 4-D q/k/v, not {q.ndim}-D")
+    h, hkv = q.shape[1], k.shape[1]
+    if n > 1 and (h % n or hkv % n):
+        return Unfit(f"sharded: {h} query and {hkv} KV heads do not divide over the model axis ({n} devices)")
+    heads = "model" if n > 1 else None
+    b = _batch_axis(ctx, q.shape[0])
+    nb = ctx.mesh_axes.get("data", 1) if b else 1
+    spec = P(b, heads)
+    specs, local = [spec, spec, spec], [_local(x, (x.shape[0] // nb, x.shape[1] // (n if heads else 1)) + x.shape[2:])
+                                        for x in (q, k, v)]
+    if mask is not None:
+        full = (1,) * (4 - mask.ndim) + tuple(mask.shape)
+        mb = b if full[0] == q.shape[0] and b else None
+        mh = heads if full[1] == h and heads else None
+        specs.append(P(*((None,) * (mask.ndim - 4)), mb, mh) if mask.ndim >= 4 else
+                     P(*[None] * mask.ndim) if mh is None and mb is None else None)
+        if specs[-1] is None:
+            return Unfit("sharded: a mask of fewer than 4 dims that varies by batch or head")
+        local.append(_local(mask, (full[0] // (nb if mb else 1), full[1] // (n if mh else 1)) + full[2:]
+                            if mask.ndim >= 4 else mask.shape))
+    return Shards(tuple(specs), spec, tuple(local),
+                  f"{h // (n if heads else 1)} of {h} heads on each of {n} devices" + (f", batch over {nb}" if b else ""))
 
 
 def _shape(x) -> tuple:
@@ -146,18 +215,26 @@ def scaled_dot_product_attention_tpu(ctx, q, k, v, attn_mask=None, dropout_p=0.0
     causal = bool(is_causal)
     ungrouped = Unfit("q and k/v head counts differ without enable_gqa") \
         if q.shape[-3] != k.shape[-3] and not enable_gqa else None
-    flash = ungrouped or plan_attention(_shape(q), _shape(k), _shape(v), q.dtype,
-                                        None if attn_mask is None else _shape(attn_mask), force=force)
+    shards = _head_shards(ctx, q, k, v, attn_mask) if ctx.sharded else None
+    if isinstance(shards, Unfit):
+        ungrouped, shards = ungrouped or shards, None
+    # the kernels' plans are for what one shard's kernel sees
+    lq, lk, lv, *lm = (_shape(x) for x in shards.local) if shards else \
+        (_shape(q), _shape(k), _shape(v), *([] if attn_mask is None else [_shape(attn_mask)]))
+    flash = ungrouped or plan_attention(lq, lk, lv, q.dtype, lm[0] if lm else None, force=force)
     operands = (q, k, v) if attn_mask is None else (q, k, v, attn_mask)
     candidates = [Candidate("flash_attention", flash,
                             functools.partial(_flash, causal=causal, scale=scale, plan=flash), operands,
-                            (causal, scale))]
+                            (causal, scale), shards=shards)]
     if not isinstance(q.shape[-2], int) or q.shape[-2] > DECODE_MAX_Q:  # decode steps are ours: splash has none
-        splash = ungrouped or plan_splash(_shape(q), _shape(k), _shape(v), q.dtype, has_mask=attn_mask is not None)
+        splash = ungrouped or plan_splash(lq, lk, lv, q.dtype, has_mask=attn_mask is not None)
+        splash_shards = None if shards is None else Shards(shards.in_specs[:3], shards.out_specs, shards.local[:3],
+                                                           shards.detail)
         candidates.insert(0, Candidate(
             "splash_attention", splash, functools.partial(splash_attention, causal=causal, scale=scale, plan=splash),
             (q, k, v), (causal, scale),
-            None if isinstance(splash, Unfit) else splash_cost(_shape(q), _shape(k), q.dtype, causal)))
+            None if isinstance(splash, Unfit) else splash_cost(_shape(q), _shape(k), q.dtype, causal),
+            shards=splash_shards))
     out = dispatch(ctx, *candidates)
     if out is not None:
         return out
@@ -201,8 +278,18 @@ def _norm_candidate(ctx, kernel: str, x, normalized_shape, weight, bias, eps, ou
             return rms_norm(x, w, eps, normalized_ndim=nd, out_dtype=out_dtype, plan=fit)
         return layer_norm(x, w, b, eps, normalized_ndim=nd, out_dtype=out_dtype, plan=fit)
 
+    shards = None
+    if ctx.sharded:  # norms are replicated over the model axis: each device normalises its batch rows whole
+        from jax.sharding import PartitionSpec as P
+        b = _batch_axis(ctx, x.shape[0]) if x.ndim > nd else None
+        nb = ctx.mesh_axes.get("data", 1) if b else 1
+        shards = Shards((P(b), *[P()] * len(params)), P(b),
+                        (_local(x, (x.shape[0] // nb,) + tuple(x.shape[1:])), *[_local(p, p.shape) for p in params]),
+                        "the whole rows on every device" + (f", batch over {nb}" if b else ""))
+        if b:
+            fit = plan_norm(tuple(shards.local[0].shape), nd, x.dtype, force=ctx.kernels == "pallas")
     return Candidate(kernel, fit, call, (x, *params), (eps, nd, has, None if out_dtype is None else
-                                                       jnp.dtype(out_dtype).name))
+                                                       jnp.dtype(out_dtype).name), shards=shards)
 
 
 @lowers(aten.rms_norm.default, platform="tpu")

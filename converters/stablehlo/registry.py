@@ -84,13 +84,19 @@ class LoweringContext:
     """What a rule may ask about the node it lowers: output metadata, dtypes, platform."""
 
     def __init__(self, platform: str, *, narrow_64bit: bool = False, kernels: str = "auto",
-                 float_dtype=None, sharded: bool = False, kernel_topologies: tuple[str, ...] = ()):
+                 float_dtype=None, sharded: bool = False, kernel_topologies: tuple[str, ...] = (),
+                 mesh_axes: dict | None = None):
         self.platform = platform
         # TPU topologies whose compiler must accept a Pallas kernel before it is used (libtpu)
         self.kernel_topologies = tuple(kernel_topologies)
         self.narrow_64bit = narrow_64bit
         self.float_dtype = float_dtype  # e.g. bfloat16: the program computes all floats in it
-        self.sharded = sharded  # the program is partitioned over a device mesh
+        self.sharded = sharded or bool(mesh_axes)  # the program is partitioned over a device mesh
+        self.mesh_axes = dict(mesh_axes or {})  # its axes ({"data": 1, "model": 8}): kernels run per shard
+        self.mesh = None
+        if mesh_axes:
+            from jax.sharding import AbstractMesh
+            self.mesh = AbstractMesh(tuple(mesh_axes.values()), tuple(mesh_axes))
         self.kernels = kernels
         self.node: torch.fx.Node | None = None
         self.kernel_log: list[dict] = []  # per hot node: kernel chosen, or why not
