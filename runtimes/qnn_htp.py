@@ -20,9 +20,6 @@ _REGISTER = threading.Lock()
 _REGISTERED: list = []
 EP = "QNNExecutionProvider"
 
-# tflite TensorType -> (numpy dtype, ONNX TensorProto type)
-_TYPES = {0: ("float32", 1), 1: ("float16", 10), 2: ("int32", 6), 3: ("uint8", 2), 4: ("int64", 7),
-          6: ("bool", 9), 7: ("int16", 5), 9: ("int8", 3)}
 
 
 def available() -> str | None:
@@ -65,12 +62,12 @@ class QnnHtpRunner:
     name = "qnn-htp-simulator"
 
     def __init__(self, content, signature: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]):
-        import onnx
         import onnxruntime as ort
         from onnx import helper
 
         from torchtpu_export import npu
-        from torchtpu_export.litert_format import opcode_names, signature_io, validate
+        from torchtpu_export.litert_format import op_histogram, signature_io, type_name, validate
+        from torchtpu_export.specs import numpy_dtype
 
         why = available()
         if why:
@@ -81,16 +78,15 @@ class QnnHtpRunner:
         model = validate(content)
         io = signature_io(model)[signature]
         sub = model.Subgraphs(io["subgraph"])
-        codes = opcode_names(model)
-        ops = [codes[sub.Operators(j).OpcodeIndex()] for j in range(sub.OperatorsLength())]
+        ops = op_histogram(model, [io["subgraph"]])
         if "CUSTOM:DISPATCH_OP" not in ops:
             raise InputError(f"signature {signature!r} is not compiled for an NPU: QNN's HTP simulator runs files "
                              f"compiled for a Qualcomm SoC", hint="torchtpu-export compile model.tflite --soc "
                                                                   "qualcomm:SM8650 writes one")
-        if ops != ["CUSTOM:DISPATCH_OP"]:
-            cpu = sorted({o for o in ops if o != "CUSTOM:DISPATCH_OP"})
+        if ops != {"CUSTOM:DISPATCH_OP": 1}:
+            cpu = sorted(o for o in ops if o != "CUSTOM:DISPATCH_OP")
             raise InputError(f"signature {signature!r} is not one NPU partition (ops: {', '.join(cpu) or 'none'} "
-                             f"besides {ops.count('CUSTOM:DISPATCH_OP')} DISPATCH_OP): the simulator runs "
+                             f"besides {ops['CUSTOM:DISPATCH_OP']} DISPATCH_OP): the simulator runs "
                              f"whole-graph NPU files only")
         stamp = npu.soc_stamp(content, model)
         if stamp and stamp[0] != "Qualcomm":
@@ -98,12 +94,15 @@ class QnnHtpRunner:
         (dispatch,) = [d for d in npu.dispatch_ops(model, content) if d["subgraph"] == io["subgraph"]]
         blob = content[dispatch["bytecode_offset"]:dispatch["bytecode_offset"] + dispatch["bytecode_size"]]
 
-        def tensor(i):
+        def tensor(i):  # (numpy dtype, ONNX element type, shape) of a partition input or output
             t = sub.Tensors(int(i))
-            if t.Type() not in _TYPES:
-                raise ArtifactError(f"NPU partition tensor {t.Name()!r} has a type the simulator does not take")
-            shape = [int(d) for d in t.ShapeAsNumpy()] if t.ShapeLength() else []
-            return t.Name().decode(errors="replace"), _TYPES[t.Type()], shape
+            try:
+                dtype = numpy_dtype(type_name(t.Type()))
+                onnx_type = helper.np_dtype_to_tensor_dtype(dtype)
+            except (InputError, KeyError, TypeError, ValueError):
+                raise ArtifactError(f"NPU partition tensor {t.Name()!r} has a type the simulator does not take") \
+                    from None
+            return dtype, onnx_type, [int(d) for d in t.ShapeAsNumpy()] if t.ShapeLength() else []
 
         # the partition's inputs and outputs are the signature's, in the subgraph's order
         ins = [tensor(i) for i in dispatch["inputs"]]
@@ -113,8 +112,8 @@ class QnnHtpRunner:
                                 embed_mode=1, main_context=1, ep_cache_context=blob, source="Qnn")
         graph = helper.make_graph(
             [node], "npu_partition",
-            [helper.make_tensor_value_info(n, t[1][1], t[2]) for n, t in zip(names[0], ins)],
-            [helper.make_tensor_value_info(n, t[1][1], t[2]) for n, t in zip(names[1], outs)])
+            [helper.make_tensor_value_info(n, t[1], t[2]) for n, t in zip(names[0], ins)],
+            [helper.make_tensor_value_info(n, t[1], t[2]) for n, t in zip(names[1], outs)])
         onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                              helper.make_opsetid("com.microsoft", 1)])
         try:
@@ -132,7 +131,7 @@ class QnnHtpRunner:
         self._feed_order = [sig_in.index(int(i)) for i in dispatch["inputs"]]
         self._out_order = [[int(i) for i in dispatch["outputs"]].index(t) for t in sig_out]
         self._names = names
-        self._dtypes = [t[1][0] for t in ins]
+        self._dtypes = [t[0] for t in ins]
         self.inputs, self.outputs = list(inputs), list(outputs)
 
     def run(self, inputs: Sequence) -> list[np.ndarray]:

@@ -214,8 +214,7 @@ class Engine:
         mesh = self.decode_runner.mesh
         self._small = SingleDeviceSharding(self.device) if mesh is None else NamedSharding(mesh, PartitionSpec())
         batch_sh = _cache_shardings(self.decode_runner, self.cache_names, self._small)
-        slot_sh = _cache_shardings(program.runner(PREFILL.format(self.lengths[0]), platform), self.cache_names,
-                                   self._small)
+        slot_sh = _cache_shardings(self.runners[PREFILL.format(self.lengths[0])], self.cache_names, self._small)
         self._slot_specs = [(tuple(spec[n].shape[1:]), np.dtype(spec[n].dtype)) for n in self.cache_names]
         self._fns = {sig: self._prefill_fn(sig) for sig in self.runners}
         # prefill of several slots at once, straight into the batch's cache (requests arriving together)

@@ -147,15 +147,14 @@ def _head_shards(ctx, q, k, v, mask=None) -> Shards | Unfit:
     specs, local = [spec, spec, spec], [_local(x, (x.shape[0] // nb, x.shape[1] // (n if heads else 1)) + x.shape[2:])
                                         for x in (q, k, v)]
     if mask is not None:
-        full = (1,) * (4 - mask.ndim) + tuple(mask.shape)
-        mb = b if full[0] == q.shape[0] and b else None
-        mh = heads if full[1] == h and heads else None
-        specs.append(P(*((None,) * (mask.ndim - 4)), mb, mh) if mask.ndim >= 4 else
-                     P(*[None] * mask.ndim) if mh is None and mb is None else None)
-        if specs[-1] is None:
+        full = (1,) * (4 - mask.ndim) + tuple(mask.shape)  # as it broadcasts to (B, H, L, S)
+        mb = b if full[0] == q.shape[0] else None
+        mh = heads if full[1] == h else None
+        if mask.ndim < 4 and (mb or mh):
             return Unfit("sharded: a mask of fewer than 4 dims that varies by batch or head")
+        specs.append(P(mb, mh) if mask.ndim == 4 else P())
         local.append(_local(mask, (full[0] // (nb if mb else 1), full[1] // (n if mh else 1)) + full[2:]
-                            if mask.ndim >= 4 else mask.shape))
+                            if mask.ndim == 4 else mask.shape))
     return Shards(tuple(specs), spec, tuple(local),
                   f"{h // (n if heads else 1)} of {h} heads on each of {n} devices" + (f", batch over {nb}" if b else ""))
 
