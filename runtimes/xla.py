@@ -95,12 +95,8 @@ class XlaRunner:
                 for n in spec["weights"]:
                     key = (n, platform, repr(wsh.get(n)))
                     if key not in placed:
-                        if self.mesh is not None and jax.process_count() > 1:
-                            placed[key], read = global_array(artifact.weights[n], wsh[n])
-                            self.bytes_read += read
-                        else:
-                            placed[key] = jax.device_put(np.asarray(artifact.weights[n]), wsh.get(n))
-                            self.bytes_read += artifact.weights[n].nbytes
+                        placed[key], read = _place(artifact.weights[n], wsh.get(n))
+                        self.bytes_read += read
                     self.weights[n] = placed[key]
             except (ArtifactError, InputError):
                 raise
@@ -174,12 +170,8 @@ class XlaRunner:
         for k, spec in enumerate(self.state_specs):
             key = (spec.name, self.platform)
             if key not in self._state_store:
-                value = np.asarray(self._artifact_state[spec.name])
                 sharding = self._input_shardings[n + k] if self._input_shardings else None
-                if sharding is not None and jax.process_count() > 1:
-                    self._state_store[key] = global_array(value, sharding)[0]
-                else:
-                    self._state_store[key] = jax.device_put(value, sharding)
+                self._state_store[key] = _place(self._artifact_state[spec.name], sharding)[0]
             arrays.append(self._state_store[key])
         return arrays
 
@@ -214,6 +206,14 @@ class XlaRunner:
         for i, pos in self.ragged.items():
             outs[i] = outs[i][:int(outs[pos])]
         return outs[:len(self.outputs)]
+
+
+def _place(value, sharding) -> tuple:
+    """A host value (a weight, a state's initial value) on the device(s) ``sharding`` names, and the bytes
+    read: under several processes each reads only its own slices (:func:`global_array`)."""
+    if sharding is not None and jax.process_count() > 1:
+        return global_array(value, sharding)
+    return jax.device_put(np.asarray(value), sharding), value.nbytes
 
 
 def global_array(value, sharding) -> tuple:
