@@ -37,7 +37,7 @@ web-deps:
 	  echo "web-deps: npm ci failed in $(WEB); tests/test_web.py will fail"
 
 test: venv web-deps
-	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup tests
+	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup --durations=30 tests
 
 # the committed coverage files (docs/coverage.*, tests/coverage_expected.json, README totals);
 # OPS='aten.add.*' regenerates those ops' rows only

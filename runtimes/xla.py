@@ -224,7 +224,8 @@ def global_array(value, sharding) -> tuple:
 
     def shard(index):
         key = tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in index)
-        part = np.ascontiguousarray(value[index])
+        part = np.asarray(value[index])
+        part = np.ascontiguousarray(part) if part.ndim else part  # (ascontiguousarray makes a scalar 1-D)
         seen[key] = part.nbytes
         return part
 

@@ -82,3 +82,92 @@ def test_two_processes_run_one_sharded_program_like_one_process(tmp_path):
     for r in results:
         # each process holds 2 of the 4 shards of every sharded weight, and all of the replicated ones
         assert r["sharded"] and r["bytes_read"] == total - r["sharded_bytes"] // 2, (r, total)
+
+
+EXPORT_LLM = textwrap.dedent("""
+    import os, sys, json
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import torchtpu_export as tte
+    from torchtpu_export.engine import Engine
+    import hf_llms
+    out = sys.argv[1]
+    model, tok = hf_llms.build("llama")
+    prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8, 16), cache_length=64, batch_size=2,
+                          platforms=("cpu",), mesh=(("data", 1), ("model", 4)))
+    prog.save(os.path.join(out, "llm.tpu"))
+    # the reference: one process over four devices, the two requests batched together
+    engine = Engine(tte.load(os.path.join(out, "llm.tpu")))
+    prompts = ["hello world, this is a tiny model",
+               "a longer prompt, one that takes more than a chunk of eight tokens to prefill"]
+    stop = engine.program.manifest["llm"]["stop_ids"]  # as the server passes them
+    requests = [engine.submit(tok(p)["input_ids"], 10, stop=stop) for p in prompts]
+    while engine.busy:
+        engine.step()
+    print(json.dumps({"prompts": prompts, "texts": [tok.decode(r.result(), skip_special_tokens=True)
+                                                    for r in requests]}))
+""")
+
+
+def test_serving_engine_across_two_processes(tmp_path):
+    """``serve --distributed`` on two processes of two CPU devices each (gloo), one tensor-parallel LLM over
+    their four devices: process 0 takes HTTP requests, process 1 runs the steps process 0's engine
+    schedules. Two concurrent OpenAI completions give the tokens one process gives over four devices, and
+    stopping process 0 ends process 1 cleanly."""
+    import threading
+    import time
+    import urllib.request
+    import openai
+    env = dict(os.environ, PYTHONWARNINGS="ignore", JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    ref = subprocess.run([sys.executable, "-c", EXPORT_LLM, str(tmp_path)], capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    want = json.loads(ref.stdout.strip().splitlines()[-1])
+    port, http = _free_port(), _free_port()
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+    logs = [open(tmp_path / f"process{i}.log", "w+") for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", "torchtpu_export", "serve", str(tmp_path / "llm.tpu"),
+                               "--port", str(http + i if i else http), "--name", "tiny", "--distributed",
+                               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              stdout=logs[i], stderr=subprocess.STDOUT, env=env, text=True) for i in range(2)]
+
+    def log(i, tail=3000):
+        logs[i].seek(0)
+        return logs[i].read()[-tail if tail else 0:]
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert all(p.poll() is None for p in procs), (log(0), log(1))
+            assert time.time() < deadline, "process 0 did not serve in 300 s"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="unused", max_retries=0, timeout=300)
+        # a client that goes away mid-stream: process 0 cancels it at the next step, and so does process 1
+        stream = client.completions.create(model="tiny", prompt=want["prompts"][0], max_tokens=40, temperature=0,
+                                           stream=True)
+        next(iter(stream))
+        stream.close()
+        texts = [None, None]
+
+        def ask(i):
+            done = client.completions.create(model="tiny", prompt=want["prompts"][i], max_tokens=10, temperature=0)
+            texts[i] = done.choices[0].text
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert texts == want["texts"], (texts, want["texts"], log(0))
+        assert "running the steps of process 0's engine" in log(1, None)
+        procs[0].terminate()  # process 0's engine stops, and tells process 1
+        assert procs[1].wait(120) == 0, log(1)
+        procs[0].wait(60)
+    finally:
+        for p in procs:
+            p.kill()
+        for f in logs:
+            f.close()

@@ -276,3 +276,8 @@ def test_serve_refuses_a_missing_file_and_a_bad_port(cli, tmp_path):
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
     r = cli("serve", tmp_path / "nope.tpu", "--port", "70000")
     assert r.returncode == 2 and "--port" in r.stderr
+    r = cli("serve", tmp_path / "nope.tpu", "--distributed", "--coordinator", "127.0.0.1:1")
+    assert r.returncode == 2 and "go together" in r.stderr and "Traceback" not in r.stderr
+    r = cli("serve", tmp_path / "nope.tpu", "--distributed", "--coordinator", "127.0.0.1:1", "--num-processes", "2",
+            "--process-id", "2")
+    assert r.returncode == 2 and "--process-id must be from 0 to 1" in r.stderr

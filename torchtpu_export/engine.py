@@ -23,6 +23,11 @@ The design is JetStream's (prefill into a slot, then insert it into the batch) w
 
 :class:`Engine` runs in a thread of its own (``start``) for servers, or step by step in the caller's
 thread (``generate``, tests). Nothing else runs these programs: no Python model code is needed.
+
+A program sharded over several processes (JAX's multi-controller runtime, one process per host) has one
+engine per process: process 0 takes the requests and broadcasts them at the start of each step
+(``_sync``), the others run the same steps (``follow``), so that all call the same programs in the same
+order; the tokens a step samples are replicated, so every process sees them.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import json
 import logging
 import threading
 import time
@@ -79,6 +85,7 @@ class Request:
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.cancelled = False
+        self.dropped = False  # the engine has seen the cancel (at the start of a step)
         self.times = {"submitted": time.perf_counter()}
         self._cond = threading.Condition()
         self._watchers: list = []  # (loop, asyncio.Event) of async readers
@@ -204,14 +211,13 @@ class Engine:
         self.vocab = outs["logits"].shape[-1]
         weights = self.decode_runner.weights
         self.device = next(iter(weights.values())).devices().pop() if weights else jax.devices()[0]
-        if jax.process_count() > 1 and self.decode_runner.mesh is not None:
-            raise InputError("the serving engine runs a sharded program in one process; this one is one of "
-                             f"{jax.process_count()} (jax.distributed)",
-                             hint="serve it from a single process over its devices")
         # where the engine's arrays live: one device, or for a sharded program its mesh (token ids and
-        # positions replicated, each cache split as the program's plan splits it: by KV head)
+        # positions replicated, each cache split as the plan says: by KV head). A sharded program under
+        # several processes (jax.distributed) has one engine per process: process 0 takes the requests
         from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
         mesh = self.decode_runner.mesh
+        self.processes = jax.process_count() if mesh is not None else 1
+        self.lead = self.processes == 1 or jax.process_index() == 0
         self._small = SingleDeviceSharding(self.device) if mesh is None else NamedSharding(mesh, PartitionSpec())
         batch_sh = _cache_shardings(self.decode_runner, self.cache_names, self._small)
         slot_sh = _cache_shardings(self.runners[PREFILL.format(self.lengths[0])], self.cache_names, self._small)
@@ -233,10 +239,12 @@ class Engine:
         self._caches = jax.jit(lambda: tuple(jax.numpy.zeros((self.slots, *s), d) for s, d in shapes),
                                out_shardings=batch_sh)()
         self._slots = [_Slot() for _ in range(self.slots)]
-        self._waiting: collections.deque[Request] = collections.deque()
+        self._waiting: collections.deque[Request] = collections.deque()  # the scheduler's (see _sync)
+        self._inbox: collections.deque[Request] = collections.deque()  # submitted since the last step
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._halted = False  # the lead said stop (several processes: they have all left their loops)
         self.stats = {"decode_steps": 0, "tokens": 0, "prefill_tokens": 0, "requests": 0,
                       "decode_bytes_to_device": 0, "decode_bytes_to_host": 0, "busy_slot_steps": 0}
 
@@ -287,7 +295,10 @@ class Engine:
         return jax.jit(decode, donate_argnums=(1, 2))
 
     def _put(self, x):
-        return self._jax.device_put(x, self._small)
+        """Host values (a tree of them) on the engine's devices, replicated; under several processes every
+        process passes the same values (the steps are the same everywhere)."""
+        from .runtimes.xla import _place
+        return self._jax.tree.map(lambda v: _place(np.asarray(v), self._small)[0], x)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -303,11 +314,14 @@ class Engine:
             raise InputError(f"prompt token ids must be in [0, {vocab})")
         params = SamplingParams(max_new_tokens, float(temperature), top_k, top_p, tuple(int(s) for s in stop), seed)
         params.check(len(ids), self.length)
+        if not self.lead:
+            raise InputError(f"this engine is process {self._jax.process_index()} of {self.processes}: requests are "
+                             "taken by process 0", hint="submit on process 0; here call engine.follow()")
         request = Request(ids, params)
         with self._cv:
-            if self._stopping:
+            if self._stopping or self._halted:
                 raise InputError("the engine is stopping")
-            self._waiting.append(request)
+            self._inbox.append(request)
             self.stats["requests"] += 1
             self._cv.notify_all()
         return request
@@ -326,12 +340,67 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self._waiting) or any(s.request is not None for s in self._slots)
+        return bool(self._inbox) or bool(self._waiting) or any(s.request is not None for s in self._slots)
+
+    def _sync(self) -> bool:
+        """The start of a step: requests submitted and cancelled since the last one become the scheduler's,
+        a snapshot that nothing changes while the step runs. Under several processes process 0 takes them
+        and broadcasts them, so that every process schedules the same steps and calls its programs in the
+        same order (the multi-controller contract); the tokens a step makes are replicated, so every
+        process then sees the same. Returns False once the engine stops (process 0 says so)."""
+        with self._cv:
+            new, stopping = list(self._inbox), self._stopping
+            self._inbox.clear()
+        live = {r.id: r for r in self._waiting} | {s.request.id: s.request for s in self._slots if s.request}
+        cancelled = [i for i, r in live.items() if r.cancelled and not r.dropped]
+        if self.processes > 1:
+            new, cancelled, stopping = self._broadcast(new, cancelled, stopping)
+        for i in cancelled:
+            live[i].dropped = True
+        self._waiting.extend(new)
+        self._halted = self._halted or stopping
+        return not self._halted
+
+    def _broadcast(self, new: list, cancelled: list, stopping: bool):
+        """Process 0's step events to every process: their length first (one small collective per step,
+        all an idle step costs), then the events themselves when there are any."""
+        from jax.experimental import multihost_utils
+        msg = b""
+        if self.lead and (new or cancelled or stopping):
+            msg = json.dumps({"new": [[r.id, r.prompt, dataclasses.asdict(r.params)] for r in new],
+                              "cancelled": cancelled, "stop": stopping}).encode()
+        n = int(multihost_utils.broadcast_one_to_all(np.array([len(msg)], np.int32))[0])
+        if not n:
+            return [], [], False
+        buf = np.zeros(max(256, 1 << (n - 1).bit_length()), np.uint8)  # a few shapes: a few compilations
+        buf[:len(msg)] = np.frombuffer(msg, np.uint8)
+        if self.lead:
+            multihost_utils.broadcast_one_to_all(buf)
+            return new, cancelled, stopping
+        event = json.loads(multihost_utils.broadcast_one_to_all(buf)[:n].tobytes())
+        requests = []
+        for rid, prompt, params in event["new"]:  # this process's copies: nobody reads their tokens
+            r = Request(prompt, SamplingParams(**dict(params, stop=tuple(params["stop"]))))
+            r.id = rid
+            requests.append(r)
+        return requests, event["cancelled"], event["stop"]
+
+    def follow(self) -> None:
+        """Under several processes, on every process but 0: runs the steps process 0 schedules (the same
+        programs in the same order, over this process's devices) until process 0's engine stops."""
+        if self.lead:
+            raise InputError("follow() is for the engines of processes 1.. of a multi-process program; this one "
+                             "takes the requests itself", hint="submit() and step() or start() here")
+        while not self._halted:
+            self._guarded_step()
+        self._reset(InputError("the engine stopped"))
 
     def step(self) -> bool:
         """One scheduler step: admit and prefill within the budget, then one decode step of every slot.
         Returns whether there was anything to do."""
         jax = self._jax
+        if not self._sync():
+            return False
         decoding = any(s.decoding for s in self._slots)
         budget = self.prefill_budget if decoding else None  # nothing to delay: prefill what fits
         budget = self._prefill_together(budget)
@@ -352,7 +421,7 @@ class Engine:
 
     def _deliver(self, i: int, slot: _Slot, token: int) -> None:
         r = slot.request
-        if r.cancelled:
+        if r.dropped:
             self._free(i, "cancelled")
         elif token in r.params.stop:
             self._free(i, "stop")
@@ -374,12 +443,11 @@ class Engine:
                 return
             if slot.request is not None:
                 continue
-            with self._cv:
-                while self._waiting and self._waiting[0].cancelled:
-                    self._waiting.popleft()._finish("cancelled")
-                if not self._waiting:
-                    return
-                request = self._waiting.popleft()
+            while self._waiting and self._waiting[0].dropped:
+                self._waiting.popleft()._finish("cancelled")
+            if not self._waiting:
+                return
+            request = self._waiting.popleft()
             self._slots[i] = _Slot(request, self._zeros(), 0, False)
             budget = self._prefill(budget, only=i)
 
@@ -389,7 +457,7 @@ class Engine:
             if slot.request is None or slot.decoding or slot.direct or (only is not None and i != only):
                 continue
             r = slot.request
-            if r.cancelled:
+            if r.dropped:
                 self._free(i, "cancelled")
                 continue
             todo = r.prompt[:-1]
@@ -415,26 +483,25 @@ class Engine:
         dropped). Used when at least a quarter of the slots (and two) have a prompt to fill."""
         if not self.batch_lengths:
             return budget
-        with self._cv:
-            free = [i for i, s in enumerate(self._slots) if s.request is None]
-            fresh = [s for s in self._slots if s.request is not None and not s.decoding and s.filled == 0
-                     and s.caches is None]
-            ongoing = any(s.direct and not s.decoding and s.request is not None for s in self._slots)
-            if not ongoing and len(fresh) + min(len(free), len(self._waiting)) < max(2, self.slots // 4):
-                return budget
-            for i in free:
-                while self._waiting and self._waiting[0].cancelled:
-                    self._waiting.popleft()._finish("cancelled")
-                if not self._waiting:
-                    break
-                self._slots[i] = _Slot(self._waiting.popleft(), None, 0, False, direct=True)
+        free = [i for i, s in enumerate(self._slots) if s.request is None]
+        fresh = [s for s in self._slots if s.request is not None and not s.decoding and s.filled == 0
+                 and s.caches is None]
+        ongoing = any(s.direct and not s.decoding and s.request is not None for s in self._slots)
+        if not ongoing and len(fresh) + min(len(free), len(self._waiting)) < max(2, self.slots // 4):
+            return budget
+        for i in free:
+            while self._waiting and self._waiting[0].dropped:
+                self._waiting.popleft()._finish("cancelled")
+            if not self._waiting:
+                break
+            self._slots[i] = _Slot(self._waiting.popleft(), None, 0, False, direct=True)
         for slot in self._slots:
             if slot.request is not None and not slot.decoding and slot.filled == 0 and slot.caches is None:
                 slot.direct = True
         while budget is None or budget > 0:
             rows = [(i, s) for i, s in enumerate(self._slots) if s.direct and not s.decoding]
             for i, s in rows:
-                if s.request.cancelled:
+                if s.request.dropped:
                     self._free(i, "cancelled")
             rows = [(i, s) for i, s in rows if s.request is not None]
             left = {i: len(s.request.prompt) - 1 - s.filled for i, s in rows}
@@ -495,41 +562,59 @@ class Engine:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> "Engine":
+        if not self.lead:
+            raise InputError("start() takes requests, which process 0 does", hint="call engine.follow() here")
         if self._thread is None:
-            self._stopping = False
+            if self._halted and self.processes > 1:
+                raise InputError("this engine has stopped, and so have the other processes' engines")
+            self._stopping = self._halted = False
             self._thread = threading.Thread(target=self._loop, name="tte-engine", daemon=True)
             self._thread.start()
         return self
 
     def stop(self) -> None:
+        """Stops the scheduler (its requests end with an error); under several processes, every process's."""
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        elif self.lead and not self._halted:  # stepped by the caller (generate): say stop to the others
+            self._guarded_step()
+            self._reset(InputError("the engine stopped"))
+
+    # while idle under several processes, process 0 still steps this often: the others wait for its word
+    # in a collective, and none should wait long in one
+    idle_tick = 1.0
 
     def _loop(self) -> None:
-        while True:
+        while not self._halted:
             with self._cv:
-                self._cv.wait_for(lambda: self._stopping or self.busy)
-                if self._stopping:
-                    break
-            try:
-                self.step()
-            except Exception as e:  # a failed step fails the requests in it, never the engine
-                log.error("engine step failed: %s: %s", type(e).__name__, e)
-                self._reset(e)
+                self._cv.wait_for(lambda: self._stopping or self.busy,
+                                  self.idle_tick if self.processes > 1 else None)
+            self._guarded_step()
         self._reset(InputError("the engine stopped"))
+
+    def _guarded_step(self) -> None:
+        try:
+            self.step()
+        except Exception as e:  # a failed step fails the requests in it, never the engine
+            log.error("engine step failed: %s: %s", type(e).__name__, e)
+            self._reset(e)
 
     def _reset(self, error: BaseException) -> None:
         for i, slot in enumerate(self._slots):
             if slot.request is not None:
                 slot.request._finish("error", error)
                 self._slots[i] = _Slot()
-        with self._cv:
-            while self._waiting and self._stopping:
-                self._waiting.popleft()._finish("error", error)
+        if self._stopping or self._halted:
+            with self._cv:
+                left = list(self._waiting) + list(self._inbox)
+                self._waiting.clear()
+                self._inbox.clear()
+            for r in left:
+                r._finish("error", error)
         self._state = self._put(_state_rows(self.slots))
 
 

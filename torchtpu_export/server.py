@@ -507,6 +507,12 @@ class Served:
             tok = self.llm.get("tokenizer")
             if tok:
                 self.codec = TextCodec(self.llm, self.program.artifact.extras[tok])
+        self.processes = self.engine.processes if self.engine is not None else 1
+        if _process_count() > 1 and self.processes == 1:
+            raise InputError(f"{self.name}: under several processes (jax.distributed) only an LLM sharded over "
+                             "all of them is served (process 0 taking the requests)",
+                             hint="export it with tte.export_llm(..., target='tpu', mesh=...), or serve this "
+                                  "file from one process")
 
     def app_models(self, kserve):
         return [make_v2_model(kserve, self.name, self.program, self.engine, self.codec)]
@@ -514,11 +520,19 @@ class Served:
 
 def serve(path, *, name: str | None = None, host: str = "127.0.0.1", port: int = 8080,
           batched: bool = True) -> None:
-    """Serves one artifact until interrupted (SIGINT/SIGTERM)."""
+    """Serves one artifact until interrupted (SIGINT/SIGTERM). Under several processes (jax.distributed,
+    a sharded LLM program) process 0 serves HTTP and the others run the steps its engine schedules,
+    until it stops."""
     kserve = _import_kserve()
     from kserve.model_server import ModelServer, app
     from kserve.protocol.rest.server import RESTServer
     served = Served(path, name, batched=batched)
+    if served.processes > 1 and not served.engine.lead:
+        import jax
+        print(f"process {jax.process_index()} of {served.processes}: running the steps of process 0's engine "
+              f"({served.name})", flush=True)
+        served.engine.follow()
+        return
     app.add_middleware(_JsonWithoutContentType)
     if served.engine is not None:
         OpenAIServer(served.name, served.engine, served.codec).mount(app)
@@ -551,10 +565,44 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080, KServe's)")
     p.add_argument("--one-slot", action="store_true",
                    help="LLMs: decode one request at a time (the decode program) even where decode_batch exists")
+    g = p.add_argument_group("several hosts (a sharded LLM over a multi-host slice: run the same command on each)")
+    g.add_argument("--distributed", action="store_true",
+                   help="join JAX's multi-controller runtime (jax.distributed.initialize) first: process 0 serves "
+                        "HTTP, the others run its engine's steps. On Cloud TPU VMs the settings come from the "
+                        "environment; elsewhere pass the three below")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address for the runtime")
+    g.add_argument("--num-processes", type=int, default=None, help="how many processes (hosts) take part")
+    g.add_argument("--process-id", type=int, default=None, help="this process's index, 0 to N-1")
+
+
+def initialize_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """``jax.distributed.initialize`` with the CLI's settings (none: detected from a TPU VM's environment),
+    its failure said in one message."""
+    given = [coordinator is not None, num_processes is not None, process_id is not None]
+    if any(given) and not all(given):
+        raise InputError("--coordinator, --num-processes and --process-id go together",
+                         hint="pass all three, or none on a Cloud TPU VM")
+    if num_processes is not None and not 0 <= process_id < num_processes:
+        raise InputError(f"--process-id must be from 0 to {num_processes - 1}, got {process_id}")
+    import jax
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id)
+    except (RuntimeError, ValueError) as e:
+        raise InputError(f"jax.distributed.initialize failed: {str(e).splitlines()[0]}",
+                         hint="on a Cloud TPU VM run the same command on every worker; elsewhere pass "
+                              "--coordinator, --num-processes and --process-id") from None
+
+
+def _process_count() -> int:
+    """How many processes take part (1 unless jax.distributed was initialized)."""
+    jax = sys.modules.get("jax")
+    return jax.process_count() if jax is not None and jax.distributed.is_initialized() else 1
 
 
 def run_cli(args) -> int:
     if not 0 < args.port < 65536:
         raise InputError(f"--port must be from 1 to 65535, got {args.port}")
+    if args.distributed:
+        initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     serve(args.model, name=args.name, host=args.host, port=args.port, batched=not args.one_slot)
     return 0
