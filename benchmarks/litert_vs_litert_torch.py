@@ -28,8 +28,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "examples"))  # zoo
 BENCH_VENV = os.path.join(REPO, ".venv-bench-litert-torch")
 LITERT_TORCH = "litert-torch==0.10.0"
-# what its export_hf (benchmarks/llm.py) also needs: transformers, and LiteRT-LM's packer it bundles with
-BENCH_EXTRAS = ["transformers>=5.20,<6", "litert-lm-builder==0.18.1"]
+# what its export_hf (benchmarks/llm.py) also needs: transformers, and LiteRT-LM's packer it bundles with.
+# transformers pinned: from 5.25 it requires `kernels`, whose hub decorators make export_hf's tracing fail
+# ("apply_rotary_pos_emb is not decorated with @use_kernel_forward_from_hub")
+BENCH_EXTRAS = ["transformers==5.24.0", "litert-lm-builder==0.18.1"]
 # model -> zoo factory kwargs (the sizes a phone would see for the CNNs)
 MODELS = {
     "resnet18": {"size": 224}, "mobilenet_v2": {"size": 224}, "unet": {}, "gpt": {}, "llama": {}, "dlrm": {},

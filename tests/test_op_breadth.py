@@ -97,6 +97,11 @@ def test_random_ops_match_torch_in_distribution_and_change_per_call(name, target
     got = _draws(prog, args, 40)
     assert not all(np.array_equal(got[0][0], g[0]) for g in got[1:]), "the same values on every call"
     verdict = same_distribution(_eager_draws(fn, args, 40), got)
+    if not verdict.ok:
+        # LiteRT seeds each interpreter anew, so torch's seed does not fix its draws: a rejection at alpha
+        # 0.005 happens by chance one cell in 200. Two independent samples must both reject (a chance
+        # failure one in 40,000); a real difference in distribution still fails both.
+        verdict = same_distribution(_eager_draws(fn, args, 40), _draws(prog, args, 40))
     assert verdict.ok, verdict.detail
 
 
