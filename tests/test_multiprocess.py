@@ -1,7 +1,7 @@
-"""A sharded program under JAX's multi-controller runtime: two CPU processes on localhost, each with two
-devices, joined by ``jax.distributed.initialize`` with gloo collectives, run one tensor-parallel decoder
-over their 2x2 process x device mesh. Their outputs equal one process running it on four devices, and
-each process reads only its own shards of the sharded weights."""
+"""A sharded program under JAX's multi-controller runtime: CPU processes on localhost (two with two
+devices each, or four with one), joined by ``jax.distributed.initialize`` with gloo collectives, run one
+tensor-parallel decoder over their process x device mesh. Their outputs equal one process running it on
+four devices, and each process reads only its own shards of the sharded weights."""
 import json
 import os
 import socket
@@ -31,13 +31,13 @@ EXPORT = textwrap.dedent("""
 
 WORKER = textwrap.dedent("""
     import os, sys, json
-    pid, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    pid, n, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 // n}"
     import jax
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
-    assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n, process_id=pid)
+    assert jax.process_count() == n and len(jax.devices()) == 4 and len(jax.local_devices()) == 4 // n
     import numpy as np, torchtpu_export as tte
     prog = tte.load(os.path.join(out, "tp.tpu"))
     got = np.asarray(prog(np.load(os.path.join(out, "tokens.npy"))))
@@ -57,31 +57,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_run_one_sharded_program_like_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """The program exported, and run by one process over four devices: (folder, bytes it read)."""
+    out = tmp_path_factory.mktemp("tp")
+    ref = subprocess.run([sys.executable, "-c", EXPORT, str(out)], capture_output=True, text=True, timeout=600,
+                         env=_env())
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return out, json.loads(ref.stdout.strip().splitlines()[-1])["bytes_read"]
+
+
+def _env() -> dict:
     env = dict(os.environ, PYTHONWARNINGS="ignore", JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    ref = subprocess.run([sys.executable, "-c", EXPORT, str(tmp_path)], capture_output=True, text=True, timeout=600,
-                         env=env)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    total = json.loads(ref.stdout.strip().splitlines()[-1])["bytes_read"]
+    return env
+
+
+@pytest.mark.parametrize("n", [2, 4], ids=["2x2", "4x1"])
+def test_processes_run_one_sharded_program_like_one_process(single_process, n):
+    out, total = single_process
     port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(i), port, str(tmp_path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(i), str(n), port, str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+             for i in range(n)]
     results = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=600)
+            stdout, err = p.communicate(timeout=600)
             assert p.returncode == 0, err[-3000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
+            results.append(json.loads(stdout.strip().splitlines()[-1]))
     finally:
         for p in procs:
             p.kill()
-    single = np.load(tmp_path / "single.npy")
-    for i in range(2):
-        np.testing.assert_allclose(np.load(tmp_path / f"process{i}.npy"), single, rtol=1e-5, atol=1e-5)
+    single = np.load(out / "single.npy")
+    for i in range(n):
+        np.testing.assert_allclose(np.load(out / f"process{i}.npy"), single, rtol=1e-5, atol=1e-5)
     for r in results:
-        # each process holds 2 of the 4 shards of every sharded weight, and all of the replicated ones
-        assert r["sharded"] and r["bytes_read"] == total - r["sharded_bytes"] // 2, (r, total)
+        # each process holds its 4/n of the 4 shards of every sharded weight, and all of the replicated ones
+        assert r["sharded"] and r["bytes_read"] == total - r["sharded_bytes"] * (n - 1) // n, (r, total)
 
 
 EXPORT_LLM = textwrap.dedent("""
@@ -117,8 +130,7 @@ def test_serving_engine_across_two_processes(tmp_path):
     import time
     import urllib.request
     import openai
-    env = dict(os.environ, PYTHONWARNINGS="ignore", JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = _env()
     ref = subprocess.run([sys.executable, "-c", EXPORT_LLM, str(tmp_path)], capture_output=True, text=True,
                          timeout=600, env=env)
     assert ref.returncode == 0, ref.stderr[-3000:]
