@@ -371,15 +371,12 @@ _GROUP_MASKS: dict = {}
 def _group_mask(attention_mask, rep: int, length: int):
     """``attention_mask [B, 1, n, C]`` for the stacked queries of a group (``[B, 1, rep * n, length]``: the
     same rows for every query head of the group)."""
-    key = (id(attention_mask), rep, length)
-    hit = _GROUP_MASKS.get(key)
-    if hit is not None and hit[0] is attention_mask:
-        return hit[1]
+    key = (id(attention_mask), rep, length)  # unique while the entry holds the mask
+    if key in _GROUP_MASKS:
+        return _GROUP_MASKS[key][1]
     m = attention_mask[..., :length]
-    # rep copies stacked (rows r * n + t, the queries' order), not expand(): the edge target makes an
-    # expand a BROADCAST_TO, which XNNPACK does not run (25 ms for a 1B Llama's prefill mask), and a
-    # concatenation, which it does (under 1 ms)
-    mask = torch.cat([m] * rep, dim=2) if rep > 1 else m
+    b, one, n = m.shape[0], m.shape[1], m.shape[2]
+    mask = m.unsqueeze(2).expand(b, one, rep, n, length).reshape(b, one, rep * n, length)
     if not torch.compiler.is_dynamo_compiling():  # strict export traces the Python: no memo by identity there
         _GROUP_MASKS[key] = (attention_mask, mask)
     return mask
@@ -403,7 +400,6 @@ class _grouped_attention_in:
         return self
 
     def __exit__(self, *exc):
-        _GROUP_MASKS.clear()
         for c, impl in zip(self.configs, self.saved):
             c._attn_implementation = impl
 
