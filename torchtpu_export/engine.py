@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -62,14 +63,23 @@ class SamplingParams:
     seed: int | None = None
 
     def check(self, prompt_len: int, cache_length: int) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        """Every field in the range the device step takes (int32 top-k, two uint32 words of seed, finite
+        floats): a request that passes cannot fail a step for the others."""
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if prompt_len + self.max_new_tokens > cache_length:
             raise InputError(f"{prompt_len} prompt tokens and {self.max_new_tokens} new ones do not fit the cache of "
                              f"{cache_length} positions", hint="send fewer tokens, or export with a larger cache_length")
-        if not (self.temperature >= 0) or (self.top_p is not None and not 0 < self.top_p <= 1) \
-                or (self.top_k is not None and self.top_k < 1):
-            raise InputError("temperature must be >= 0, top_k >= 1 and 0 < top_p <= 1")
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= 1e6) \
+                or (self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1)) \
+                or (self.top_k is not None and not (_is_int(self.top_k) and 1 <= self.top_k < 2 ** 31)):
+            raise InputError("temperature must be from 0 to 1e6, top_k from 1 to 2^31 - 1 and 0 < top_p <= 1")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2 ** 64):
+            raise InputError(f"seed must be an integer from 0 to 2^64 - 1, got {self.seed!r}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 class Request:
@@ -312,7 +322,9 @@ class Engine:
         vocab = self.vocab
         if any(not 0 <= t < vocab for t in ids):
             raise InputError(f"prompt token ids must be in [0, {vocab})")
-        params = SamplingParams(max_new_tokens, float(temperature), top_k, top_p, tuple(int(s) for s in stop), seed)
+        if _is_int(top_k) and top_k > vocab:  # more than the vocabulary is all of it
+            top_k = vocab
+        params = SamplingParams(max_new_tokens, temperature, top_k, top_p, tuple(int(s) for s in stop), seed)
         params.check(len(ids), self.length)
         if not self.lead:
             raise InputError(f"this engine is process {self._jax.process_index()} of {self.processes}: requests are "
@@ -460,21 +472,38 @@ class Engine:
             if r.dropped:
                 self._free(i, "cancelled")
                 continue
-            todo = r.prompt[:-1]
-            for take, n in self._chunks(len(todo) - slot.filled):
-                if budget is not None and budget <= 0:
-                    return budget
-                chunk = np.zeros((1, n), np.int32)
-                chunk[0, :take] = todo[slot.filled:slot.filled + take]
-                sig = PREFILL.format(n)
-                slot.caches = self._fns[sig](self.runners[sig].weights, self._put(chunk),
-                                             self._put(np.int32(slot.filled)), slot.caches)
-                slot.filled += take
-                self.stats["prefill_tokens"] += take
-                if budget is not None:
-                    budget -= n
-            self._activate(i, slot)
+            with self._alone([i]):
+                todo = r.prompt[:-1]
+                for take, n in self._chunks(len(todo) - slot.filled):
+                    if budget is not None and budget <= 0:
+                        return budget
+                    chunk = np.zeros((1, n), np.int32)
+                    chunk[0, :take] = todo[slot.filled:slot.filled + take]
+                    sig = PREFILL.format(n)
+                    slot.caches = self._fns[sig](self.runners[sig].weights, self._put(chunk),
+                                                 self._put(np.int32(slot.filled)), slot.caches)
+                    slot.filled += take
+                    self.stats["prefill_tokens"] += take
+                    if budget is not None:
+                        budget -= n
+                self._activate(i, slot)
         return budget
+
+    @contextlib.contextmanager
+    def _alone(self, slots: list[int]):
+        """Work for the requests in ``slots`` only: if it fails, those requests end with the error and the
+        step goes on for the others, unless the failure took the batch's own arrays with it (a donated
+        call that ran), which ends the step for all (``_guarded_step``)."""
+        try:
+            yield
+        except Exception as e:
+            if any(getattr(x, "is_deleted", lambda: False)() for x in self._jax.tree.leaves((self._state, self._caches))):
+                raise
+            log.error("a request's prefill failed (%s: %s); the other requests go on", type(e).__name__, e)
+            for i in slots:
+                if self._slots[i].request is not None:
+                    self._slots[i].request._finish("error", e)
+                    self._slots[i] = _Slot()
 
     def _prefill_together(self, budget):
         """Several requests at once through ``prefill_batch_<N>``, straight into their slots' rows of the
@@ -498,6 +527,16 @@ class Engine:
         for slot in self._slots:
             if slot.request is not None and not slot.decoding and slot.filled == 0 and slot.caches is None:
                 slot.direct = True
+        with self._alone([i for i, s in enumerate(self._slots) if s.direct and not s.decoding]):
+            budget = self._prefill_rows(budget)
+        for i, s in enumerate(self._slots):
+            if s.direct and not s.decoding and s.request is not None and s.filled == len(s.request.prompt) - 1:
+                with self._alone([i]):
+                    self._activate(i, s)
+        return budget
+
+    def _prefill_rows(self, budget):
+        """``_prefill_together``'s calls: one chunk of every row started in place per call, within ``budget``."""
         while budget is None or budget > 0:
             rows = [(i, s) for i, s in enumerate(self._slots) if s.direct and not s.decoding]
             for i, s in rows:
@@ -526,9 +565,6 @@ class Engine:
             self.stats["batched_prefill_calls"] = self.stats.get("batched_prefill_calls", 0) + 1
             if budget is not None:
                 budget -= n * len(rows)
-        for i, s in enumerate(self._slots):
-            if s.direct and not s.decoding and s.request is not None and s.filled == len(s.request.prompt) - 1:
-                self._activate(i, s)
         return budget
 
     def _chunks(self, count: int):

@@ -18,6 +18,7 @@ frees its slot at the next engine step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -26,6 +27,7 @@ import uuid
 
 import numpy as np
 
+from . import distributed
 from .errors import InputError, TteError
 
 # v2 datatypes <-> numpy dtype names
@@ -33,7 +35,6 @@ V2_DTYPES = {"BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "ui
              "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64", "FP16": "float16",
              "FP32": "float32", "FP64": "float64"}
 NP_TO_V2 = {v: k for k, v in V2_DTYPES.items()} | {"bfloat16": "BF16"}
-MAX_BODY_TOKENS = 1 << 20  # a prompt of token ids longer than this is refused before it is read into a list
 
 
 def _import_kserve():
@@ -57,7 +58,7 @@ def v2_shape(spec) -> list[int]:
 
 # ---- the v2 model -------------------------------------------------------------------------------
 
-def make_v2_model(kserve, name: str, program, engine=None, tokenizer=None):
+def make_v2_model(kserve, name: str, program, engine=None, stop_ids=()):
     """A ``kserve.Model`` that runs ``program``'s default signature, or (for an LLM) generates."""
     from kserve.errors import InvalidInput
     from kserve.protocol.infer_type import InferOutput, InferResponse
@@ -131,7 +132,7 @@ def make_v2_model(kserve, name: str, program, engine=None, tokenizer=None):
                 ids = arrays["input_ids"].tolist()
                 limit = int(arrays["max_new_tokens"][0]) if "max_new_tokens" in arrays else 16
                 try:
-                    request = self.llm.submit(ids, limit, stop=tokenizer.stop_ids if tokenizer else ())
+                    request = self.llm.submit(ids, limit, stop=stop_ids)
                 except InputError as e:
                     raise InvalidInput(_one_line(e)) from None
                 tokens = [t async for t in _stream(request)]
@@ -165,70 +166,33 @@ async def _stream(request):
         request.cancel()  # a no-op once done; frees the slot when the reader went away
 
 
-# ---- text: tokenizer, chat template, incremental detokenizing -----------------------------------
+# ---- what a request may carry ---------------------------------------------------------------------
 
-class TextCodec:
-    """The artifact's tokenizer (``tokenizers``) and chat template (jinja, sandboxed, as transformers runs it)."""
-
-    def __init__(self, info: dict, tokenizer_json: bytes):
-        from tokenizers import Tokenizer
-        self.tok = Tokenizer.from_str(tokenizer_json.decode())
-        self.stop_ids = [int(t) for t in info.get("stop_ids", [])]
-        self.template = info.get("chat_template")
-        self.bos = self._token(info.get("bos_id"))
-        self.eos = self._token(self.stop_ids[0] if self.stop_ids else None)
-
-    def _token(self, i):
-        return self.tok.id_to_token(int(i)) if i is not None else None
-
-    def encode(self, text: str, special: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=special).ids
-
-    def decode(self, ids) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
-
-    def chat(self, messages: list) -> list[int]:
-        if not self.template:
-            raise InputError("this model has no chat template: use /v1/completions")
-        import jinja2
-        import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise InputError(f"the chat template refuses these messages: {message}")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
-        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
-        try:
-            text = env.from_string(self.template).render(messages=messages, add_generation_prompt=True,
-                                                         bos_token=self.bos or "", eos_token=self.eos or "")
-        except InputError:
-            raise
-        except jinja2.TemplateError as e:
-            raise InputError(f"the chat template fails on these messages: {e}") from None
-        return self.encode(text, special=False)
+CHARS_PER_POSITION = 32  # prompt characters per cache position: far more than any real text needs
+MAX_V2_BODY = 64 << 20  # a v2 request to a model whose input shapes are not all known
 
 
-class Detokenizer:
-    """Text deltas of a growing token list; a delta ending inside a multi-byte character waits for the rest."""
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one request may carry. An LLM's come from its cache: a prompt that fits ``C`` positions has
+    far fewer than ``32 C`` characters and ``C`` messages, so anything larger is refused before it is
+    tokenized or rendered (and a chat template may write no more than that either)."""
 
-    def __init__(self, codec: TextCodec):
-        self.codec, self.ids, self.sent = codec, [], ""
+    chars: int  # prompt characters, or the text of all messages together
+    messages: int
+    body: int  # request body bytes (JSON escapes a character in at most 12)
 
-    def add(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.codec.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
+    @classmethod
+    def for_cache(cls, length: int) -> "Limits":
+        chars = CHARS_PER_POSITION * length + 4096
+        return cls(chars=chars, messages=length, body=(1 << 20) + 12 * chars)
 
-    def flush(self) -> str:
-        text = self.codec.decode(self.ids)
-        delta, self.sent = text[len(self.sent):], text
-        return delta
+    @classmethod
+    def for_inputs(cls, specs) -> "Limits":
+        """A v2 model's: its inputs' elements as JSON numbers (at most 32 bytes each) when every shape is known."""
+        if not all(isinstance(d, int) and d >= 0 for s in specs for d in s.shape):
+            return cls(chars=0, messages=0, body=MAX_V2_BODY)
+        return cls(chars=0, messages=0, body=(1 << 20) + 32 * sum(int(np.prod(s.shape)) for s in specs))
 
 
 # ---- OpenAI routes -------------------------------------------------------------------------------
@@ -251,10 +215,13 @@ def _field(body: dict, key: str, kinds, default=None, check=None, what: str = ""
 
 
 class OpenAIServer:
-    """``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models`` over the engine."""
+    """``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models`` over the engine. Text work
+    (tokenizing, the chat template, detokenizing) runs in ``text``'s worker processes, never on the
+    event loop."""
 
-    def __init__(self, name: str, engine, codec: TextCodec | None):
-        self.name, self.engine, self.codec = name, engine, codec
+    def __init__(self, name: str, engine, text=None, stop_ids=(), limits: Limits | None = None):
+        self.name, self.engine, self.text, self.stop_ids = name, engine, text, tuple(stop_ids)
+        self.limits = limits or Limits.for_cache(engine.length)
         self.created = int(time.time())
 
     def mount(self, app) -> None:
@@ -262,23 +229,19 @@ class OpenAIServer:
         checked here, so a bad one gets OpenAI's error object rather than a validation dump)."""
         from starlette.responses import JSONResponse, StreamingResponse
 
-        def error(e: OpenAIError):
-            return JSONResponse({"error": {"message": e.message, "type": "invalid_request_error", "param": e.param,
-                                           "code": None}}, status_code=e.status)
-
         def handler(kind: str):
             async def handle(raw):
                 try:
-                    body = await _json_body(raw)
-                    request, prompt_len, stops = self._submit(kind, body)
+                    body = await _json_body(raw, self.limits.body)
+                    request, prompt_len, stops = await self._submit(kind, body)
+                    if body.get("stream"):
+                        options = body.get("stream_options")
+                        usage = isinstance(options, dict) and bool(options.get("include_usage"))
+                        return StreamingResponse(self._events(kind, request, prompt_len, stops, usage),
+                                                 media_type="text/event-stream")
+                    return JSONResponse(await self._complete(kind, request, prompt_len, stops))
                 except OpenAIError as e:
-                    return error(e)
-                if body.get("stream"):
-                    options = body.get("stream_options")
-                    usage = isinstance(options, dict) and bool(options.get("include_usage"))
-                    return StreamingResponse(self._events(kind, request, prompt_len, stops, usage),
-                                             media_type="text/event-stream")
-                return JSONResponse(await self._complete(kind, request, prompt_len, stops))
+                    return _error_response(e)
             return handle
 
         async def models(raw):
@@ -286,7 +249,7 @@ class OpenAIServer:
 
         async def model(raw):
             if raw.path_params["model_name"] != self.name:
-                return error(OpenAIError(f"no model {raw.path_params['model_name']!r}", 404, "model"))
+                return _error_response(OpenAIError(f"no model {raw.path_params['model_name']!r}", 404, "model"))
             return JSONResponse(self._model_card())
 
         app.add_route("/v1/completions", handler("text_completion"), methods=["POST"])
@@ -298,94 +261,126 @@ class OpenAIServer:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "torchtpu-export",
                 "max_model_len": self.engine.length}
 
-    def _submit(self, kind: str, body: dict):
+    async def _submit(self, kind: str, body: dict):
+        """Checks every field, then tokenizes (in a text worker) and queues the request."""
         model = body.get("model")
         if model is not None and model != self.name:
             raise OpenAIError(f"no model {model!r}; this server serves {self.name!r}", 404, "model")
-        if kind == "chat.completion":
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-                raise OpenAIError("messages must be a non-empty list of {role, content} objects", param="messages")
-            if self.codec is None:
-                raise OpenAIError("this model was exported without a tokenizer: chat needs one")
-            try:
-                ids = self.codec.chat([_plain_message(m) for m in messages])
-            except InputError as e:
-                raise OpenAIError(_one_line(e), param="messages") from None
-            limit_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]  # one prompt in a list
-            if isinstance(prompt, str):
-                if self.codec is None:
-                    raise OpenAIError("this model was exported without a tokenizer: send prompt as token ids",
-                                      param="prompt")
-                ids = self.codec.encode(prompt)
-            elif isinstance(prompt, list) and prompt and len(prompt) <= MAX_BODY_TOKENS and all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                ids = prompt
-            else:
-                raise OpenAIError("prompt must be a string or a list of token ids (one prompt per request)",
-                                  param="prompt")
-            limit_key = "max_tokens"
         for unsupported in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "logit_bias"):
             if body.get(unsupported):
                 raise OpenAIError(f"{unsupported} is not supported by this server", param=unsupported)
         _field(body, "n", int, 1, lambda v: v == 1, "1 (one choice per request)")
         _field(body, "best_of", int, 1, lambda v: v == 1, "1 (one choice per request)")
-        default_max = 16 if kind == "text_completion" else self.engine.length - len(ids)
-        max_tokens = _field(body, limit_key, int, default_max, lambda v: v >= 1, "a positive integer")
+        _field(body, "stream", bool, False, None, "true or false")
+        limit_key = "max_completion_tokens" if kind == "chat.completion" and \
+            body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _field(body, limit_key, int, None, lambda v: v >= 1, "a positive integer")
         temperature = float(_field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "from 0 to 2"))
         top_p = _field(body, "top_p", (int, float), None, lambda v: 0 < v <= 1, "in (0, 1]")
         top_k = _field(body, "top_k", int, None, lambda v: v >= -1, "a positive integer, or -1 for all")
         seed = _field(body, "seed", int, None, lambda v: 0 <= v < 2 ** 64, "an integer from 0 to 2^64 - 1")
-        stop = body.get("stop")
-        if stop is None:
-            stops = []
-        elif isinstance(stop, str):
-            stops = [stop]
-        elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop):
-            stops = stop
-        else:
-            raise OpenAIError("stop must be a string or up to 4 non-empty strings", param="stop")
-        if stops and self.codec is None:
-            raise OpenAIError("stop strings need the model's tokenizer, which this artifact does not carry",
-                              param="stop")
+        stops = self._stops(body.get("stop"))
+        ids = await (self._chat_ids(body) if kind == "chat.completion" else self._prompt_ids(body))
+        if max_tokens is None:
+            max_tokens = 16 if kind == "text_completion" else max(1, self.engine.length - len(ids))
         try:
             request = self.engine.submit(ids, max_tokens, temperature=temperature, top_p=top_p,
                                          top_k=None if top_k in (None, -1, 0) else top_k, seed=seed,
-                                         stop=self.codec.stop_ids if self.codec else ())
+                                         stop=self.stop_ids)
         except InputError as e:
             raise OpenAIError(_one_line(e), param=limit_key if "fit" in str(e) else None) from None
         return request, len(ids), stops
 
+    def _stops(self, stop) -> list[str]:
+        if stop is None:
+            return []
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or len(stops) > 4 or not all(
+                isinstance(s, str) and 0 < len(s) <= self.limits.chars for s in stops):
+            raise OpenAIError("stop must be a string or up to 4 non-empty strings", param="stop")
+        if stops and self.text is None:
+            raise OpenAIError("stop strings need the model's tokenizer, which this artifact does not carry",
+                              param="stop")
+        return stops
+
+    async def _chat_ids(self, body: dict) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise OpenAIError("messages must be a non-empty list of {role, content} objects", param="messages")
+        if len(messages) > self.limits.messages:
+            raise OpenAIError(f"{len(messages):,} messages are more than the model's {self.limits.messages} "
+                              "positions can hold", param="messages")
+        if self.text is None:
+            raise OpenAIError("this model was exported without a tokenizer: chat needs one")
+        plain = [_plain_message(m) for m in messages]
+        size = sum(len(m["role"]) + len(m["content"]) for m in plain)
+        if size > self.limits.chars:
+            raise OpenAIError(f"the messages hold {size:,} characters, more than the model's {self.engine.length} "
+                              f"positions can hold (at most {self.limits.chars:,} are read)", 413, "messages")
+        return await self._text("messages", self.text.chat(plain))
+
+    async def _prompt_ids(self, body: dict) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # one prompt in a list
+        if isinstance(prompt, str):
+            if self.text is None:
+                raise OpenAIError("this model was exported without a tokenizer: send prompt as token ids",
+                                  param="prompt")
+            if len(prompt) > self.limits.chars:
+                raise OpenAIError(f"the prompt is {len(prompt):,} characters, more than the model's "
+                                  f"{self.engine.length} positions can hold (at most {self.limits.chars:,} are read)",
+                                  413, "prompt")
+            return await self._text("prompt", self.text.encode(prompt))
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if len(prompt) > self.engine.length:
+                raise OpenAIError(f"{len(prompt):,} prompt tokens do not fit the model's {self.engine.length} "
+                                  "positions", param="prompt")
+            return prompt
+        raise OpenAIError("prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
+
+    @staticmethod
+    async def _text(param: str, work):
+        from .textproc import TextError
+        try:
+            return await work
+        except TextError as e:
+            raise OpenAIError(str(e), param=param) from None
+
     async def _deltas(self, request, stops):
         """(text delta, finish reason or None) pairs; stop strings end the request early."""
-        detok = Detokenizer(self.codec) if self.codec else None
+        from .textproc import Detokenizer, TextError
+        detok = Detokenizer(self.text) if self.text else None
         text, reason = "", None
-        async for token in _stream(request):
-            if detok is None:
-                yield f"<{token}>", None
-                continue
-            delta = detok.add(token)
-            if stops and delta:
-                cut = _earliest(text + delta, stops, len(text))
-                if cut is not None:
-                    yield (text + delta)[len(text):cut], None
-                    reason = "stop"
-                    request.cancel()
-                    break
-            text += delta
-            if delta:
-                yield delta, None
-        if reason is None:
-            if detok is not None:
-                tail = detok.flush()
-                if tail:
-                    yield tail, None
-            reason = "length" if request.finish_reason == "length" else "stop"
+        try:
+            async for token in _stream(request):
+                if detok is None:
+                    yield f"<{token}>", None
+                    continue
+                delta = await detok.add(token)
+                if stops and delta:
+                    cut = _earliest(text + delta, stops, len(text))
+                    if cut is not None:
+                        yield (text + delta)[len(text):cut], None
+                        reason = "stop"
+                        request.cancel()
+                        break
+                text += delta
+                if delta:
+                    yield delta, None
+            if reason is None:
+                if detok is not None:
+                    tail = await detok.flush()
+                    if tail:
+                        yield tail, None
+                reason = "length" if request.finish_reason == "length" else "stop"
+        except TextError as e:
+            raise OpenAIError(str(e), 500) from None
+        except TteError as e:  # the engine failed this request's step
+            raise OpenAIError(f"generation failed: {_one_line(e)}", 500) from None
+        except Exception as e:  # noqa: BLE001 - a device step's failure, as the engine reports it
+            raise OpenAIError(f"generation failed: {type(e).__name__}: {str(e)[:300]}", 500) from None
         yield "", reason
 
     async def _complete(self, kind: str, request, prompt_len: int, stops) -> dict:
@@ -420,9 +415,21 @@ class OpenAIServer:
             if include_usage:
                 yield _sse({"id": rid, "object": obj, "created": created, "model": self.name, "choices": [],
                             "usage": _usage(prompt_len, request)})
-            yield "data: [DONE]\n\n"
+        except OpenAIError as e:  # mid-stream: the error object as the last event
+            yield _sse(_error_object(e))
         finally:
             request.cancel()
+        yield "data: [DONE]\n\n"
+
+
+def _error_object(e: OpenAIError) -> dict:
+    kind = "invalid_request_error" if e.status < 500 else "server_error"
+    return {"error": {"message": e.message, "type": kind, "param": e.param, "code": None}}
+
+
+def _error_response(e: OpenAIError):
+    from starlette.responses import JSONResponse
+    return JSONResponse(_error_object(e), status_code=e.status)
 
 
 def _one_line(e: TteError) -> str:
@@ -432,9 +439,14 @@ def _one_line(e: TteError) -> str:
 def _plain_message(m: dict) -> dict:
     content = m.get("content")
     if isinstance(content, list):  # OpenAI content parts: the text ones
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if not all(isinstance(p, dict) for p in content):
+            raise OpenAIError("a message's content parts must be objects", param="messages")
+        texts = [p.get("text") for p in content if p.get("type") == "text"]
+        if not all(isinstance(t, str) for t in texts):
+            raise OpenAIError("a text content part's text must be a string", param="messages")
+        content = "".join(texts)
     if content is not None and not isinstance(content, str):
-        raise InputError("a message's content must be a string or a list of text parts")
+        raise OpenAIError("a message's content must be a string or a list of text parts", param="messages")
     return {"role": m["role"], "content": content or ""}
 
 
@@ -456,57 +468,197 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def _json_body(raw) -> dict:
+async def _json_body(raw, limit: int) -> dict:
+    from .untrusted import load_json
     data = await raw.body()
-    if len(data) > 64 << 20:
-        raise OpenAIError("the request body is over 64 MB", 413)
-    try:
-        body = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OpenAIError(f"the request body is not valid JSON: {e}") from None
+    if len(data) > limit:
+        raise OpenAIError(f"the request body is {len(data):,} bytes, more than the {limit:,} this model's requests "
+                          "can need", 413)
+    body = load_json(data, "the request body", max_bytes=limit, error=OpenAIError)
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
     return body
 
 
-class _JsonWithoutContentType:
-    """tritonclient sends a v2 request that is JSON alone without a content type; FastAPI (strict content
-    types, its default now) then hands KServe raw bytes, which KServe refuses unless a binary-extension
-    header says where the JSON ends. Such a request is JSON, as the protocol says: it is marked so."""
+# ---- what reaches the application ----------------------------------------------------------------
 
-    def __init__(self, app):
-        self.app = app
+# (methods, path) the server answers; everything else KServe's application has (model repository
+# load/unload, v1 predict/explain, docs) is not served
+_V2_ROUTES = [("GET", r"/v2"), ("GET", r"/v2/health/(live|ready)"), ("GET", r"/v2/models"),
+              ("GET", r"/v2/models/[^/]+"), ("GET", r"/v2/models/[^/]+/ready"), ("POST", r"/v2/models/[^/]+/infer"),
+              ("GET", r"/metrics")]
+_OPENAI_ROUTES = [("POST", r"/v1/(chat/)?completions"), ("GET", r"/v1/models"), ("GET", r"/v1/models/[^/]+")]
+
+
+class RequestGuard:
+    """An ASGI middleware in front of KServe's application, checking what every request is before it
+    reaches a route: one of the served routes (404 otherwise: no model-repository, v1 or docs routes),
+    a Host that names this server (421: DNS rebinding), no browser Origin but the ones ``--allow-origin``
+    names (403), a JSON body on POST (415; a v2 request with no content type is JSON, as tritonclient
+    sends it, and binary tensors come with their header length), and a body no larger than ``limits``
+    allows (413), read whole before the route sees it. Allowed origins get CORS headers."""
+
+    def __init__(self, app, *, bound: str, openai: bool, body_limit: int, allow_origins=()):
+        import re
+        self.app, self.bound, self.body_limit, self.origins = app, bound, body_limit, tuple(allow_origins)
+        routes = _V2_ROUTES + (_OPENAI_ROUTES if openai else [])
+        self.routes = [(m, re.compile(p + "/?")) for m, p in routes]
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("method") == "POST":
-            names = {k.lower() for k, _ in scope.get("headers", [])}
-            if b"content-type" not in names and b"inference-header-content-length" not in names:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from .httpcheck import host_allowed, origin_allowed
+        headers = {}
+        for k, v in scope.get("headers", []):
+            headers.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
+        method, path = scope["method"], scope["path"]
+        origin = headers.get("origin")
+        if not host_allowed(self.bound, headers.get("host")):
+            return await _plain(send, 421, f"this server does not answer for host {headers.get('host', '')!r}")
+        if not origin_allowed(origin, self.origins):
+            return await _plain(send, 403, f"cross-site requests from {origin!r} are refused "
+                                           "(start the server with --allow-origin ORIGIN to allow a web app)")
+        cors = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")] if origin else []
+        allowed = {m for m, rx in self.routes if rx.fullmatch(path)}
+        if method == "OPTIONS" and origin and allowed:  # a preflight of an allowed origin
+            return await _plain(send, 204, "", cors + [
+                (b"access-control-allow-methods", ", ".join(sorted(allowed)).encode()),
+                (b"access-control-allow-headers", b"content-type, authorization"),
+                (b"access-control-max-age", b"600")])
+        if not allowed:
+            return await _plain(send, 404, f"no route {path!r} on this server")
+        if method not in allowed and not (method == "HEAD" and "GET" in allowed):
+            return await _plain(send, 405, f"{path} takes {', '.join(sorted(allowed))}, not {method}")
+        if method == "POST":
+            ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+            v2 = path.startswith("/v2/")
+            if not ctype and v2 and "inference-header-content-length" not in headers:
                 scope = dict(scope, headers=[*scope["headers"], (b"content-type", b"application/json")])
-        await self.app(scope, receive, send)
+            elif ctype != "application/json" and not (v2 and ctype in ("", "application/octet-stream")
+                                                     and "inference-header-content-length" in headers):
+                return await _plain(send, 415, "send the request body as JSON (Content-Type: application/json)")
+            body = await _read_body(receive, headers.get("content-length"), self.body_limit)
+            if body is None:
+                return await _plain(send, 413, f"the request body is over {self.body_limit:,} bytes, more than "
+                                               "this model's requests can need")
+            receive = _replay(body, receive)
+        if cors:
+            send = _with_headers(send, cors)
+        return await self.app(scope, receive, send)
+
+
+async def _read_body(receive, length: str | None, limit: int) -> bytes | None:
+    """The whole request body, or None once it is past ``limit`` (its declared length or what came)."""
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        return None
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """``receive`` for the application: the body read already, then the connection's own messages (a
+    streaming response waits on them to see the client go)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replay
+
+
+def _with_headers(send, extra):
+    async def wrapped(message):
+        if message["type"] == "http.response.start":
+            message = dict(message, headers=[*message.get("headers", []), *extra])
+        await send(message)
+    return wrapped
+
+
+async def _plain(send, status: int, message: str, headers=()) -> None:
+    body = json.dumps({"error": message}).encode() if status != 204 else b""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def mount_health(app, served) -> None:
+    """``/v2/health/live``, ``/v2/health/ready`` and ``/v2/models/{name}/ready`` that tell the truth: ready
+    while the model is loaded and (for an LLM) its engine runs; not ready (503) once either stops."""
+    from starlette.responses import JSONResponse
+
+    async def live(raw):
+        ok = served.live()
+        return JSONResponse({"live": ok}, status_code=200 if ok else 503)
+
+    async def ready(raw):
+        ok = served.ready()
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    async def model_ready(raw):
+        name = raw.path_params["model_name"]
+        if name != served.name:
+            return JSONResponse({"error": f"model {name!r} is not served here"}, status_code=404)
+        ok = served.ready()
+        return JSONResponse({"name": name, "ready": ok}, status_code=200 if ok else 503)
+
+    app.add_route("/v2/health/live", live, methods=["GET"])
+    app.add_route("/v2/health/ready", ready, methods=["GET"])
+    app.add_route("/v2/models/{model_name}/ready", model_ready, methods=["GET"])
 
 
 # ---- the server ----------------------------------------------------------------------------------
 
 class Served:
-    """What one served file is: its program, and for an LLM the engine and text codec."""
+    """What one served file is: its program, and for an LLM the engine and text workers."""
 
-    def __init__(self, path: str, name: str | None = None, *, batched: bool = True):
+    def __init__(self, path: str, name: str | None = None, *, batched: bool = True, text_workers: int = 2,
+                 text_budget: float = 10.0):
         from .api import load
         self.path = os.fspath(path)
         self.name = name or os.path.splitext(os.path.basename(self.path))[0]
-        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
-            raise InputError(f"model name {self.name!r}: use letters, digits, '-', '_' and '.'",
+        if not self.name or len(self.name) > 128 or not all(c.isalnum() or c in "-_." for c in self.name):
+            raise InputError(f"model name {self.name!r}: use up to 128 letters, digits, '-', '_' and '.'",
                              hint="pass --name")
         self.program = load(self.path)
         manifest = getattr(self.program, "manifest", None) or {}
         self.llm = manifest.get("llm") if isinstance(manifest, dict) else None
-        self.engine = self.codec = None
+        self.engine = self.text = self.model = None
+        self.stop_ids: tuple = ()
         if self.llm is not None:
             from .engine import Engine
             self.engine = Engine(self.program, batched=batched)
+            self.limits = Limits.for_cache(self.engine.length)
+            self.stop_ids = tuple(self.llm.get("stop_ids", ()))
+            special = [i for i in (*self.stop_ids, self.llm.get("bos_id"), self.llm.get("pad_id")) if i is not None]
+            if any(i >= self.engine.vocab for i in special):
+                from .errors import ArtifactError
+                raise ArtifactError(f"{self.path}: its special token ids {special} are not all below the model's "
+                                    f"vocabulary of {self.engine.vocab}")
             tok = self.llm.get("tokenizer")
             if tok:
-                self.codec = TextCodec(self.llm, self.program.artifact.extras[tok])
+                from .textproc import TextWorkers
+                self.text = TextWorkers(self.program.artifact.extras[tok], template=self.llm.get("chat_template"),
+                                        bos_id=self.llm.get("bos_id"),
+                                        eos_id=self.stop_ids[0] if self.stop_ids else None,
+                                        max_chars=self.limits.chars, workers=text_workers, time_budget=text_budget)
+        else:
+            sig = self.program.signature(None)
+            self.limits = Limits.for_inputs(self.program.inputs(sig))
         self.processes = self.engine.processes if self.engine is not None else 1
         if _process_count() > 1 and self.processes == 1:
             raise InputError(f"{self.name}: under several processes (jax.distributed) only an LLM sharded over "
@@ -515,82 +667,90 @@ class Served:
                                   "file from one process")
 
     def app_models(self, kserve):
-        return [make_v2_model(kserve, self.name, self.program, self.engine, self.codec)]
+        self.model = make_v2_model(kserve, self.name, self.program, self.engine, self.stop_ids)
+        return [self.model]
+
+    def live(self) -> bool:
+        return self.engine is None or self.engine.running
+
+    def ready(self) -> bool:
+        return bool(self.model is not None and self.model.ready and (self.engine is None or self.engine.running))
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+        if self.text is not None:
+            self.text.close()
 
 
 def serve(path, *, name: str | None = None, host: str = "127.0.0.1", port: int = 8080,
-          batched: bool = True) -> None:
+          batched: bool = True, allow_origins=(), text_budget: float = 10.0) -> None:
     """Serves one artifact until interrupted (SIGINT/SIGTERM). Under several processes (jax.distributed,
     a sharded LLM program) process 0 serves HTTP and the others run the steps its engine schedules,
     until it stops."""
     kserve = _import_kserve()
     from kserve.model_server import ModelServer, app
     from kserve.protocol.rest.server import RESTServer
-    served = Served(path, name, batched=batched)
-    if served.processes > 1 and not served.engine.lead:
-        import jax
-        print(f"process {jax.process_index()} of {served.processes}: running the steps of process 0's engine "
-              f"({served.name})", flush=True)
-        served.engine.follow()
-        return
-    app.add_middleware(_JsonWithoutContentType)
-    if served.engine is not None:
-        OpenAIServer(served.name, served.engine, served.codec).mount(app)
-    server = ModelServer(http_port=port, enable_grpc=False, workers=1)
-    server._register_and_check_atleast_one_model_is_ready(served.app_models(kserve))
-    # ModelServer.start() with the host chosen (it binds 0.0.0.0, right in a container, not on a laptop)
-    rest = RESTServer("kserve.model_server:app", server.dataplane, server.model_repository_extension, port,
-                      workers=1, grace_period=5)
-    rest.config.host = host
-    server._rest_server = rest
-    server.servers.append(rest.start())
-    server.setup_event_loop()
-    server.register_signal_handler()
-    print(f"serving {served.name} ({served.path}) on http://{host}:{port}"
-          + (" with /v1/completions, /v1/chat/completions" if served.engine else "") + " and /v2", flush=True)
+    served = Served(path, name, batched=batched, text_budget=text_budget)
     try:
+        if served.processes > 1 and not served.engine.lead:
+            import jax
+            print(f"process {jax.process_index()} of {served.processes}: running the steps of process 0's engine "
+                  f"({served.name})", flush=True)
+            served.engine.follow()
+            return
+        app.add_middleware(RequestGuard, bound=host, openai=served.engine is not None,
+                           body_limit=served.limits.body, allow_origins=allow_origins)
+        mount_health(app, served)
+        if served.engine is not None:
+            OpenAIServer(served.name, served.engine, served.text, served.stop_ids, served.limits).mount(app)
+        server = ModelServer(http_port=port, enable_grpc=False, workers=1)
+        server._register_and_check_atleast_one_model_is_ready(served.app_models(kserve))
+        # ModelServer.start() with the host chosen (it binds 0.0.0.0, right in a container, not on a laptop)
+        rest = RESTServer("kserve.model_server:app", server.dataplane, server.model_repository_extension, port,
+                          workers=1, grace_period=5)
+        rest.config.host = host
+        server._rest_server = rest
+        server.servers.append(rest.start())
+        server.setup_event_loop()
+        server.register_signal_handler()
+        print(f"serving {served.name} ({served.path}) on http://{host}:{port}"
+              + (" with /v1/completions, /v1/chat/completions" if served.engine else "") + " and /v2", flush=True)
         asyncio.run(server._serve())
     finally:
-        if served.engine is not None:
-            served.engine.stop()
+        served.close()
 
 
 HELP = "serve an artifact over HTTP (Open Inference Protocol v2; OpenAI completions for LLMs) on KServe"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("model", help="a .tpu or .tflite file")
+    p.add_argument("model", nargs="?", help="a .tpu or .tflite file")
     p.add_argument("--name", default=None, help="the served model's name (default: the file's stem)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 in a container)")
     p.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080, KServe's)")
     p.add_argument("--one-slot", action="store_true",
                    help="LLMs: decode one request at a time (the decode program) even where decode_batch exists")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let browser pages from ORIGIN (e.g. https://app.example.com; '*' for any) call the server "
+                        "(CORS); without it, requests a browser marks cross-site are refused")
+    p.add_argument("--text-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="LLMs: the longest one tokenizing, chat-template or detokenizing step may take (default 10)")
     g = p.add_argument_group("several hosts (a sharded LLM over a multi-host slice: run the same command on each)")
     g.add_argument("--distributed", action="store_true",
-                   help="join JAX's multi-controller runtime (jax.distributed.initialize) first: process 0 serves "
-                        "HTTP, the others run its engine's steps. On Cloud TPU VMs the settings come from the "
+                   help="join JAX's multi-controller runtime first: process 0 serves HTTP, the others run its "
+                        "engine's steps. Processes prove they belong to the job with a shared secret "
+                        f"({'$' + distributed.TOKEN_ENV} or --token-file). On Cloud TPU VMs the rest comes from the "
                         "environment; elsewhere pass the three below")
-    g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address for the runtime")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's address for the runtime (process 0 listens there, on that address only)")
     g.add_argument("--num-processes", type=int, default=None, help="how many processes (hosts) take part")
     g.add_argument("--process-id", type=int, default=None, help="this process's index, 0 to N-1")
-
-
-def initialize_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
-    """``jax.distributed.initialize`` with the CLI's settings (none: detected from a TPU VM's environment),
-    its failure said in one message."""
-    given = [coordinator is not None, num_processes is not None, process_id is not None]
-    if any(given) and not all(given):
-        raise InputError("--coordinator, --num-processes and --process-id go together",
-                         hint="pass all three, or none on a Cloud TPU VM")
-    if num_processes is not None and not 0 <= process_id < num_processes:
-        raise InputError(f"--process-id must be from 0 to {num_processes - 1}, got {process_id}")
-    import jax
-    try:
-        jax.distributed.initialize(coordinator, num_processes, process_id)
-    except (RuntimeError, ValueError) as e:
-        raise InputError(f"jax.distributed.initialize failed: {str(e).splitlines()[0]}",
-                         hint="on a Cloud TPU VM run the same command on every worker; elsewhere pass "
-                              "--coordinator, --num-processes and --process-id") from None
+    g.add_argument("--token-file", default=None, metavar="FILE",
+                   help=f"the job's shared secret (default: ${distributed.TOKEN_ENV}); make one with "
+                        "`torchtpu-export serve --new-token FILE`")
+    p.add_argument("--new-token", default=None, metavar="FILE",
+                   help="write a new random secret for a --distributed job to FILE (readable by you only) and exit")
 
 
 def _process_count() -> int:
@@ -600,9 +760,25 @@ def _process_count() -> int:
 
 
 def run_cli(args) -> int:
+    if args.new_token is not None:
+        distributed.new_token_file(args.new_token)
+        print(f"wrote a new secret to {args.new_token}: give it to every process of the job "
+              f"(--token-file, or ${distributed.TOKEN_ENV})")
+        return 0
+    if args.model is None:
+        raise InputError("serve takes the model file to serve", hint="torchtpu-export serve model.tpu")
     if not 0 < args.port < 65536:
         raise InputError(f"--port must be from 1 to 65535, got {args.port}")
+    if not 0 < args.text_timeout <= 3600:
+        raise InputError(f"--text-timeout must be from 0 to 3600 seconds, got {args.text_timeout}")
+    for origin in args.allow_origin:
+        if origin != "*" and not origin.startswith(("http://", "https://")):
+            raise InputError(f"--allow-origin {origin!r}: give an origin such as https://app.example.com, or '*'")
+    given = [args.coordinator, args.num_processes, args.process_id, args.token_file]
+    if not args.distributed and any(v is not None for v in given):
+        raise InputError("--coordinator, --num-processes, --process-id and --token-file go with --distributed")
     if args.distributed:
-        initialize_distributed(args.coordinator, args.num_processes, args.process_id)
-    serve(args.model, name=args.name, host=args.host, port=args.port, batched=not args.one_slot)
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id, token_file=args.token_file)
+    serve(args.model, name=args.name, host=args.host, port=args.port, batched=not args.one_slot,
+          allow_origins=args.allow_origin, text_budget=args.text_timeout)
     return 0

@@ -37,6 +37,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from ..errors import InputError
+from ..httpcheck import host_allowed
 from ..litert_format import signature_tensors
 
 log = logging.getLogger("torchtpu_export")
@@ -239,15 +240,7 @@ class WebServer(HTTPServer):
                 pass
 
     def host_allowed(self, host: str | None) -> bool:
-        """Whether a request's Host header names this server: its bound address or localhost (any
-        Host when bound to every interface, which the user asked for with --host)."""
-        bound = self.server_address[0]
-        if bound in ("0.0.0.0", "::", ""):
-            return True
-        if not host:
-            return False
-        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        return name.strip("[]").lower() in {bound.lower(), "localhost", "127.0.0.1", "::1"}
+        return host_allowed(self.server_address[0], host)
 
     def add_model(self, name: str, data: bytes, *, check_dtypes: bool = True) -> str:
         """Serves one more model at ``/models/NAME``; returns that URL path."""
