@@ -4,6 +4,7 @@ tensor-parallel decoder over their process x device mesh. Their outputs equal on
 four devices, and each process reads only its own shards of the sharded weights."""
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -121,11 +122,23 @@ EXPORT_LLM = textwrap.dedent("""
 """)
 
 
+# jax's own client trying to register as process 1 of the running job, with no secret
+STRANGER = textwrap.dedent("""
+    import sys, jax
+    jax.config.update("jax_platforms", "cpu")
+    jax.distributed.initialize(f"127.0.0.1:{sys.argv[1]}", 2, 1, initialization_timeout=5,
+                               cluster_detection_method="deactivate")
+    print("joined")
+""")
+
+
 def test_serving_engine_across_two_processes(tmp_path):
     """``serve --distributed`` on two processes of two CPU devices each (gloo), one tensor-parallel LLM over
     their four devices: process 0 takes HTTP requests, process 1 runs the steps process 0's engine
     schedules. Two concurrent OpenAI completions give the tokens one process gives over four devices, and
-    stopping process 0 ends process 1 cleanly."""
+    stopping process 0 ends process 1 cleanly. The coordinator listens on the address given only, and
+    strangers (jax's own client with no secret, a process with another secret, a wrong handshake) are
+    refused without disturbing the job."""
     import threading
     import time
     import urllib.request
@@ -136,7 +149,8 @@ def test_serving_engine_across_two_processes(tmp_path):
     assert ref.returncode == 0, ref.stderr[-3000:]
     want = json.loads(ref.stdout.strip().splitlines()[-1])
     port, http = _free_port(), _free_port()
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+               TTE_DISTRIBUTED_TOKEN=secrets.token_hex(16))
     logs = [open(tmp_path / f"process{i}.log", "w+") for i in range(2)]
     procs = [subprocess.Popen([sys.executable, "-m", "torchtpu_export", "serve", str(tmp_path / "llm.tpu"),
                                "--port", str(http + i if i else http), "--name", "tiny", "--distributed",
@@ -157,6 +171,27 @@ def test_serving_engine_across_two_processes(tmp_path):
                         break
             except OSError:
                 time.sleep(0.5)
+        # the coordinator listens on the address given, nowhere else (read from the system)
+        import psutil
+        process0 = psutil.Process(procs[0].pid)
+        listening = {(c.laddr.ip, c.laddr.port) for c in getattr(process0, "net_connections", process0.connections)(
+                     "inet") if c.status == psutil.CONN_LISTEN}
+        assert {a for a in listening if a[1] == port} == {("127.0.0.1", port)}, listening
+        # strangers cannot join: jax's own client, a wrong secret, or a wrong answer to the handshake
+        stranger = subprocess.run([sys.executable, "-c", STRANGER, str(port)], capture_output=True, text=True,
+                                  timeout=120, env=dict(env, TTE_DISTRIBUTED_TOKEN=""))
+        assert stranger.returncode != 0 and "joined" not in stranger.stdout, stranger.stdout
+        wrong = subprocess.run([sys.executable, "-m", "torchtpu_export", "serve", str(tmp_path / "llm.tpu"),
+                                "--distributed", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                                "--process-id", "1"], capture_output=True, text=True, timeout=120,
+                               env=dict(env, TTE_DISTRIBUTED_TOKEN=secrets.token_hex(16)))
+        assert wrong.returncode == 2 and "refused to let this process join" in wrong.stderr, wrong.stderr
+        assert "Traceback" not in wrong.stderr
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.recv(64)
+            s.sendall(b"\0" * 64)
+            assert s.recv(64) == b""  # closed
+        assert all(p.poll() is None for p in procs), (log(0), log(1))
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="unused", max_retries=0, timeout=300)
         # a client that goes away mid-stream: process 0 cancels it at the next step, and so does process 1
         stream = client.completions.create(model="tiny", prompt=want["prompts"][0], max_tokens=40, temperature=0,
