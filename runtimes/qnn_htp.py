@@ -5,6 +5,10 @@ makes it when the NPU takes every op). Its QNN context binary is wrapped in an O
 node and run by ONNX Runtime's QNN execution provider (the ``onnxruntime-qnn`` wheel) with QNN's
 HTP backend, ``libQnnHtp.so``, which on x86-64 simulates the Hexagon NPU: the same fp16 and
 quantized arithmetic the phone does, slowly. A check of numerics, not of speed.
+
+QNN loads the context binary without checking it (two changed bytes can crash the simulator), so
+the file's torchtpu-export digest (``npu.require_digest``) is checked first, on the very bytes that
+are then handed over; a file without one runs only with ``allow_unverified``.
 """
 from __future__ import annotations
 
@@ -61,7 +65,8 @@ class QnnHtpRunner:
 
     name = "qnn-htp-simulator"
 
-    def __init__(self, content, signature: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]):
+    def __init__(self, content, signature: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], *,
+                 allow_unverified: bool = False):
         import onnxruntime as ort
         from onnx import helper
 
@@ -72,10 +77,15 @@ class QnnHtpRunner:
         why = available()
         if why:
             raise InputError(why, hint="pip install onnxruntime-qnn (the [test] extra has it)")
+        # one copy of the bytes: what the digest is checked on is what the simulator gets
         if isinstance(content, str):
             with open(content, "rb") as f:
                 content = f.read()
+        elif not isinstance(content, bytes):
+            content = bytes(content)
         model = validate(content)
+        digest = npu.digest_state(content, model)
+        npu.require_digest(digest, allow_unverified=True)  # a changed file, whatever changed in it
         io = signature_io(model)[signature]
         sub = model.Subgraphs(io["subgraph"])
         ops = op_histogram(model, [io["subgraph"]])
@@ -88,6 +98,7 @@ class QnnHtpRunner:
             raise InputError(f"signature {signature!r} is not one NPU partition (ops: {', '.join(cpu) or 'none'} "
                              f"besides {ops['CUSTOM:DISPATCH_OP']} DISPATCH_OP): the simulator runs "
                              f"whole-graph NPU files only")
+        npu.require_digest(digest, allow_unverified=allow_unverified)  # QNN trusts the context binary
         stamp = npu.soc_stamp(content, model)
         if stamp and stamp[0] != "Qualcomm":
             raise InputError(f"this file is compiled for {stamp[0]} {stamp[1]}, not a Qualcomm NPU")

@@ -389,10 +389,11 @@ def read_metadata(content: bytes, *, verify: bool = False) -> dict | None:
                 if problem:
                     raise ArtifactError(f"the flatbuffer's {METADATA_NAME} metadata is malformed: {problem}",
                                         hint="convert the model again")
-                # LiteRT's NPU compiler (ai_edge_litert.aot, which stamps its files LiteRtStamp) moves the
-                # weights its NPU runs into the appended bytecode: the digest of the CPU file no longer applies
-                stamped = any(model.Metadata(j).Name() == b"LiteRtStamp" for j in range(model.MetadataLength()))
-                if verify and "weights_blake2b" in meta and not stamped:
+                # LiteRT's NPU compiler moves the weights its NPU runs into the appended bytecode: the digest
+                # of the CPU file no longer applies to a compiled one (DISPATCH_OPs), which carries its own
+                # (npu.digest_state); a stamp alone (LiteRtStamp metadata) exempts nothing
+                compiled = any(c == "CUSTOM:DISPATCH_OP" for c in opcode_names(model))
+                if verify and "weights_blake2b" in meta and not compiled:
                     _verify_digest(model, content, {m.Buffer()}, meta["weights_blake2b"])
                 return meta
     except ArtifactError:

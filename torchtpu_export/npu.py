@@ -12,19 +12,30 @@ come from ``ai-edge-litert-sdk-<vendor>``, which downloads them from the vendor'
 installed. For Qualcomm, a QAIRT SDK folder named by ``QNN_SDK_ROOT`` works too, and so does
 ``<venv>/qairt`` (where ``make`` places the QNN libraries of the ``onnxruntime-qnn`` wheel for the
 test suite).
+
+Every file compiled here carries a digest: before compilation the model gets a metadata entry
+``torchtpu_export_npu`` whose buffer is a fixed-size placeholder (a new root table put in front of
+the model, whose bytes stay as they are). LiteRT's AOT path rewrites the flatbuffer but copies
+metadata buffers byte for byte, so afterwards the placeholder is found in the compiled file and
+overwritten in place with the sha256 of the whole file (the placeholder standing in for itself).
+Nothing moves, so the DISPATCH_OPs' bytecode offsets stay right. The digest covers the NPU bytecode, the offsets
+that say where it lies, the graph and the weights; :func:`require_digest` runs before any runtime is
+handed a compiled file, because NPU runtimes (QNN's HTP included) trust the bytecode they load.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib
 import io
 import os
 import re
+import struct
 import sys
 import tempfile
 
-from .errors import InputError, TteError
+from .errors import ArtifactError, InputError, TteError
 
 # vendor name as users type it -> (ai_edge_litert.aot.vendors module, SDK package, what the SDK is)
 VENDORS = {
@@ -184,7 +195,8 @@ def compile_model(model, configs: list, *, keep_going: bool = False):
     """``ai_edge_litert.aot.aot_compile`` on ``model`` (bytes or a path) for ``configs`` (aot
     ``Target``s or ``CompilationConfig``s); returns its ``CompilationResult`` with every model in
     memory. A SoC whose plugin fails, or whose NPU takes no op, raises NpuCompileError (naming every
-    such SoC) unless ``keep_going``, which leaves them in ``failed_backends``."""
+    such SoC) unless ``keep_going``, which leaves them in ``failed_backends``. Each compiled model
+    carries its digest (see the module's docstring); a CPU fallback is ``model`` as given."""
     from ai_edge_litert.aot import aot_compile
     from ai_edge_litert.aot.core import aot_types
     from ai_edge_litert.aot.vendors import fallback_backend
@@ -200,6 +212,7 @@ def compile_model(model, configs: list, *, keep_going: bool = False):
     if isinstance(model, (str, os.PathLike)):
         with open(model, "rb") as f:
             model = f.read()
+    original, model = model, _with_digest_slot(model)
     qnn_dirs = qnn_library_dirs() if any(c.target.backend_id() in ("qualcomm", "all") for c in configs) else []
     with tempfile.TemporaryDirectory(prefix="tte-npu-") as tmp, _library_path(qnn_dirs), \
             contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -212,12 +225,20 @@ def compile_model(model, configs: list, *, keep_going: bool = False):
     for backend, m in result.models_with_backend:
         stats = getattr(m, "partition_stats", None)
         subgraphs = stats.subgraph_stats if stats is not None else []
-        if backend.id() != "fallback" and subgraphs and not any(s.num_ops_offloaded for s in subgraphs):
-            failures.append((backend.target, "the NPU took none of the model's ops (the file would run on "
-                                             "the CPU only)"))
-            result.failed_backends.append((backend, failures[-1][1]))
-        else:
+        if backend.id() == "fallback":
+            m.set_bytes(original)  # the CPU model as it was given, without the digest's placeholder
             kept.append((backend, m))
+            continue
+        offloaded = not subgraphs or any(s.num_ops_offloaded for s in subgraphs)
+        sealed = _seal(m.model_bytes) if offloaded else None
+        if sealed is not None:
+            m.set_bytes(sealed)
+            kept.append((backend, m))
+            continue
+        failures.append((backend.target, "LiteRT's AOT path did not keep the placeholder of the file's digest (a "
+                                         "metadata buffer): this LiteRT is not one torchtpu-export knows" if offloaded
+                         else "the NPU took none of the model's ops (the file would run on the CPU only)"))
+        result.failed_backends.append((backend, failures[-1][1]))
     result.models_with_backend[:] = kept
     if failures and not keep_going:
         lines = [f"{t!r}: {why}" for t, why in failures]
@@ -245,8 +266,19 @@ def soc_results(result) -> list[SocResult]:
 def dispatch_ops(model, content: bytes) -> list[dict]:
     """The DISPATCH_OPs of a validated flatbuffer: subgraph, partition name and the NPU bytecode's
     span, checked to lie inside the file."""
-    from .litert_format import opcode_names
+    try:
+        return _dispatch_ops(model, content)
+    except ArtifactError:
+        raise
+    except Exception as e:  # noqa: BLE001 - validate() leaves opcode tables unread: damage fails in their readers
+        raise ArtifactError(f"the TFLite flatbuffer's operators are damaged ({type(e).__name__}: {str(e)[:120]})",
+                            hint="compile or download the model again") from None
+
+
+def _dispatch_ops(model, content: bytes) -> list[dict]:
     from flatbuffers import flexbuffers
+
+    from .litert_format import opcode_names
     codes = opcode_names(model)
     found = []
     for k in range(model.SubgraphsLength()):
@@ -261,15 +293,15 @@ def dispatch_ops(model, content: bytes) -> list[dict]:
                 name = opts.get("name", "")
                 name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
             except Exception as e:  # noqa: BLE001 - a damaged options map, whatever flexbuffers raised
-                from .errors import ArtifactError
-                raise ArtifactError(f"subgraph {k} operator {j}: DISPATCH_OP options are unreadable ({e})") from e
+                raise ArtifactError(f"subgraph {k} operator {j}: DISPATCH_OP options are unreadable "
+                                    f"({type(e).__name__}: {str(e)[:120]})") from None
             if not (0 < offset and 0 < size and offset + size <= len(content)):
-                from .errors import ArtifactError
                 raise ArtifactError(f"subgraph {k} operator {j}: the NPU bytecode ({size} bytes at {offset}) "
                                     f"lies outside the file ({len(content)} bytes)")
             found.append({"subgraph": k, "operator": j, "name": name, "bytecode_offset": offset,
-                          "bytecode_size": size, "inputs": list(op.InputsAsNumpy()) if op.InputsLength() else [],
-                          "outputs": list(op.OutputsAsNumpy()) if op.OutputsLength() else []})
+                          "bytecode_size": size,  # tensor indices as ints: inspect --json prints them
+                          "inputs": [int(i) for i in op.InputsAsNumpy()] if op.InputsLength() else [],
+                          "outputs": [int(i) for i in op.OutputsAsNumpy()] if op.OutputsLength() else []})
     return found
 
 
@@ -284,3 +316,197 @@ def soc_stamp(content: bytes, model) -> tuple[str, str] | None:
         parts = [p.decode(errors="replace") for p in raw.split(b"\0") if p]
         return (parts[0], parts[1]) if len(parts) >= 2 else None
     return None
+
+
+# ---- the digest of a compiled file ---------------------------------------------------------
+
+DIGEST_NAME = "torchtpu_export_npu"  # the metadata entry
+_DIGEST_PREFIX = b"torchtpu-export npu sha256 v1 "
+_DIGEST_PENDING = _DIGEST_PREFIX + b"-" * 64  # what the digest's bytes are while it is computed
+_CHUNK = 64 << 20
+_ALIGN = 64  # the head put before a model keeps its data's alignment
+_MODEL_FIELDS = 10  # the Model table's fields in LiteRT's schema (version ... external_buffers)
+_BUFFERS, _METADATA = 4, 6  # their field numbers
+_BUFFER_OFFSET_SLOT = 6  # Buffer.offset: where data past a 2 GB flatbuffer starts, from the file's start
+
+
+def _with_digest_slot(content) -> bytes:
+    """The flatbuffer with a ``torchtpu_export_npu`` metadata entry whose buffer is the digest's placeholder.
+
+    No byte of the model is rewritten: a new root Model table goes in front of it, a copy of the old
+    one's fields whose buffers and metadata vectors have the new entry too (an earlier entry of that
+    name left out). Offsets in a flatbuffer are relative, so the old tables still read the same; only
+    data kept after a 2 GB flatbuffer is addressed from the file's start, and those offsets move with it."""
+    from .litert_format import validate
+    model = validate(content)
+    if dispatch_ops(model, content):
+        raise InputError("the model is already compiled for an NPU (it has DISPATCH_OPs)",
+                         hint="compile the CPU .tflite it was made from")
+    old_entries = [j for j in range(model.MetadataLength()) if model.Metadata(j).Name() != DIGEST_NAME.encode()]
+    try:
+        out = _prefix_digest_slot(content, old_entries)
+    except (struct.error, ValueError, IndexError) as e:
+        raise ArtifactError(f"the TFLite flatbuffer's root table is damaged ({type(e).__name__}: {str(e)[:120]})",
+                            hint="convert or download the model again") from None
+    slot = _digest_slot(validate(out), out)  # what LiteRT is given reads as the model it was
+    if slot is None or out[slot[0]:slot[0] + slot[1]] != _DIGEST_PENDING:
+        raise ArtifactError("the model's metadata could not take the digest's placeholder",
+                            hint="convert the model again")
+    return out
+
+
+def _prefix_digest_slot(content, old_entries: list[int]) -> bytes:
+    u16 = lambda pos: struct.unpack_from("<H", content, pos)[0]  # noqa: E731
+    u32 = lambda pos: struct.unpack_from("<I", content, pos)[0]  # noqa: E731
+    root = u32(0)
+    vtable = root - struct.unpack_from("<i", content, root)[0]
+    fields = []  # the old Model's field i: where its value is, or None
+    for i in range(_MODEL_FIELDS):
+        at = u16(vtable + 4 + 2 * i) if 4 + 2 * i < u16(vtable) else 0
+        fields.append(root + at if at else None)
+
+    def elements(i):  # where the tables of the old vector field i are
+        if fields[i] is None:
+            return []
+        vec = fields[i] + u32(fields[i])
+        return [vec + 4 + 4 * j + u32(vec + 4 + 4 * j) for j in range(u32(vec))]
+
+    buffers = elements(_BUFFERS)
+    keep = set(old_entries)
+    metadata = [m for j, m in enumerate(elements(_METADATA)) if j in keep]
+
+    head = bytearray(8)
+    links: list[tuple[int, int, bool]] = []  # (where a uoffset goes, what it points at, in the old model?)
+
+    def put(data: bytes, align: int = 4, before: int = 0) -> int:  # appends data, its first `before` bytes unaligned
+        head.extend(b"\0" * (-(len(head) + before) % align))
+        head.extend(data)
+        return len(head) - len(data)
+
+    n_table = 4 + 4 * _MODEL_FIELDS
+    vt = put(struct.pack(f"<HH{_MODEL_FIELDS}H", 4 + 2 * _MODEL_FIELDS, n_table,
+                         *[4 + 4 * i if fields[i] is not None or i in (_BUFFERS, _METADATA) else 0
+                           for i in range(_MODEL_FIELDS)]))
+    table = put(b"\0" * n_table)
+    struct.pack_into("<i", head, table, table - vt)
+    struct.pack_into("<I", head, 0, table)
+    head[4:8] = b"TFL3"
+    if fields[0] is not None:  # version, the only scalar
+        struct.pack_into("<I", head, table + 4, u32(fields[0]))
+    for i in range(1, _MODEL_FIELDS):
+        if fields[i] is not None and i not in (_BUFFERS, _METADATA):
+            links.append((table + 4 + 4 * i, fields[i] + u32(fields[i]), True))
+
+    def vector(field: int, old: list[int]) -> int:  # the old tables, then one slot for the new one
+        vec = put(struct.pack("<I", len(old) + 1) + b"\0" * 4 * (len(old) + 1))
+        links.append((table + 4 + 4 * field, vec, False))
+        links.extend((vec + 4 + 4 * j, t, True) for j, t in enumerate(old))
+        return vec + 4 + 4 * len(old)
+
+    new_buffer, new_entry = vector(_BUFFERS, buffers), vector(_METADATA, metadata)
+    vt = put(struct.pack("<HHH", 6, 8, 4))  # Buffer {data}
+    buf = put(struct.pack("<iI", 0, 0))
+    struct.pack_into("<i", head, buf, buf - vt)
+    links.append((new_buffer, buf, False))
+    data = put(struct.pack("<I", len(_DIGEST_PENDING)) + _DIGEST_PENDING, 16, before=4)  # data 16-aligned
+    links.append((buf + 4, data, False))
+    vt = put(struct.pack("<HHHH", 8, 12, 4, 8))  # Metadata {name, buffer}
+    entry = put(struct.pack("<iII", 0, 0, len(buffers)))
+    struct.pack_into("<i", head, entry, entry - vt)
+    links.append((new_entry, entry, False))
+    name = put(struct.pack("<I", len(DIGEST_NAME)) + DIGEST_NAME.encode() + b"\0")
+    links.append((entry + 4, name, False))
+    put(b"", _ALIGN)
+    shift = len(head)
+    for at, target, old in links:
+        struct.pack_into("<I", head, at, target + (shift if old else 0) - at)
+
+    moved = []  # Buffer.offset fields (data after the flatbuffer), each once
+    for t in set(buffers):
+        bvt = t - struct.unpack_from("<i", content, t)[0]
+        at = u16(bvt + _BUFFER_OFFSET_SLOT) if _BUFFER_OFFSET_SLOT < u16(bvt) else 0
+        if at and struct.unpack_from("<Q", content, t + at)[0] > 1:
+            moved.append(t + at)
+    if not moved:
+        return bytes(head) + bytes(content)
+    out = bytearray(head) + content
+    for at in moved:
+        struct.pack_into("<Q", out, shift + at, struct.unpack_from("<Q", content, at)[0] + shift)
+    return bytes(out)
+
+
+def _digest_slot(model, content) -> tuple[int, int] | None:
+    # (start, size) of the digest's bytes in a validated flatbuffer; ArtifactError if named twice
+    from . import flatbuf
+    found = [model.Metadata(i).Buffer() for i in range(model.MetadataLength())
+             if model.Metadata(i).Name() == DIGEST_NAME.encode()]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ArtifactError(f"the file has {len(found)} torchtpu-export NPU digests; a compiled file has one",
+                            hint="compile the CPU .tflite again")
+    buf = model.Buffers(found[0])
+    if buf.Offset() > 1:
+        return buf.Offset(), buf.Size()
+    n = buf.DataLength()
+    return (flatbuf.vector_start(buf, 4), n) if n else (0, 0)
+
+
+def _file_digest(content, start: int) -> bytes:
+    # sha256 of the file with the placeholder in place of the digest's bytes, a chunk at a time
+    h = hashlib.sha256()
+    view = memoryview(content)
+    try:
+        end = start + len(_DIGEST_PENDING)
+        for a, b in ((0, start), (end, len(content))):
+            if a == end:
+                h.update(_DIGEST_PENDING)
+            for c in range(a, b, _CHUNK):
+                h.update(view[c:min(c + _CHUNK, b)])
+    finally:
+        view.release()
+    return h.hexdigest().encode()
+
+
+def _seal(content: bytes) -> bytes | None:
+    """A compiled file with its digest written in place of the placeholder; None without one."""
+    from .litert_format import validate
+    slot = _digest_slot(validate(content), content)
+    if slot is None or content[slot[0]:slot[0] + slot[1]] != _DIGEST_PENDING:
+        return None
+    start, n = slot
+    return content[:start] + _DIGEST_PREFIX + _file_digest(content, start) + content[start + n:]
+
+
+def digest_state(content, model) -> str:
+    """``"ok"``, ``"mismatch"`` (the file changed after torchtpu-export compiled it) or ``"absent"``
+    (no digest: compiled by another tool) for a validated flatbuffer ``model`` of ``content``."""
+    try:
+        slot = _digest_slot(model, content)
+    except ArtifactError:
+        return "mismatch"
+    if slot is None:
+        return "absent"
+    start, n = slot
+    if n != len(_DIGEST_PENDING) or content[start:start + len(_DIGEST_PREFIX)] != _DIGEST_PREFIX:
+        return "mismatch"
+    recorded = bytes(content[start + len(_DIGEST_PREFIX):start + n])
+    return "ok" if recorded == _file_digest(content, start) else "mismatch"
+
+
+_UNVERIFIED_HINT = ("compile the CPU .tflite with torchtpu-export (compile model.tflite --soc ...), which writes "
+                   "the digest; for a file you trust, EdgeModel.run_flat(..., allow_unverified_npu=True)")
+
+
+def require_digest(state: str, *, allow_unverified: bool = False) -> None:
+    """Refuses (ArtifactError) a compiled file whose :func:`digest_state` is ``"mismatch"``, and one
+    without a digest (``"absent"``) unless ``allow_unverified``: NPU runtimes run the bytecode they are
+    given unchecked."""
+    if state == "mismatch":
+        raise ArtifactError("the NPU-compiled file was changed after compilation: it does not match the digest "
+                            "torchtpu-export wrote when it compiled it (NPU bytecode, its offsets or the graph)",
+                            hint="compile the CPU .tflite again, or download the compiled file again")
+    if state == "absent" and not allow_unverified:
+        raise ArtifactError("the NPU-compiled file has no torchtpu-export digest (another tool compiled it, or "
+                            "the digest was removed), so its NPU bytecode cannot be checked before a runtime "
+                            "loads it", hint=_UNVERIFIED_HINT)

@@ -21,9 +21,10 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import ArtifactError, InputError
+from ..errors import ArtifactError, InputError, OutputError
 from ..fileio import atomic_open, write_bytes_atomic
-from ..litert_format import (LiteRTArtifact, damaged, op_histogram, read_metadata, signature_io, validate)
+from ..litert_format import (LiteRTArtifact, damaged, op_histogram, parse_model, read_metadata, signature_io,
+                              validate)
 from ..specs import TensorSpec, as_numpy, bind_dims, check_dims, numpy_dtype
 from .base import Runnable, Target, no_topologies
 
@@ -79,6 +80,8 @@ class EdgeModel(Runnable):
             self._sigs = signature_io(model)
         except Exception as e:
             raise damaged(e) from e
+        from .. import npu
+        self._npu = bool(npu.dispatch_ops(model, self._content))  # compiled for a phone NPU
         meta = read_metadata(self._content, verify=True) if signatures is None else {"signatures": signatures}
         self._meta = (meta or {}).get("signatures", {})
         # recipe and weight sizes when quantized; tte.convert adds the error against float as quant_report
@@ -168,14 +171,22 @@ class EdgeModel(Runnable):
     # ---- running it ------------------------------------------------------------------------
 
     def runner(self, signature_name: str | None = None, *, runtime: str = "interpreter",
-               num_threads: int | None = None):
+               num_threads: int | None = None, allow_unverified_npu: bool = False):
         """The runner of one signature: LiteRT's ``"interpreter"`` or its ``"compiled_model"`` API, or for a
-        file compiled for a Qualcomm NPU, ``"qnn_htp"``: QNN's HTP simulator (x86-64, onnxruntime-qnn)."""
+        file compiled for a Qualcomm NPU, ``"qnn_htp"``: QNN's HTP simulator (x86-64, onnxruntime-qnn).
+
+        A compiled file runs only when it matches the digest ``torchtpu-export compile`` wrote in it;
+        ``allow_unverified_npu=True`` runs one without a digest (compiled by another tool) too."""
         from ..runtimes import litert
         sig = self.signature(signature_name)
         if runtime not in litert.RUNTIMES:
             raise InputError(f"unknown LiteRT runtime {runtime!r}; choose one of {', '.join(litert.RUNTIMES)}")
-        key = (sig, runtime, num_threads)
+        if self._npu and runtime != "qnn_htp":  # a changed file is named as such; then no CPU runtime gets it
+            from .. import npu
+            npu.require_digest(npu.digest_state(self._content, parse_model(self._content)), allow_unverified=True)
+            raise ArtifactError(f"LiteRT's {runtime} runtime here runs on the CPU, and this file is compiled for a "
+                                f"phone NPU (DISPATCH_OP)", hint=litert.NPU_HINT)
+        key = (sig, runtime, num_threads, allow_unverified_npu)
         if key not in self._runners:
             # torch's shapes (dynamic dims by name) with the dtypes the flatbuffer declares
             ins, outs = self.inputs(sig), self.outputs(sig)
@@ -191,7 +202,7 @@ class EdgeModel(Runnable):
                 self._interpreters[num_threads] = r.interpreter
             elif runtime == "qnn_htp":
                 from ..runtimes.qnn_htp import QnnHtpRunner
-                r = QnnHtpRunner(self._source(), sig, ins, outs)
+                r = QnnHtpRunner(self._source(), sig, ins, outs, allow_unverified=allow_unverified_npu)
             else:
                 r = litert.CompiledModelRunner(self._source(), sig, ins, outs, num_threads=num_threads)
             self._runners[key] = r
@@ -202,12 +213,13 @@ class EdgeModel(Runnable):
         return self._path if self._path is not None else self._content
 
     def run_flat(self, inputs: Sequence, signature_name: str | None = None, *,
-                 runtime: str = "interpreter") -> list[np.ndarray]:
+                 runtime: str = "interpreter", allow_unverified_npu: bool = False) -> list[np.ndarray]:
         """Runs on already-flattened inputs (the signature's input order); returns the flat outputs,
-        on LiteRT's ``"interpreter"`` or ``"compiled_model"`` runtime."""
-        return self._run(self.signature(signature_name), list(inputs), runtime)
+        on LiteRT's ``"interpreter"`` or ``"compiled_model"`` runtime, or ``"qnn_htp"`` (see :meth:`runner`)."""
+        return self._run(self.signature(signature_name), list(inputs), runtime, allow_unverified_npu)
 
-    def _run(self, sig: str, inputs: list, runtime: str = "interpreter") -> list[np.ndarray]:
+    def _run(self, sig: str, inputs: list, runtime: str = "interpreter",
+             allow_unverified_npu: bool = False) -> list[np.ndarray]:
         specs = self.inputs(sig)
         if len(inputs) != len(specs):
             raise InputError(f"expected {len(specs)} inputs ({', '.join(str(s) for s in specs)}), got {len(inputs)}")
@@ -227,7 +239,7 @@ class EdgeModel(Runnable):
             inputs = [_quantize_input(x, quant[s.name], io_ins[s.name].dtype)
                       if s.name in quant and s.dtype.startswith(("float", "bfloat")) else x
                       for x, s in zip(inputs, specs)]
-        outs = self.runner(sig, runtime=runtime).run(list(inputs))
+        outs = self.runner(sig, runtime=runtime, allow_unverified_npu=allow_unverified_npu).run(list(inputs))
         result = []
         for o, s in zip(outs, self.outputs(sig)):
             if s.name in quant and s.dtype.startswith(("float", "bfloat")):
@@ -456,7 +468,7 @@ def _describe(path: str, content: bytes) -> dict:
             weight_bytes += n
     versions = meta.get("versions", {})
     npu_info = _npu_description(model, content, programs)
-    extra = ([npu_info["line"]] if npu_info else []) + [f"TRANSPOSE ops: {transposes}",
+    extra = ([npu_info["line"], npu_info["digest_line"]] if npu_info else []) + [f"TRANSPOSE ops: {transposes}",
              "made by torchtpu-export" if meta else "not made by torchtpu-export (no pytree metadata)"]
     quant = meta.get("quantization")
     if quant:
@@ -486,9 +498,19 @@ def _npu_description(model, content, programs: dict) -> dict | None:
                 cpu[op] = cpu.get(op, 0) + n
     nbytes = sum(p["bytecode_size"] for p in parts)
     left = ", ".join(f"{op} {n}" for op, n in sorted(cpu.items())) or "none"
-    return {"soc": stamp, "partitions": parts, "cpu_ops": cpu, "bytecode_bytes": nbytes,
+    digest = npu.digest_state(content, model)
+    return {"soc": stamp, "partitions": parts, "cpu_ops": cpu, "bytecode_bytes": nbytes, "digest": digest,
             "line": f"compiled for {soc}: {len(parts)} NPU partition{'s' if len(parts) != 1 else ''} "
-                    f"(DISPATCH_OP, {nbytes:,} bytes of NPU bytecode); ops left on the CPU: {left}"}
+                    f"(DISPATCH_OP, {nbytes:,} bytes of NPU bytecode); ops left on the CPU: {left}",
+            "digest_line": _DIGEST_LINES[digest]}
+
+
+_DIGEST_LINES = {
+    "ok": "NPU digest: ok (the whole file is as torchtpu-export compiled it)",
+    "mismatch": "NPU digest: MISMATCH: the file was changed after compilation (runtimes refuse it)",
+    "absent": "NPU digest: absent (not compiled by torchtpu-export; runtimes refuse it unless "
+              "allow_unverified_npu=True)",
+}
 
 
 def npu_report(path: str, soc: str) -> list[dict]:
@@ -531,6 +553,9 @@ def compile_cli(args) -> list[str]:
             raise InputError(f"--{flag} applies to .tpu programs; a .tflite compiles for NPUs with --soc")
     if not args.soc:
         raise InputError("compile model.tflite needs --soc", hint="e.g. --soc qualcomm:SM8650 or --soc qualcomm:all")
+    for flag, value in (("-o", args.output), ("--ai-pack", args.ai_pack)):
+        if value is not None and not value:
+            raise InputError(f"{flag} is empty: give a folder")
     if args.ai_pack and args.output:
         raise InputError("give -o DIR (one file per SoC) or --ai-pack DIR, not both")
     socs = npu.parse_targets(args.soc)
@@ -541,8 +566,9 @@ def compile_cli(args) -> list[str]:
     out_dir = args.output or os.path.dirname(os.path.abspath(args.artifact))
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise InputError(f"-o {out_dir} is a file: give the folder for the compiled models")
+    _check_folder(out_dir, "-o")
     results = npu.soc_results(npu.compile_model(content, socs))
-    os.makedirs(out_dir, exist_ok=True)
+    _make_folder(out_dir, "-o")
     paths = [check_writable(os.path.join(out_dir, f"{stem}_{r.name}.tflite"), inputs=(args.artifact,))
              for r in results]
     lines = []
@@ -557,6 +583,23 @@ def compile_cli(args) -> list[str]:
     return lines
 
 
+def _check_folder(path: str, flag: str) -> None:
+    # before compiling: a folder can be made at ``path`` (or is there): its nearest existing ancestor is one
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        kind = "a symbolic link to nothing" if not os.path.exists(probe) else "not a folder"
+        raise OutputError(f"{flag} {path}: {probe} is {kind}", hint="give a folder that exists or can be made")
+
+
+def _make_folder(path: str, flag: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot make the {flag} folder {path}: {e.strerror or e}") from None
+
+
 def _write_ai_pack(content: bytes, socs: list, folder: str, stem: str) -> list[str]:
     # ai_edge_litert.aot's AI Pack writer, into a new folder made whole or not at all
     import tempfile
@@ -565,19 +608,29 @@ def _write_ai_pack(content: bytes, socs: list, folder: str, stem: str) -> list[s
     from ai_edge_litert.aot.vendors import fallback_backend
 
     from .. import npu
+    folder = folder.rstrip(os.sep) or os.sep  # "pack/" names the folder itself, not what a link there points to
+    if os.path.islink(folder):  # the pack replaces the folder: a link would be replaced, not followed
+        raise OutputError(f"--ai-pack {folder} is a symbolic link; the AI Pack is written as a new folder",
+                          hint="give a new folder, or the folder the link points to")
     if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
         raise InputError(f"--ai-pack {folder} exists and is not an empty folder", hint="give a new folder")
+    _check_folder(folder, "--ai-pack")
     result = npu.compile_model(content, [*socs, fallback_backend.FallbackTarget()])
     parent = os.path.dirname(os.path.abspath(folder))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tte-aipack-", dir=parent)
+    _make_folder(parent, "--ai-pack")
+    try:
+        tmp = tempfile.mkdtemp(prefix=".tte-aipack-", dir=parent)
+    except OSError as e:
+        raise OutputError(f"cannot write the AI Pack beside {folder}: {e.strerror or e}") from None
     try:
         export_lib.export(result, tmp, ai_pack_name=stem, litert_model_name=stem)
-        if os.path.isdir(folder):
+        if os.path.isdir(folder) and not os.path.islink(folder):
             os.rmdir(folder)
         os.replace(tmp, folder)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # the folder changed while the models compiled
+            raise OutputError(f"cannot write the AI Pack to {folder}: {e.strerror or e}") from None
         raise
     lines = [f"{r.name}: {r.ops_on_npu}/{r.ops_total} ops on the NPU" for r in npu.soc_results(result)]
     files = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
