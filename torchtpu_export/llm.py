@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import os
 import re
 from typing import Sequence
@@ -64,22 +63,21 @@ class LlmTokenizer:
     @classmethod
     def from_dir(cls, path: str, stop_ids: Sequence[int] = ()) -> "LlmTokenizer":
         """From a Hugging Face folder: ``tokenizer.json`` (required), ``tokenizer_config.json``,
-        ``chat_template.jinja`` and ``generation_config.json`` (optional)."""
-        tj = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(tj):
+        ``chat_template.jinja`` and ``generation_config.json`` (optional), each read only if it is a regular
+        file inside the folder (:mod:`.hf_folder`)."""
+        from . import hf_folder
+        text = hf_folder.read_text(path, "tokenizer.json", hf_folder.MAX_TOKENIZER_BYTES)
+        if text is None:
             raise InputError(f"{path} has no tokenizer.json",
                              hint="save the tokenizer there (tokenizer.save_pretrained(folder)) or pass tokenizer=; "
                                   "only fast (tokenizers-library) tokenizers can be bundled")
-        text = _read_text(tj)
-        config = _read_json(os.path.join(path, "tokenizer_config.json")) or {}
-        template = config.get("chat_template")
-        jinja = os.path.join(path, "chat_template.jinja")
-        if os.path.isfile(jinja):
-            template = _read_text(jinja)
-        if isinstance(template, list):  # several named templates: the default one
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        gen = _read_json(os.path.join(path, "generation_config.json")) or {}
-        return cls.build(text, config, template, [*stop_ids, *_ids(gen.get("eos_token_id"))])
+        config = hf_folder.read_json(path, "tokenizer_config.json") or {}
+        template = hf_folder.read_text(path, "chat_template.jinja")
+        if template is None:
+            template = _chat_template(config.get("chat_template"), os.path.join(path, "tokenizer_config.json"))
+        gen = hf_folder.read_json(path, "generation_config.json") or {}
+        stops = _ids(gen.get("eos_token_id"), os.path.join(path, "generation_config.json"))
+        return cls.build(text, config, template, [*stop_ids, *stops])
 
     @classmethod
     def build(cls, text: str, config: dict, template: str | None, stop_ids: Sequence[int]) -> "LlmTokenizer":
@@ -117,30 +115,25 @@ class LlmTokenizer:
         return cls.build(backend.to_str(), config, getattr(tokenizer, "chat_template", None), stop_ids)
 
 
-def _ids(value) -> list[int]:
+def _ids(value, where: str) -> list[int]:
+    """Token ids given as one id or a list (``eos_token_id``); InputError naming ``where`` otherwise."""
     if value is None:
         return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+    ids = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2 ** 31 for i in ids):
+        raise InputError(f"{where}: eos_token_id must be a token id or a list of them, got {value!r:.80}")
+    return ids
 
 
-def _read_text(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read {path}: {e}") from e
-
-
-def _read_json(path: str) -> dict | None:
-    if not os.path.isfile(path):
-        return None
-    try:
-        data = json.loads(_read_text(path))
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise InputError(f"{path} is not a JSON object")
-    return data
+def _chat_template(value, where: str) -> str | None:
+    """tokenizer_config.json's ``chat_template``: a template, or named ones (the ``default`` is taken)."""
+    if isinstance(value, list):
+        if not all(isinstance(t, dict) for t in value):
+            raise InputError(f"{where}: chat_template must be a template or a list of {{name, template}}")
+        value = next((t.get("template") for t in value if t.get("name") == "default"), None)
+    if value is not None and not isinstance(value, str):
+        raise InputError(f"{where}: chat_template must be text, got {type(value).__name__}")
+    return value
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -179,8 +172,9 @@ def load_source(model_or_path, tokenizer=None, abstract: bool = False) -> LlmSou
     config = getattr(model, "config", None)
     if config is None:
         raise InputError(f"{name} has no transformers config: export_llm takes a transformers causal LM")
-    stop_ids += _ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
-    stop_ids += _ids(getattr(config, "eos_token_id", None))
+    stop_ids += _ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                     f"{name}'s generation config")
+    stop_ids += _ids(getattr(config, "eos_token_id", None), f"{name}'s config")
     tok = LlmTokenizer.from_object(tokenizer, stop_ids) if tokenizer is not None else None
     model.eval()
     return LlmSource(model, tok, name)
@@ -188,40 +182,60 @@ def load_source(model_or_path, tokenizer=None, abstract: bool = False) -> LlmSou
 
 def _load_hf_folder(path: str, abstract: bool = False):
     """A causal LM from config.json and its safetensors weights (local files only); with ``abstract``,
-    from config.json alone, its parameters on the meta device (``capture.abstract_weights``)."""
+    from config.json alone, its parameters on the meta device (``capture.abstract_weights``).
+
+    Every file is checked before transformers reads it (:mod:`.hf_folder`), and the model config.json
+    describes is first built on the meta device and measured against the checkpoint's headers: a config
+    that transformers cannot build, or a model the checkpoint cannot fill, is refused before anything of
+    its size is allocated."""
+    from . import hf_folder
     cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
+    raw = hf_folder.read_json(path, "config.json")
+    if raw is None:
         raise InputError(f"{path} has no config.json: not a Hugging Face model folder",
                          hint="save the model there with model.save_pretrained(folder)")
-    weights = [f for f in os.listdir(path) if f.endswith(".safetensors")]
-    if not weights and not abstract:
-        bins = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth"))]
+    _check_raw_config(cfg_path, raw)
+    ckpt = None if abstract else hf_folder.checkpoint(path, raw)
+    if ckpt is None and not abstract:
+        try:
+            bins = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth")))
+        except OSError:
+            bins = []
         raise InputError(f"{path} has no .safetensors weights" + (f" ({', '.join(bins)} are pickles, never loaded)"
                                                                     if bins else ""),
                          hint="save with model.save_pretrained(folder) (safetensors is its default)")
+    jsons = {"config.json": raw}
+    gen = hf_folder.read_json(path, "generation_config.json")
+    if gen is not None:
+        _ids(gen.get("eos_token_id"), os.path.join(path, "generation_config.json"))
+        jsons["generation_config.json"] = gen
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (ValueError, KeyError, OSError) as e:
-        raise InputError(f"{cfg_path}: transformers does not know this architecture ({_first_line(e)})",
-                         hint="a newer transformers may know it; architectures must be causal LMs") from e
-    if type(config) not in AutoModelForCausalLM._model_mapping:
-        raise InputError(f"{cfg_path}: {config.model_type!r} is not a causal LM architecture transformers "
-                         f"can build (architectures {getattr(config, 'architectures', None)})")
-    if abstract:
-        from .capture import abstract_weights
-        with abstract_weights():
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    try:
-        hf_logging.set_verbosity_error()  # its load report is checked here, not printed
-        model, info = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32",
-                                                           use_safetensors=True, output_loading_info=True)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise InputError(f"cannot load the weights in {path}: {_first_line(e)}") from e
-    finally:
-        hf_logging.set_verbosity_warning()
+    with hf_folder.staged(jsons, ckpt) as stage:
+        try:
+            config = AutoConfig.from_pretrained(stage, local_files_only=True)
+        except Exception as e:  # anything transformers makes of an untrusted config is bad input
+            raise InputError(f"{cfg_path}: transformers cannot read it ({type(e).__name__}: {_reason(e)})",
+                             hint="a newer transformers may know the architecture; it must be a causal LM") from None
+        if type(config) not in AutoModelForCausalLM._model_mapping:
+            raise InputError(f"{cfg_path}: {config.model_type!r} is not a causal LM architecture transformers "
+                             f"can build (architectures {getattr(config, 'architectures', None)})")
+        _check_layout(cfg_path, config)
+        _check_against_checkpoint(cfg_path, _meta_model(cfg_path, config, ckpt), ckpt)
+        if abstract:
+            from .capture import abstract_weights
+            with abstract_weights():
+                return _built(cfg_path, lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+        try:
+            hf_logging.set_verbosity_error()  # its load report is checked here, not printed
+            model, info = AutoModelForCausalLM.from_pretrained(stage, local_files_only=True, dtype="float32",
+                                                               use_safetensors=True, output_loading_info=True)
+        except Exception as e:  # the headers were checked: what is left is the checkpoint's content
+            raise InputError(f"cannot load the weights in {path}: {_reason(e)}") from None
+        finally:
+            hf_logging.set_verbosity_warning()
+    model.config.name_or_path = path
     # a weight the checkpoint lacks would be random: never a silently wrong model
     missing = sorted(info.get("missing_keys") or []) + [str(k) for k in info.get("mismatched_keys") or []]
     if missing:
@@ -230,8 +244,112 @@ def _load_hf_folder(path: str, abstract: bool = False):
     return model
 
 
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+MAX_LAYERS = 1024  # transformers' configs make per-layer lists as they are read; the deepest real LLM has ~130
+MAX_ABSTRACT_PARAMS = 1 << 16  # a model built from config.json alone: ~4 KB of Python objects each
+_BUFFER_ALLOWANCE = 256 << 20  # computed buffers (RoPE frequencies, masks) beyond the checkpoint's size
+
+
+def _check_raw_config(cfg_path: str, raw: dict) -> None:
+    """What must be refused before transformers reads config.json at all."""
+    stack = [raw]
+    while stack:  # load_json capped the nesting
+        node = stack.pop()
+        for key, value in node.items():
+            if isinstance(value, dict):
+                stack.append(value)
+            elif (key.endswith(("layers", "layer")) and isinstance(value, int) and not isinstance(value, bool)
+                  and not 0 <= value <= MAX_LAYERS):
+                raise InputError(f"{cfg_path}: {key} is {value}; a layer count from 0 to {MAX_LAYERS} was expected")
+            if key == "quantization_config" and value is not None:
+                raise InputError(f"{cfg_path} describes a quantized checkpoint (quantization_config), which is not "
+                                 "read", hint="export the float (or bf16) checkpoint; quantize with --quantize")
+
+
+def _check_layout(cfg_path: str, config) -> None:
+    """The sizes the KV cache and the export read from the config, for what transformers left unchecked."""
+    text = getattr(config, "text_config", None) or config
+
+    def size(key, optional=False):
+        value = getattr(text, key, None)
+        if value is None and optional:
+            return None
+        if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value < 2 ** 31):
+            raise InputError(f"{cfg_path}: {key} must be a positive integer, got {value!r:.80}")
+        return value
+
+    heads, hidden = size("num_attention_heads"), size("hidden_size")
+    size("num_hidden_layers"), size("max_position_embeddings", optional=True)
+    kv, head_dim = size("num_key_value_heads", optional=True), size("head_dim", optional=True)
+    if kv is not None and heads % kv:
+        raise InputError(f"{cfg_path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    if head_dim is None and hidden % heads:
+        raise InputError(f"{cfg_path}: hidden_size {hidden} does not divide into {heads} attention heads",
+                         hint="set head_dim, or a hidden_size that num_attention_heads divides")
+    _ids(getattr(config, "eos_token_id", None), cfg_path)
+
+
+class _TooManyParameters(BaseException):  # not an Exception: transformers' own handlers must let it through
+    pass
+
+
+def _meta_model(cfg_path: str, config, ckpt):
+    """The model config.json describes, built on the meta device (no memory for its weights), its
+    construction stopped once it registers more parameters than the checkpoint could fill."""
+    import threading
+    from transformers import AutoModelForCausalLM
+    limit = MAX_ABSTRACT_PARAMS if ckpt is None else 2 * ckpt.tensors + 1024
+    me, count = threading.get_ident(), 0
+
+    def counted(module, name, param):
+        nonlocal count
+        if threading.get_ident() == me:
+            count += 1
+            if count > limit:
+                raise _TooManyParameters
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(counted)
+    try:
+        with torch.device("meta"):
+            return _built(cfg_path, lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    except _TooManyParameters:
+        raise InputError(f"{cfg_path} describes a model of more than {limit:,} weight tensors, "
+                         + ("more than any real one" if ckpt is None else
+                            f"but its checkpoint holds {ckpt.tensors:,}")) from None
+    finally:
+        handle.remove()
+
+
+def _built(cfg_path: str, build):
+    try:
+        return build()
+    except Exception as e:  # a config transformers accepted but cannot build a model from
+        raise InputError(f"{cfg_path}: transformers cannot build the model it describes "
+                         f"({type(e).__name__}: {_reason(e)})") from None
+
+
+def _check_against_checkpoint(cfg_path: str, model, ckpt) -> None:
+    """The model (on the meta device) against the checkpoint's headers: no more weights than the checkpoint
+    holds, and no more memory than twice its size (float32 from bf16) plus computed buffers."""
+    elements = sum(p.numel() for p in model.parameters())  # each tied weight once
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    if buffers > _BUFFER_ALLOWANCE + (ckpt.nbytes if ckpt else 0):
+        raise InputError(f"{cfg_path} describes a model whose computed buffers take {buffers / 2**20:,.0f} MiB",
+                         hint="a size in config.json (max_position_embeddings, sliding_window) is far too large")
+    if ckpt is None:
+        return
+    name = type(model).__name__
+    if elements > ckpt.elements:
+        raise InputError(f"{cfg_path} describes a {name} of {elements:,} weights; its safetensors hold "
+                         f"{ckpt.elements:,}: config.json and the checkpoint do not match")
+    if elements * 4 > 2 * ckpt.nbytes + _BUFFER_ALLOWANCE:
+        raise InputError(f"{cfg_path} describes a {name} of {elements * 4 / 2**20:,.0f} MiB in float32, more "
+                         f"than twice its {ckpt.nbytes / 2**20:,.0f} MiB checkpoint (stored in 1-byte types?)")
+
+
+def _reason(e: Exception) -> str:
+    """An exception's message on one line (transformers puts the cause on the second), at most 300 characters."""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 # ---- the wrapper ------------------------------------------------------------------------------

@@ -142,11 +142,35 @@ def read(buf) -> dict[str, np.ndarray]:
     (n,) = struct.unpack("<Q", mv[:8])
     if n > len(mv) - 8:
         raise ValueError("safetensors header is truncated")
+    base = 8 + n
+    return {name: np.frombuffer(mv[base + start:base + end], dtype=dtype, count=math.prod(shape)).reshape(shape)
+            for name, (dtype, shape, start, end) in _entries(mv[8:base], len(mv) - base, MAX_HEADER_BYTES).items()}
+
+
+def read_header(f: BinaryIO, size: int, max_bytes: int = MAX_HEADER_BYTES) -> dict[str, tuple]:
+    """The entries of the safetensors file open as ``f`` (``size`` bytes): name -> ``(dtype, shape, start,
+    end)``, offsets into the data after the header, checked as :func:`read` checks them, without reading
+    the data. A header over ``max_bytes`` is refused before it is read (ValueError, as for any fault)."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise ValueError("safetensors data is truncated")
+    (n,) = struct.unpack("<Q", head)
+    if n > size - 8:
+        raise ValueError("safetensors header is truncated")
+    if n > max_bytes:
+        of_size = f" in a file of {size:,}" if max_bytes < MAX_HEADER_BYTES else ""
+        raise ValueError(f"the safetensors header is {n:,} bytes (at most {max_bytes:,} are read{of_size})")
+    raw = f.read(n)
+    if len(raw) != n:
+        raise ValueError("safetensors header is truncated")
+    return _entries(raw, size - 8 - n, max_bytes)
+
+
+def _entries(raw, data_size: int, max_bytes: int) -> dict[str, tuple]:
     from .untrusted import load_json
-    header = load_json(mv[8:8 + n], "the safetensors header", max_bytes=MAX_HEADER_BYTES, error=ValueError)
+    header = load_json(raw, "the safetensors header", max_bytes=max_bytes, error=ValueError)
     if not isinstance(header, dict):
         raise ValueError("safetensors header is not a JSON object")
-    base = 8 + n
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -160,12 +184,11 @@ def read(buf) -> dict[str, np.ndarray]:
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)):
             raise ValueError(f"safetensors entry {name!r} has malformed data_offsets")
         start, end = offsets
-        if end < start or base + end > len(mv):
+        if end < start or end > data_size:
             raise ValueError(f"safetensors entry {name!r} points outside the data")
-        count = math.prod(shape)
-        if count * dtype.itemsize != end - start:
+        if math.prod(shape) * dtype.itemsize != end - start:
             raise ValueError(f"safetensors entry {name!r} has a size that does not match its shape")
-        out[name] = np.frombuffer(mv[base + start:base + end], dtype=dtype, count=count).reshape(shape)
+        out[name] = (dtype, tuple(shape), start, end)
     return out
 
 

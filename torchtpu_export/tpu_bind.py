@@ -43,8 +43,9 @@ def tensors_of(source) -> tuple[dict[str, object], list]:
         raise InputError(f"weights come from a .safetensors file, a folder of them or a mapping, "
                          f"not {type(source).__name__}")
     path = os.fspath(source)
-    if os.path.isdir(path):
-        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if os.path.isdir(path):  # a checkpoint folder: its own regular files only (links out refused)
+        from .hf_folder import file_path
+        files = sorted(file_path(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
         if not files:
             raise InputError(f"{path} holds no .safetensors files")
     elif os.path.isfile(path):
