@@ -25,6 +25,45 @@ def run_cli(*args, cwd=None, timeout=600, env=None):
                           capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
+# Many CLI calls in one process (each ``torchtpu-export`` process spends seconds importing torch): every
+# call's exit code and what it wrote to file descriptors 1 and 2 (native libraries' logs included).
+_MANY = """
+import json, os, sys, tempfile
+from torchtpu_export.cli import main
+results = []
+for argv in json.loads(sys.stdin.read()):
+    print("case", argv, file=sys.__stdout__, flush=True)  # the case a crash happened in, for the report
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        saved = os.dup(1), os.dup(2)
+        sys.stdout.flush(); sys.stderr.flush()
+        os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
+        try:
+            code = main(argv)
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+            os.close(saved[0]); os.close(saved[1])
+        out.seek(0); err.seek(0)
+        results.append([code, out.read(), err.read()])
+print("RESULTS", json.dumps(results), file=sys.__stdout__, flush=True)
+"""
+
+
+def run_cli_many(argvs, timeout=900):
+    """``torchtpu-export ARGV`` for each of ``argvs`` in one fresh process, in order: a CompletedProcess-like
+    (returncode, stdout, stderr) per call. A call that kills the process fails with what it printed."""
+    import json
+    import types
+    r = subprocess.run([sys.executable, "-c", _MANY], input=json.dumps([[str(a) for a in argv] for argv in argvs]),
+                       cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                       env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    if "RESULTS " not in r.stdout:
+        raise AssertionError(f"the CLI process ended with {r.returncode} in {r.stdout.strip().splitlines()[-1:]}: "
+                             f"{r.stderr[-2000:]}")
+    results = json.loads(r.stdout.split("RESULTS ", 1)[1])
+    return [types.SimpleNamespace(returncode=c, stdout=o, stderr=e) for c, o, e in results]
+
+
 @pytest.fixture
 def cli():
     return run_cli

@@ -2,7 +2,8 @@
 
 - converter: ``converters/litert`` (the prefill and decode steps of ``llm.CacheStep`` as signatures of one
   ``.tflite``), packed with the tokenizer and ``LlmMetadata`` by ``litert-lm-builder``;
-- artifact: ``.litertlm`` (LiteRT-LM's container: a flatbuffer header, then sections);
+- artifact: ``.litertlm`` (LiteRT-LM's container: a flatbuffer header, then sections), checked by
+  :func:`check` before LiteRT-LM reads any of it;
 - runtime: ``runtimes/litertlm`` (``litert_lm.Engine``, CPU backend);
 - runnable: :class:`LitertLmBundle` (``generate`` on LiteRT-LM; ``__call__`` runs a signature on the
   LiteRT interpreter); describer: :func:`describe`.
@@ -11,9 +12,17 @@ Bundles come from ``tte.export_llm`` / ``torchtpu-export HF_DIR --target litertl
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import math
+import mmap
 import os
 import struct
+import sys
 import tempfile
+import types
+import zlib
 
 import numpy as np
 
@@ -32,25 +41,25 @@ class LitertLmBundle(Runnable):
 
     default_signature = "decode"
 
-    def __init__(self, edge, tokenizer=None, metadata: dict | None = None, path: str | None = None):
+    def __init__(self, edge, tokenizer=None, metadata: dict | None = None, path: str | None = None,
+                 checked: "Checked | None" = None):
         self._edge, self.tokenizer, self.metadata, self.path = edge, tokenizer, metadata or {}, path
+        self._checked = checked  # what check() found in the file LiteRT-LM reads
         self._engine = None
         self._tmp = None
 
     @classmethod
     def from_file(cls, path) -> "LitertLmBundle":
         path = os.fspath(path)
-        sections = read_sections(path)
-        if not any(s["type"] == "TFLiteModel" for s in sections):
-            raise ArtifactError(f"{path} holds no TFLite model section")
-        return cls(None, None, _llm_metadata(path, sections), path)
+        checked = check(path)
+        return cls(None, None, checked.summary, path, checked)
 
     @property
     def edge(self):
-        """The prefill/decode ``.tflite`` inside, as an EdgeModel (read from the file on first use)."""
+        """The prefill/decode ``.tflite`` LiteRT-LM runs, as an EdgeModel (read from the file on first use)."""
         if self._edge is None:
             from .litert import EdgeModel
-            self._edge = EdgeModel(section_bytes(self.path, "TFLiteModel"))
+            self._edge = EdgeModel(section_bytes(self.path, self._checked.model))
         return self._edge
 
     @property
@@ -89,13 +98,18 @@ class LitertLmBundle(Runnable):
     def engine(self, threads: int | None = None):
         if self._engine is None:
             from ..runtimes.litertlm import LitertLmEngine
-            self._engine = LitertLmEngine(self._file(), threads)
+            path = self._file()
+            if self._checked is None:
+                self._checked = check(path)
+            self._engine = LitertLmEngine(path, threads)
         return self._engine
 
     def generate(self, prompt: str, max_new_tokens: int = 64, **sampling) -> str:
         """Text LiteRT-LM generates after ``prompt`` (greedy unless ``top_k``/``top_p``/``temperature``);
         ``chat=True`` sends the prompt as a user message through the bundle's chat template."""
-        return self.engine().generate(prompt, max_new_tokens, **sampling)
+        engine = self.engine()
+        self._checked.check_prompt(prompt)  # what LiteRT-LM's tokenizer would choke on, refused here
+        return engine.generate(prompt, max_new_tokens, **sampling)
 
     def __repr__(self) -> str:
         where = self.path or "in memory"
@@ -136,69 +150,534 @@ def pack(edge, tokenizer, metadata: dict, tmp: str, out) -> None:
     builder.build(out)
 
 
-# ---- reading (never trusting the file's offsets) ---------------------------------------------
+# ---- the header, read as LiteRT-LM's C++ reads it -------------------------------------------------
+# LiteRT-LM (runtime/util/litert_lm_loader.cc, schema/core/litertlm_read.cc) reads the header from the
+# file's first 16 KiB with no flatbuffer verifier: a reference outside it, or a model_type item that is
+# not text, is a read through a wild or null pointer there. Here every read is checked first.
+
+HEADER_MAX = 16 << 10  # kLitertLmHeaderMaxSize
+MAJOR_VERSION = 1  # LITERTLM_MAJOR_VERSION: the only one LiteRT-LM reads
+SECTION_TYPES = ("NONE", "GenericBinaryData", "Deprecated", "TFLiteModel", "SP_Tokenizer", "LlmMetadataProto",
+                 "HF_Tokenizer_Zlib", "TFLiteWeights", "EmbeddingMetadataProto", "ExecutorMetadataProto",
+                 "TtsMetadataProto", "AsrMetadataProto")
+_TFLITE, _SP, _LLM_METADATA, _HF, _WEIGHTS = 3, 4, 5, 6, 7
+_KEYED = (_TFLITE, _SP, _HF, _WEIGHTS)  # sections LiteRT-LM keys by their model_type item
+_TEXT_ITEMS = ("model_type", "backend_constraint", "prefer_activation_type")  # items it reads as text
+_STRING_VALUE = 9  # VData.StringValue
+PREFILL_DECODE = "tf_lite_prefill_decode"
+
+
+class _Flatbuffer:
+    """Reads of a flatbuffer (tables, vectors, strings), each checked to lie inside it."""
+
+    def __init__(self, buf: bytes):
+        self.buf = buf
+
+    def get(self, fmt: str, pos: int):
+        if not 0 <= pos <= len(self.buf) - struct.calcsize(fmt):
+            raise ValueError(f"a reference points outside the header (byte {pos} of {len(self.buf)})")
+        return struct.unpack_from(fmt, self.buf, pos)[0]
+
+    def table(self, pos: int) -> tuple:
+        vtable = pos - self.get("<i", pos)
+        return pos, vtable, self.get("<H", vtable)
+
+    def field(self, table: tuple, slot: int) -> int | None:
+        pos, vtable, size = table
+        off = self.get("<H", vtable + slot) if slot < size else 0
+        return pos + off if off else None
+
+    def scalar(self, table: tuple, slot: int, fmt: str, default=0):
+        p = self.field(table, slot)
+        return default if p is None else self.get(fmt, p)
+
+    def ref(self, pos: int) -> int:
+        return pos + self.get("<I", pos)
+
+    def child(self, table: tuple, slot: int) -> tuple | None:
+        p = self.field(table, slot)
+        return None if p is None else self.table(self.ref(p))
+
+    def tables(self, table: tuple, slot: int) -> list | None:
+        p = self.field(table, slot)
+        if p is None:
+            return None
+        v = self.ref(p)
+        n = self.get("<I", v)
+        if n > (len(self.buf) - v - 4) // 4:
+            raise ValueError("a vector runs past the end of the header")
+        return [self.table(self.ref(v + 4 + 4 * i)) for i in range(n)]
+
+    def string(self, table: tuple, slot: int) -> bytes | None:
+        p = self.field(table, slot)
+        if p is None:
+            return None
+        s = self.ref(p)
+        n = self.get("<I", s)
+        if n > len(self.buf) - s - 4:
+            raise ValueError("a string runs past the end of the header")
+        return self.buf[s + 4:s + 4 + n]
+
 
 def read_sections(path: str) -> list[dict]:
-    """The bundle's sections: ``{"type", "begin", "end"}``, every offset checked against the file."""
+    """The bundle's sections: ``{"index", "type", "code", "begin", "end", "items", "model_type"}``, every
+    offset and reference checked against the file and the header the way LiteRT-LM will follow them."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(_HEADER_BEGIN)
             if len(head) < _HEADER_BEGIN or head[:8] != MAGIC:
                 raise ArtifactError(f"{path} is not a LiteRT-LM bundle (no LITERTLM header)")
+            major, minor, patch = struct.unpack_from("<3I", head, 8)
             (header_end,) = struct.unpack_from("<Q", head, _HEADER_END_AT)
-            if not _HEADER_BEGIN < header_end <= min(size, 1 << 24):
+            if not _HEADER_BEGIN < header_end <= size:
                 raise ArtifactError(f"{path}: header end {header_end} is outside the file ({size} bytes)")
+            if header_end > HEADER_MAX:
+                raise ArtifactError(f"{path}: its header ends at byte {header_end:,}, past the {HEADER_MAX:,} "
+                                    "bytes LiteRT-LM reads")
+            if major != MAJOR_VERSION:
+                raise ArtifactError(f"{path} is LiteRT-LM format {major}.{minor}.{patch}; LiteRT-LM reads "
+                                    f"format {MAJOR_VERSION} only")
             header = f.read(header_end - _HEADER_BEGIN)
     except OSError as e:
         raise InputError(f"cannot read {path}: {e.strerror}") from e
+    fb = _Flatbuffer(header)
     try:
-        from litert_lm_builder import litertlm_core
-        from litert_lm_builder import litertlm_header_schema_py_generated as schema
-    except ImportError as e:
-        raise InputError("reading a .litertlm needs LiteRT-LM's packer: pip install 'torchtpu-export[litertlm]'") from e
-    try:
-        meta = schema.LiteRTLMMetaData.GetRootAs(header, 0)
-        objects = meta.SectionMetadata()
+        root = fb.table(fb.ref(0))
+        meta = fb.child(root, 6)
+        objects = fb.tables(meta, 4) if meta is not None else None
+        if objects is None:  # LiteRT-LM follows both without a null check
+            raise ArtifactError(f"{path}: its header has no section table")
         out = []
-        for i in range(objects.ObjectsLength() if objects is not None else 0):
-            obj = objects.Objects(i)
-            begin, end = obj.BeginOffset(), obj.EndOffset()
+        for i, obj in enumerate(objects):
+            code = fb.scalar(obj, 10, "<B")
+            begin, end = fb.scalar(obj, 6, "<Q"), fb.scalar(obj, 8, "<Q")
+            kind = SECTION_TYPES[code] if code < len(SECTION_TYPES) else f"type {code}"
             if not header_end <= begin <= end <= size:
                 raise ArtifactError(f"{path}: section {i} spans bytes {begin}..{end}, outside the file ({size} bytes)")
-            out.append({"type": litertlm_core.any_section_data_type_to_string(obj.DataType()),
-                        "begin": begin, "end": end})
+            items = _items(fb, obj, code, i, path)
+            out.append({"index": i, "type": kind, "code": code, "begin": begin, "end": end, "items": items,
+                        "model_type": _model_type(items, code, i, path)})
         return out
     except ArtifactError:
         raise
-    except Exception as e:  # a damaged flatbuffer: any of struct, index or value errors
-        raise ArtifactError(f"{path}: the LiteRT-LM header is damaged ({type(e).__name__}: {e})") from e
+    except (ValueError, struct.error) as e:
+        raise ArtifactError(f"{path}: the LiteRT-LM header is damaged ({e})") from None
 
 
-def section_bytes(path: str, kind: str, limit: int | None = None, sections: list | None = None) -> bytes:
-    """The bytes of the first ``kind`` section (``sections``: :func:`read_sections`' answer, if already read)."""
-    for s in sections if sections is not None else read_sections(path):
-        if s["type"] == kind:
-            n = s["end"] - s["begin"]
-            if limit is not None and n > limit:
-                raise ArtifactError(f"{path}: the {kind} section is {n:,} bytes, more than {limit:,}")
-            with open(path, "rb") as f:
-                f.seek(s["begin"])
-                return f.read(n)
-    raise ArtifactError(f"{path} has no {kind} section")
+def _items(fb: _Flatbuffer, obj: tuple, code: int, i: int, path: str) -> dict | None:
+    """A section's items, ``{key: text or None}`` (None: the item's value is not text); None without items."""
+    entries = fb.tables(obj, 4)
+    if entries is None:
+        return None
+    items = {}
+    for kv in entries:
+        key = fb.string(kv, 4)
+        if key is None:
+            continue
+        key = key.decode("utf-8", "replace")
+        vtype, value = fb.scalar(kv, 6, "<B"), fb.field(kv, 8)
+        text = None
+        if value is not None and vtype == _STRING_VALUE:
+            text = fb.string(fb.table(fb.ref(value)), 4)
+        if code in _KEYED and key.lower() in _TEXT_ITEMS and value is not None:
+            if text is None:  # LiteRT-LM reads it as a string through a null pointer
+                raise ArtifactError(f"{path}: section {i}'s item {key} is not text")
+            if key.lower() in items:
+                raise ArtifactError(f"{path}: section {i} names its {key.lower()} twice")
+            items[key.lower()] = text.decode("utf-8", "replace")
+        else:
+            items.setdefault(key, None if text is None else text.decode("utf-8", "replace"))
+    return items
 
 
-def _llm_metadata(path: str, sections) -> dict:
-    from google.protobuf.message import DecodeError
-    from litert_lm_builder.runtime.proto import llm_metadata_pb2
-    if not any(s["type"] == "LlmMetadataProto" for s in sections):
-        return {}
+@functools.lru_cache(maxsize=None)
+def _model_types() -> frozenset:
+    """The model_type values LiteRT-LM accepts (its TfLiteModelType enums, lower case)."""
+    try:
+        from litert_lm_builder import litertlm_builder as lb
+        from litert_lm_builder.runtime.proto import embedding_metadata_pb2, llm_metadata_pb2
+    except ImportError as e:
+        raise InputError("reading a .litertlm needs LiteRT-LM's packer: pip install 'torchtpu-export[litertlm]'") from e
+    names = set(llm_metadata_pb2.LlmMetadata.TfLiteModelType.keys()) | \
+        set(embedding_metadata_pb2.EmbeddingMetadata.TfLiteModelType.keys())
+    names = {n.lower() for n in names if not n.endswith("_UNSPECIFIED")}
+    return frozenset(names | {t.value for t in lb.TfLiteModelType})
+
+
+def _model_type(items: dict | None, code: int, i: int, path: str) -> str | None:
+    """The second half of the key LiteRT-LM files the section under (ExtractBufferKeyAndTfLiteSectionHint)."""
+    if code not in _KEYED or items is None:
+        return None
+    model_type = items.get("model_type")
+    if model_type is None:
+        return PREFILL_DECODE if code in (_TFLITE, _WEIGHTS) else None
+    if model_type.lower() not in _model_types():
+        raise ArtifactError(f"{path}: section {i} has model_type {model_type[:80]!r}, which LiteRT-LM does not know")
+    return model_type.lower()
+
+
+def section_bytes(path: str, section: dict, limit: int | None = None) -> bytes:
+    """The bytes of one section of :func:`read_sections`' answer."""
+    n = section["end"] - section["begin"]
+    if limit is not None and n > limit:
+        raise ArtifactError(f"{path}: its {section['type']} section is {n:,} bytes, more than {limit:,}")
+    with open(path, "rb") as f:
+        f.seek(section["begin"])
+        return f.read(n)
+
+
+# ---- which sections LiteRT-LM reads ------------------------------------------------------------
+# LiteRT-LM files each section under (type, model_type) and a later section replaces an earlier one
+# with the same key (litert_lm_loader.cc: section_locations_[key] = ...). Its text engine takes the
+# tokenizer from SP_Tokenizer before HF_Tokenizer_Zlib, each keyed tf_lite_prefill_decode first and then
+# without a model_type (model_resources_litert_lm.cc, GetTokenizer), the LlmMetadataProto, and the
+# TFLite model keyed tf_lite_prefill_decode; other TFLite models (embedders, vision and audio encoders,
+# drafters) it loads for the models that use them.
+
+def reads(sections: list[dict]) -> dict:
+    """``{"model", "tokenizer", "metadata", "tflite": [...], "replaced": {index: by index}}``: the sections
+    LiteRT-LM's text engine reads (None where the bundle has none), every TFLite model it may load, and
+    those a later section of the same key replaces (never read)."""
+    last, replaced = {}, {}
+    for s in sections:
+        key = (s["code"], s["model_type"])
+        if key in last:
+            replaced[last[key]["index"]] = s["index"]
+        last[key] = s
+    tokenizer = next((last[k] for k in ((_SP, PREFILL_DECODE), (_SP, None), (_HF, PREFILL_DECODE), (_HF, None))
+                      if k in last), None)
+    return {"model": last.get((_TFLITE, PREFILL_DECODE)), "tokenizer": tokenizer,
+            "metadata": last.get((_LLM_METADATA, None)), "replaced": replaced,
+            "tflite": [s for (code, _), s in last.items() if code == _TFLITE]}
+
+
+# ---- what LiteRT-LM reads, checked before it does ----------------------------------------------
+
+MAX_TOKENIZER_JSON = 64 << 20  # Gemma 3's tokenizer.json, the largest in use, is 33 MB
+MAX_METADATA = 64 << 20
+MAX_NUM_TOKENS = 1 << 24  # when the model's cache length cannot be read
+# Text that exercises a tokenizer's unknown-token path, byte fallback and pre-tokenizers; LiteRT-LM's
+# tokenizer (a Rust library behind a C API) aborts the process on any error these would raise.
+PROBE = "Hello, world! 0123 héllo wörld ﬁ 中文 日本語 한국어 😀 \t\n  \U000f0000 \x00 <|x|>"
+
+
+def tokenizer_json_cap(file_size: int) -> int:
+    """The most bytes a bundle of ``file_size`` bytes may inflate its tokenizer to: checking and running a
+    tokenizer takes ~30x its JSON, which must fit in what the README promises (4x the file + 300 MB)."""
+    return min(MAX_TOKENIZER_JSON, (4 << 20) + file_size // 16)
+
+
+@dataclasses.dataclass
+class Checked:
+    """What :func:`check` found: the sections LiteRT-LM reads, the tokenizer it will load (as the
+    ``tokenizers`` package loads the same JSON), the model's context and the LlmMetadata in brief."""
+
+    path: str
+    sections: list
+    reads: dict
+    tokenizer: object  # tokenizers.Tokenizer
+    tokenizer_bytes: int
+    vocab: int
+    context: int | None  # tokens the model's KV cache holds
+    start_tokens: int
+    summary: dict
+
+    @property
+    def model(self) -> dict:
+        return self.reads["model"]
+
+    def check_prompt(self, prompt: str) -> None:
+        """InputError for a prompt LiteRT-LM cannot take (not text, longer than the context);
+        ArtifactError where the bundle's tokenizer fails on it (LiteRT-LM would abort)."""
+        if not isinstance(prompt, str):
+            raise InputError(f"the prompt must be text, not {type(prompt).__name__}")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InputError(f"the prompt is not valid text (character {e.start} cannot be written as UTF-8)") from None
+        ids = _encode(self.tokenizer, prompt, f"{self.path}'s tokenizer")
+        if prompt and not ids:  # LiteRT-LM fails on a prefill of no tokens
+            raise InputError(f"{self.path}'s tokenizer makes no tokens of the prompt (its characters are not in "
+                             "the vocabulary)")
+        if self.context is not None and len(ids) + self.start_tokens >= self.context:
+            raise InputError(f"the prompt is {len(ids):,} tokens; {self.path} holds {self.context:,} tokens of "
+                             f"context, so a prompt may take at most {self.context - self.start_tokens - 1:,}",
+                             hint="shorten the prompt, or export the model with a longer --cache-length")
+
+
+def check(path: str) -> Checked:
+    """Every section LiteRT-LM will read, checked before it reads it: the header (as its C++ follows it),
+    the tokenizer (inflated within a bound, parsed, loaded and run on a probe by ``tokenizers``), the
+    LlmMetadata (present, token ids inside the vocabulary, fields in range) and each TFLite model
+    (litert_format's validator). ArtifactError (exit 5) names the first problem."""
+    path = os.fspath(path)
+    sections = read_sections(path)
+    found = reads(sections)
+    for role, what in (("model", "no TFLite model of type tf_lite_prefill_decode"),
+                       ("tokenizer", "no tokenizer section (HF_Tokenizer_Zlib)"), ("metadata", "no LlmMetadata")):
+        if found[role] is None:
+            raise ArtifactError(f"{path} has {what}, which LiteRT-LM needs to run it")
+    for s in [found["tokenizer"], found["metadata"], *found["tflite"]]:
+        if s["end"] == s["begin"]:
+            raise ArtifactError(f"{path}: its {s['type']} section (section {s['index']}) is empty")
+    tok = found["tokenizer"]
+    size = os.path.getsize(path)
+    msg = _parse_metadata(path, found["metadata"])
+    if tok["code"] == _SP:
+        tokenizer, text_bytes = _sp_tokenizer(path, tok, size, msg.jinja_prompt_template)
+    else:
+        tokenizer, text_bytes = _hf_tokenizer(path, tok, size)
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    context, model_info = _tflite_models(path, found)
+    problem = _metadata_problem(msg, tokenizer, vocab, context)
+    if problem:
+        raise ArtifactError(f"{path}: its LlmMetadata is out of range: {problem}")
+    template = msg.jinja_prompt_template
+    _encode(tokenizer, PROBE + template[:1 << 20], f"{path}'s tokenizer")  # the template's own text too
+    start = msg.start_token  # LiteRT-LM puts it before every prompt
+    n_start = len(start.token_ids.ids) or (len(_encode(tokenizer, start.token_str, f"{path}'s tokenizer"))
+                                           if start.token_str else 0)
+    summary = _summary(msg)
+    summary.update(model_info)
+    return Checked(path, sections, found, tokenizer, text_bytes, vocab, context, n_start, summary)
+
+
+def _said(e: BaseException) -> str:
+    # an error a library raised, on one line: it may quote the file's text (a token, a key)
+    from ..untrusted import printable
+    return printable(f"{type(e).__name__}: {str(e)[:200]}")
+
+
+def _panic(e: BaseException) -> bool:
+    # tokenizers (pyo3) raises a Rust panic as pyo3_runtime.PanicException, a BaseException
+    return type(e).__name__ == "PanicException"
+
+
+@contextlib.contextmanager
+def _rust_quiet():
+    """Rust's panic hook writes the panic (and, with RUST_BACKTRACE, a backtrace) to file descriptor 2
+    before tokenizers raises it; the error is reported once, by the caller."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _encode(tokenizer, text: str, what: str) -> list[int]:
+    try:
+        with _rust_quiet():
+            return tokenizer.encode(text, add_special_tokens=False).ids
+    except BaseException as e:
+        if not (isinstance(e, Exception) or _panic(e)):
+            raise
+        raise ArtifactError(f"{what} fails on text ({_said(e)}); LiteRT-LM would abort on it") from None
+
+
+def _hf_tokenizer(path: str, section: dict, file_size: int):
+    """The HF_Tokenizer_Zlib section (a u64 size, then zlib) inflated no further than it may go, parsed
+    within load_json's caps, loaded by ``tokenizers`` and run both ways."""
+    what = f"{path}'s tokenizer (section {section['index']})"
+    cap = tokenizer_json_cap(file_size)
+    data = section_bytes(path, section, limit=cap + (1 << 20))  # zlib never grows text by that much
+    if len(data) <= 8:
+        raise ArtifactError(f"{what} is {len(data)} bytes, too short for its size and zlib data")
+    declared = int.from_bytes(data[:8], "little")
+    if declared > cap:
+        raise ArtifactError(f"{what} says it inflates to {declared:,} bytes; a bundle of {file_size:,} bytes may "
+                            f"hold at most {cap:,}", hint="a tokenizer that large is a zip bomb or belongs to a "
+                                                          "model far larger than this file")
+    inflater = zlib.decompressobj()
+    try:
+        text = inflater.decompress(memoryview(data)[8:], declared + 1)  # never past what it declares
+    except zlib.error as e:
+        raise ArtifactError(f"{what} is not zlib data ({e})") from None
+    if len(text) > declared:
+        raise ArtifactError(f"{what} inflates to more than the {declared:,} bytes it declares")
+    if not inflater.eof:
+        raise ArtifactError(f"{what} is cut short: its zlib stream ends after {len(text):,} of the "
+                            f"{declared:,} bytes it declares")
+    if len(text) != declared or inflater.unused_data:  # LiteRT-LM would hand its tokenizer zeros or junk
+        raise ArtifactError(f"{what} inflates to {len(text):,} bytes, not the {declared:,} it declares"
+                            if len(text) != declared else f"{what} has bytes after its zlib stream")
+    del data
+    from ..untrusted import load_json
+    if not isinstance(load_json(text, what, max_bytes=cap), dict):
+        raise ArtifactError(f"{what} is JSON but not a tokenizer (not an object)")
+    try:
+        import tokenizers
+    except ImportError as e:
+        raise InputError("checking a .litertlm's tokenizer needs the tokenizers package: "
+                         "pip install 'torchtpu-export[litertlm]'") from e
+    try:
+        json_text = text.decode("utf-8")
+        with _rust_quiet():
+            tokenizer = tokenizers.Tokenizer.from_str(json_text)
+            tokenizer.decode(list(range(tokenizer.get_vocab_size(with_added_tokens=True))),
+                             skip_special_tokens=False)
+    except BaseException as e:
+        if not (isinstance(e, Exception) or _panic(e)):
+            raise
+        raise ArtifactError(f"{what} does not load as a Hugging Face tokenizer ({_said(e)}); LiteRT-LM would "
+                            "abort on it") from None
+    return tokenizer, declared
+
+
+# LiteRT-LM loads a SentencePiece tokenizer with SentencePiece's C++ library, which trusts the model's
+# protobuf: it is loaded and run on the probe by the same library in a child process first, whose crash
+# costs nothing
+_SP_CHECK = """
+import struct, sys
+import sentencepiece
+data = sys.stdin.buffer.read()
+(n,) = struct.unpack_from("<Q", data)
+sp = sentencepiece.SentencePieceProcessor()
+sp.LoadFromSerializedProto(data[8:8 + n])
+sp.EncodeAsIds(data[8 + n:].decode("utf-8", "replace"))
+sp.DecodeIds(list(range(sp.GetPieceSize())))
+print("ok", sp.GetPieceSize())
+"""
+
+
+class _SentencePiece:
+    """A SentencePiece processor with the few ``tokenizers.Tokenizer`` calls the checks make."""
+
+    def __init__(self, processor):
+        self.sp = processor
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        return self.sp.GetPieceSize()
+
+    def id_to_token(self, i: int):
+        return self.sp.IdToPiece(i) if 0 <= i < self.sp.GetPieceSize() else None
+
+    def encode(self, text: str, add_special_tokens: bool = False):
+        return types.SimpleNamespace(ids=self.sp.EncodeAsIds(text))
+
+
+def _sp_tokenizer(path: str, section: dict, file_size: int, template: str):
+    """The SP_Tokenizer section (a SentencePiece ModelProto), loaded and run on the probe and the chat
+    template's text by SentencePiece in a child process, then here."""
+    import subprocess
+    what = f"{path}'s tokenizer (section {section['index']}, SentencePiece)"
+    data = section_bytes(path, section, limit=tokenizer_json_cap(file_size))
+    try:
+        import sentencepiece
+    except ImportError as e:
+        raise InputError("checking a .litertlm's SentencePiece tokenizer needs the sentencepiece package: "
+                         "pip install 'torchtpu-export[litertlm]'") from e
+    probe = (PROBE + template[:1 << 20]).encode("utf-8", "replace")
+    try:
+        r = subprocess.run([sys.executable, "-I", "-c", _SP_CHECK], input=struct.pack("<Q", len(data)) + data + probe,
+                           capture_output=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise ArtifactError(f"{what} takes longer than 120 s to load and run") from None
+    if r.returncode != 0 or not r.stdout.startswith(b"ok"):
+        said = r.stderr.decode(errors="replace").strip().splitlines()
+        why = f"SentencePiece crashes on it (signal {-r.returncode})" if r.returncode < 0 else \
+            (said[-1][:200] if said else f"exit {r.returncode}")
+        from ..untrusted import printable
+        raise ArtifactError(f"{what} does not load as a SentencePiece model ({printable(why)}); LiteRT-LM "
+                            "would abort on it") from None
+    processor = sentencepiece.SentencePieceProcessor()
+    processor.LoadFromSerializedProto(data)
+    return _SentencePiece(processor), len(data)
+
+
+def _tflite_models(path: str, found: dict) -> tuple:
+    """Validates every TFLite model LiteRT-LM may load (mapped, not read); the prefill/decode model's
+    context length and its signatures."""
+    from ..litert_format import signature_io, validate
+    with open(path, "rb") as f:
+        content = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        for s in found["tflite"]:
+            view = memoryview(content)[s["begin"]:s["end"]]
+            try:
+                model = validate(view)
+                if s is found["model"]:
+                    io = signature_io(model)
+            except ArtifactError as e:
+                raise ArtifactError(f"{path}: its TFLite model {s['model_type']} (section {s['index']}): {e}",
+                                    hint=e.hint) from None
+            finally:
+                model = None
+                view.release()
+    finally:
+        try:
+            content.close()
+        except BufferError:  # a view into it still lives (in an error's traceback): freed with it
+            pass
+    if "decode" not in io or not any(k.startswith("prefill") for k in io):
+        raise ArtifactError(f"{path}: its model (section {found['model']['index']}) has signatures "
+                            f"{', '.join(io) or 'none'}; LiteRT-LM runs prefill* and decode")
+    mask = next((t for t in io["decode"]["inputs"] if t.name == "mask"), None)
+    context = mask.shape[-1] if mask is not None and mask.shape and isinstance(mask.shape[-1], int) else None
+    return (context if context and context > 0 else None), {"signatures": list(io)}
+
+
+def _parse_metadata(path: str, section: dict):
+    try:
+        from google.protobuf.message import DecodeError
+        from litert_lm_builder.runtime.proto import llm_metadata_pb2
+    except ImportError as e:
+        raise InputError("reading a .litertlm needs LiteRT-LM's packer: pip install 'torchtpu-export[litertlm]'") from e
     msg = llm_metadata_pb2.LlmMetadata()
     try:
-        msg.ParseFromString(section_bytes(path, "LlmMetadataProto", limit=64 << 20, sections=sections))
-    except DecodeError as e:
-        raise ArtifactError(f"{path}: its LlmMetadata section is damaged ({e})") from e
-    return {"start_token": list(msg.start_token.token_ids.ids) or None,
+        msg.ParseFromString(section_bytes(path, section, limit=MAX_METADATA))
+    except (DecodeError, RecursionError, ValueError) as e:
+        raise ArtifactError(f"{path}: its LlmMetadata section is damaged ({_said(e)})") from None
+    return msg
+
+
+def _metadata_problem(msg, tokenizer, vocab: int, context: int | None) -> str | None:
+    """Where the LlmMetadata first leaves what LiteRT-LM runs with: token ids outside the vocabulary, an
+    empty token (LiteRT-LM indexes its first id), no stop token, enums it does not define, sampler
+    values out of range, a context past the model's."""
+    if not msg.stop_tokens:
+        return "it has no stop token"
+    cap = context or MAX_NUM_TOKENS
+    if not 0 <= msg.max_num_tokens <= cap:
+        return f"max_num_tokens is {msg.max_num_tokens}, outside 0..{cap}" + \
+            (" (the model's KV cache)" if context else "")
+    if msg.HasField("sampler_params"):
+        p = msg.sampler_params
+        if p.k < 0 or not 0 <= p.p <= 1 or not (math.isfinite(p.temperature) and p.temperature >= 0):
+            return f"sampler_params k {p.k}, p {p.p}, temperature {p.temperature} are out of range"
+    for c in msg.channels:
+        if not (c.channel_name and c.start and c.end):
+            return "a channel lacks its name, start or end"
+    stack = [(msg, "")]
+    while stack:
+        m, where = stack.pop()
+        for field, value in m.ListFields():
+            values = list(value) if field.is_repeated else [value]
+            name = f"{where}{field.name}"
+            if field.enum_type is not None:
+                bad = [v for v in values if v not in field.enum_type.values_by_number]
+                if bad:
+                    return f"{name} is {bad[0]}, which LiteRT-LM does not define"
+            elif field.message_type is not None:
+                kind = field.message_type.name
+                for k, v in enumerate(values):
+                    at = f"{name}[{k}]" if field.is_repeated else name
+                    if kind == "TokenUnion" and not (v.token_str or len(v.token_ids.ids)):
+                        return f"{at} is empty"
+                    if kind == "TokenIds":
+                        for t in np.unique(np.asarray(v.ids, np.int64)).tolist():
+                            if not (0 <= t < 2 ** 32 and tokenizer.id_to_token(t) is not None):
+                                return f"{at} holds token {t}, which the tokenizer does not have ({vocab:,} tokens)"
+                    stack.append((v, f"{at}."))
+    return None
+
+
+def _summary(msg) -> dict:
+    return {"start_token": list(msg.start_token.token_ids.ids) or msg.start_token.token_str or None,
             "stop_tokens": [list(t.token_ids.ids) or t.token_str for t in msg.stop_tokens],
             "max_num_tokens": msg.max_num_tokens, "model_type": msg.llm_model_type.WhichOneof("model_type"),
             "chat_template": bool(msg.jinja_prompt_template)}
@@ -224,17 +703,48 @@ def load(path) -> LitertLmBundle:
     return LitertLmBundle.from_file(path)
 
 
+def _role(s: dict, checked: Checked) -> str:
+    found = checked.reads
+    if s["index"] in found["replaced"]:
+        return f"never read: section {found['replaced'][s['index']]} of the same kind replaces it"
+    if s is found["model"]:
+        return "the model LiteRT-LM runs"
+    if s is found["tokenizer"]:
+        return f"the tokenizer ({checked.vocab:,} tokens, {checked.tokenizer_bytes:,} bytes)"
+    if s is found["metadata"]:
+        return "the LlmMetadata"
+    if any(s is t for t in found["tflite"]):
+        return "checked; loaded by models that use one"
+    return "not read when generating text"
+
+
 def describe(path: str, topologies=None) -> dict:
-    """What ``inspect`` prints for a ``.litertlm``: its sections, LlmMetadata and the model's signatures."""
+    """What ``inspect`` prints for a ``.litertlm``: the checks ``run`` makes, then its sections (which one
+    LiteRT-LM reads), LlmMetadata and the signatures of the model LiteRT-LM runs."""
     no_topologies(topologies)
     from .litert import _describe
-    sections = read_sections(path)
-    desc = _describe(path, section_bytes(path, "TFLiteModel", sections=sections))
-    meta = _llm_metadata(path, sections)
-    desc.update(kind="litertlm", size=os.path.getsize(path), llm_metadata=meta,
-                sections=[{"type": s["type"], "bytes": s["end"] - s["begin"]} for s in sections])
-    desc["extra_lines"] = [f"section {s['type']}: {s['end'] - s['begin']:,} bytes" for s in sections] + \
-        [f"llm metadata: {k} {v}" for k, v in meta.items()] + desc.get("extra_lines", [])
+    checked = check(path)
+    model = checked.model
+    with open(path, "rb") as f:
+        content = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = memoryview(content)[model["begin"]:model["end"]]
+    try:
+        desc = _describe(path, view)
+    finally:
+        view.release()
+        try:
+            content.close()
+        except BufferError:
+            pass
+    meta = {k: v for k, v in checked.summary.items() if k != "signatures"}
+    sections = [{"type": s["type"], "bytes": s["end"] - s["begin"], "model_type": s["model_type"],
+                 "role": _role(s, checked)} for s in checked.sections]
+    desc.update(kind="litertlm", size=os.path.getsize(path), llm_metadata=meta, sections=sections)
+    lines = []
+    for s in sections:
+        kind = f"{s['type']} ({s['model_type']})" if s["model_type"] else s["type"]
+        lines.append(f"section {kind}: {s['bytes']:,} bytes, {s['role']}")
+    desc["extra_lines"] = lines + [f"llm metadata: {k} {v}" for k, v in meta.items()] + desc.get("extra_lines", [])
     return desc
 
 
