@@ -58,9 +58,7 @@ class _Codec:
         self.template = _sandbox(self.max_chars, [jinja2.ext.loopcontrols]).from_string(source)
 
     def info(self) -> dict:
-        vocab = self.tok.get_vocab(with_added_tokens=True)
-        return {"vocab": self.tok.get_vocab_size(with_added_tokens=True),
-                "longest": max((len(t) for t in vocab), default=1), "template": self.template is not None}
+        return {"vocab": self.tok.get_vocab_size(with_added_tokens=True), "template": self.template is not None}
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=special).ids
