@@ -209,14 +209,27 @@ def _load_hf_folder(path: str, abstract: bool = False):
     if gen is not None:
         _ids(gen.get("eos_token_id"), os.path.join(path, "generation_config.json"))
         jsons["generation_config.json"] = gen
-    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()  # what it would warn of is checked here and said once, as an error
+    try:
+        return _build_from_folder(path, cfg_path, raw, jsons, ckpt, abstract)
+    finally:
+        hf_logging.set_verbosity_warning()
+
+
+def _build_from_folder(path: str, cfg_path: str, raw: dict, jsons: dict, ckpt, abstract: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from . import hf_folder
     with hf_folder.staged(jsons, ckpt) as stage:
         try:
             config = AutoConfig.from_pretrained(stage, local_files_only=True)
         except Exception as e:  # anything transformers makes of an untrusted config is bad input
-            raise InputError(f"{cfg_path}: transformers cannot read it ({type(e).__name__}: {_reason(e)})",
+            from transformers import CONFIG_MAPPING
+            known = isinstance(raw.get("model_type"), str) and raw["model_type"] in CONFIG_MAPPING
+            what = "transformers cannot read it" if known else "transformers does not know this architecture"
+            raise InputError(f"{cfg_path}: {what} ({type(e).__name__}: {_reason(e)})",
                              hint="a newer transformers may know the architecture; it must be a causal LM") from None
         if type(config) not in AutoModelForCausalLM._model_mapping:
             raise InputError(f"{cfg_path}: {config.model_type!r} is not a causal LM architecture transformers "
@@ -227,14 +240,11 @@ def _load_hf_folder(path: str, abstract: bool = False):
             from .capture import abstract_weights
             with abstract_weights():
                 return _built(cfg_path, lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32))
-        try:
-            hf_logging.set_verbosity_error()  # its load report is checked here, not printed
+        try:  # its load report is checked below, not printed
             model, info = AutoModelForCausalLM.from_pretrained(stage, local_files_only=True, dtype="float32",
                                                                use_safetensors=True, output_loading_info=True)
         except Exception as e:  # the headers were checked: what is left is the checkpoint's content
             raise InputError(f"cannot load the weights in {path}: {_reason(e)}") from None
-        finally:
-            hf_logging.set_verbosity_warning()
     model.config.name_or_path = path
     # a weight the checkpoint lacks would be random: never a silently wrong model
     missing = sorted(info.get("missing_keys") or []) + [str(k) for k in info.get("mismatched_keys") or []]
