@@ -392,3 +392,30 @@ def test_serve_refuses_a_file_whose_tokenizer_does_not_load(llm):
     r = run_cli("serve", path, "--port", port, timeout=300)
     assert r.returncode == 5 and "tokenizer" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "internal error" not in r.stderr
+
+
+def test_a_failed_decode_batch_fails_only_the_request_whose_tokens_cause_it():
+    """The detokenizing windows of all streams go to a worker in one message per step; when that message
+    fails, each window is decoded alone, and only the failing one's request gets the error."""
+    import asyncio
+    from torchtpu_export.textproc import TextError, TextWorkers
+    text = TextWorkers.__new__(TextWorkers)  # the batching alone: no worker processes
+    text._decodes, text._flusher = [], None
+
+    async def call(op, *args):
+        if op == "decode_many":
+            if any(666 in ids for ids, _ in args[0]):
+                raise TextError("the model's tokenizer failed on this request")
+            return [[str(ids[:split]), str(ids)] for ids, split in args[0]]
+        ids, split = args
+        if 666 in ids:
+            raise TextError("the model's tokenizer failed on this request")
+        return [str(ids[:split]), str(ids)]
+    text.call = call
+
+    async def streams():
+        return await asyncio.gather(text.decode([1, 2], 1), text.decode([666], 0), text.decode([3], 0),
+                                    return_exceptions=True)
+    first, failed, last = asyncio.run(streams())
+    assert first == ("[1]", "[1, 2]") and last == ("[]", "[3]")
+    assert isinstance(failed, TextError)

@@ -68,6 +68,10 @@ class _Codec:
         return [self.tok.decode(ids[:split], skip_special_tokens=True),
                 self.tok.decode(ids, skip_special_tokens=True)]
 
+    def decode_many(self, windows: list) -> list:
+        """:meth:`decode` of several requests' windows at once (one message per engine step, not one per token)."""
+        return [self.decode(ids, split) for ids, split in windows]
+
     def chat(self, messages: list) -> list[int]:
         if self.template is None:
             raise TextError("this model has no chat template: use /v1/completions")
@@ -161,7 +165,7 @@ def _worker_main() -> None:
         send(["error", _describe(e)])
         return
     send(["ok", info])
-    ops = {"encode": codec.encode, "decode": codec.decode, "chat": codec.chat}
+    ops = {"encode": codec.encode, "decode": codec.decode, "decode_many": codec.decode_many, "chat": codec.chat}
     for line in stdin:
         try:
             op, args = json.loads(line)
@@ -185,7 +189,7 @@ def _describe(e: BaseException) -> str:
 
 # ---- the server's side ------------------------------------------------------------------------
 
-_WHAT = {"encode": "tokenizer", "decode": "tokenizer", "chat": "chat template"}
+_WHAT = {"encode": "tokenizer", "decode": "tokenizer", "decode_many": "tokenizer", "chat": "chat template"}
 
 
 class _Worker:
@@ -260,6 +264,8 @@ class TextWorkers:
         self._idle: list[_Worker] = []
         self._waiters: list = []  # (loop, future) waiting for a worker
         self._closed = False
+        self._decodes: list = []  # (ids, split, future) waiting for the next batch
+        self._flusher = None
         self.stats = {"replaced": 0}
         try:
             first = _Worker(self._config, start_budget)
@@ -343,8 +349,37 @@ class TextWorkers:
         return await self.call("chat", messages)
 
     async def decode(self, ids: list[int], split: int) -> tuple[str, str]:
-        before, after = await self.call("decode", ids, split)
+        """The text of ``ids[:split]`` and of ``ids``. The windows of every request waiting go to a worker in
+        one message; when that batch fails, each of them is decoded alone, so that only the request whose
+        tokens the tokenizer fails on gets the error."""
+        future = asyncio.get_running_loop().create_future()
+        self._decodes.append((list(ids), split, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_decodes())
+        before, after = await future
         return before, after
+
+    async def _flush_decodes(self) -> None:
+        while self._decodes:
+            batch, self._decodes = [d for d in self._decodes if not d[2].done()], []
+            if not batch:
+                continue
+            try:
+                results = await self.call("decode_many", [[ids, split] for ids, split, _ in batch])
+            except TextError:
+                results = None
+            for k, (ids, split, future) in enumerate(batch):
+                if results is None:  # one at a time: the failure is the request's whose tokens cause it
+                    try:
+                        result = await self.call("decode", ids, split)
+                    except TextError as e:
+                        if not future.done():
+                            future.set_exception(e)
+                        continue
+                else:
+                    result = results[k]
+                if not future.done():
+                    future.set_result(tuple(result))
 
     def close(self) -> None:
         with self._lock:
