@@ -26,7 +26,8 @@ def run_cli(*args, cwd=None, timeout=600, env=None):
 
 
 # Many CLI calls in one process (each ``torchtpu-export`` process spends seconds importing torch): every
-# call's exit code and what it wrote to file descriptors 1 and 2 (native libraries' logs included).
+# call's exit code, what it wrote to file descriptors 1 and 2 (native libraries' logs included), and the
+# process's peak resident memory so far (VmHWM, in MB).
 _MANY = """
 import json, os, sys, tempfile
 from torchtpu_export.cli import main
@@ -44,24 +45,27 @@ for argv in json.loads(sys.stdin.read()):
             os.dup2(saved[0], 1); os.dup2(saved[1], 2)
             os.close(saved[0]); os.close(saved[1])
         out.seek(0); err.seek(0)
-        results.append([code, out.read(), err.read()])
+        hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM"))
+        results.append([code, out.read(), err.read(), int(hwm.split()[1]) / 1024])
 print("RESULTS", json.dumps(results), file=sys.__stdout__, flush=True)
 """
 
 
-def run_cli_many(argvs, timeout=900):
-    """``torchtpu-export ARGV`` for each of ``argvs`` in one fresh process, in order: a CompletedProcess-like
-    (returncode, stdout, stderr) per call. A call that kills the process fails with what it printed."""
+def run_cli_many(argvs, timeout=900, prelude: str = ""):
+    """``torchtpu-export ARGV`` for each of ``argvs`` in one fresh process (``prelude`` run first), in order: a
+    CompletedProcess-like (returncode, stdout, stderr, peak_mb: the process's peak so far) per call. A call
+    that kills the process fails with what it printed."""
     import json
     import types
-    r = subprocess.run([sys.executable, "-c", _MANY], input=json.dumps([[str(a) for a in argv] for argv in argvs]),
+    r = subprocess.run([sys.executable, "-c", prelude + _MANY],
+                       input=json.dumps([[str(a) for a in argv] for argv in argvs]),
                        cwd=REPO, capture_output=True, text=True, timeout=timeout,
                        env=dict(os.environ, PYTHONWARNINGS="ignore"))
     if "RESULTS " not in r.stdout:
         raise AssertionError(f"the CLI process ended with {r.returncode} in {r.stdout.strip().splitlines()[-1:]}: "
                              f"{r.stderr[-2000:]}")
     results = json.loads(r.stdout.split("RESULTS ", 1)[1])
-    return [types.SimpleNamespace(returncode=c, stdout=o, stderr=e) for c, o, e in results]
+    return [types.SimpleNamespace(returncode=c, stdout=o, stderr=e, peak_mb=m) for c, o, e, m in results]
 
 
 @pytest.fixture

@@ -8,13 +8,11 @@ import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
 
 import pytest
 
 import hf_llms
-from conftest import run_cli
+from conftest import run_cli, run_cli_many
 from test_hostile import _cli_peak_rss_mb
 from test_hostile_round3 import _clean
 
@@ -41,43 +39,18 @@ def baseline(good, tmp_path_factory):
     return peak
 
 
-# Many hostile folders through the CLI in one process (an import of torch and transformers per case would
-# cost most of the test's time): each case's exit code and stderr, and the process's peak over all of them.
-BATCH = LIMIT + """
-import contextlib, io, json, sys
-from torchtpu_export.cli import main
-results = []
-for argv in json.loads(sys.argv[1]):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main(argv)
-    results.append([code, err.getvalue()])
-hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM"))
-print(json.dumps({"results": results, "peak_mb": int(hwm.split()[1]) / 1024}))
-"""
-
-
-def _batch(cases: dict, tmp_path):
-    """``{case: (folder, extra args)}`` through the CLI's ``main`` in one process: ``{case: (exit code, stderr)}``
-    and that process's peak memory in MB."""
-    argvs = [[str(folder), *EXPORT, *map(str, extra), "-o", str(tmp_path / f"out{i}.litertlm")]
-             for i, (folder, extra) in enumerate(cases.values())]
-    r = subprocess.run([sys.executable, "-c", BATCH, json.dumps(argvs)], capture_output=True, text=True,
-                       timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    return dict(zip(cases, out["results"])), out["peak_mb"]
-
-
 def _all_refused(cases: dict, words: dict, tmp_path, *, peak_under=None):
     """Every case exit 2 with one message holding its words, no output written."""
-    results, peak = _batch(cases, tmp_path)
-    for case, (code, err) in results.items():
+    argvs = [[folder, *EXPORT, *extra, "-o", tmp_path / f"out{i}.litertlm"]
+             for i, (folder, extra) in enumerate(cases.values())]
+    results = run_cli_many(argvs, prelude=LIMIT)  # many cases per process: each would import torch
+    for case, r in zip(cases, results):
+        code, err = r.returncode, r.stderr
         assert code == 2 and "Traceback" not in err and "internal error" not in err, (case, code, err[-2000:])
         assert err.count("error:") == 1 and all(w in err for w in words[case]), (case, err)
     assert not list(tmp_path.glob("out*.litertlm"))
     if peak_under is not None:
-        assert peak < peak_under, (peak, peak_under)
+        assert results[-1].peak_mb < peak_under, (results[-1].peak_mb, peak_under)
 
 
 def _copy(good, tmp_path, name="model"):

@@ -57,9 +57,6 @@ class _Codec:
         import jinja2.ext
         self.template = _sandbox(self.max_chars, [jinja2.ext.loopcontrols]).from_string(source)
 
-    def info(self) -> dict:
-        return {"vocab": self.tok.get_vocab_size(with_added_tokens=True), "template": self.template is not None}
-
     def encode(self, text: str, special: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=special).ids
 
@@ -160,11 +157,10 @@ def _worker_main() -> None:
             _limit_memory(config["memory_budget"])
         if config["template"]:
             codec.compile(config["template"])
-        info = codec.info()
     except BaseException as e:  # noqa: BLE001 - the tokenizers library's Rust panics are BaseExceptions
         send(["error", _describe(e)])
         return
-    send(["ok", info])
+    send(["ok", None])
     ops = {"encode": codec.encode, "decode": codec.decode, "decode_many": codec.decode_many, "chat": codec.chat}
     for line in stdin:
         try:
@@ -210,7 +206,6 @@ class _Worker:
         if status != "ok":
             self.kill()
             raise TextError(value)
-        self.info = value
 
     def _reply(self, budget: float):
         deadline = time.monotonic() + budget
@@ -266,13 +261,11 @@ class TextWorkers:
         self._closed = False
         self._decodes: list = []  # (ids, split, future) waiting for the next batch
         self._flusher = None
-        self.stats = {"replaced": 0}
         try:
             first = _Worker(self._config, start_budget)
         except TextError as e:
             raise ArtifactError(f"the served file's tokenizer or chat template does not load: {e}",
                                 hint="export the model again from a tokenizer that transformers loads") from None
-        self.info = first.info
         self._idle.append(first)
         for _ in range(workers - 1):
             self._idle.append(_Worker(self._config, start_budget))
@@ -304,7 +297,6 @@ class TextWorkers:
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
-        self.stats["replaced"] += 1
 
         def start():
             while not self._closed:
