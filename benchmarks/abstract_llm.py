@@ -53,7 +53,7 @@ def one(name: str, case: str, cache: int, batch: int) -> dict:
     st = prog.compiled_stats(topology, signature_name=sig)
     compile_s = time.perf_counter() - t
     weights = sum(w.nbytes for w in prog.artifact.weights.values())
-    from torchtpu_export import tpu_compile
+    from torchtpu_export.targets.tpu import aot as tpu_compile
     chips, hosts = tpu_compile.slice_size(topology)
     return dict(chips=chips, hosts=hosts, collectives=st.get("collectives", {}), name=name, case=case, params=params, weights=weights, batch=batch, cache=cache,
                 export_s=export_s, compile_s=compile_s,

@@ -32,7 +32,8 @@ import torch.utils._pytree as pytree  # noqa: E402
 
 import torchtpu_export as tte  # noqa: E402
 import zoo  # noqa: E402
-from torchtpu_export import npu, targets  # noqa: E402
+from torchtpu_export.targets.litert import npu
+from torchtpu_export import targets  # noqa: E402
 from torchtpu_export.numerics import compare  # noqa: E402
 
 SIZES = {"resnet18": {"size": 64}, "mobilenet_v2": {"size": 64}}  # the rest at the zoo's defaults
@@ -65,7 +66,7 @@ def _npu_columns(path: str, args, ref) -> tuple[str, str, str]:
 
 
 def _histogram(path: str) -> dict[str, int]:
-    from torchtpu_export.litert_format import op_histogram, validate
+    from torchtpu_export.targets.litert.artifact import op_histogram, validate
     with open(path, "rb") as f:
         return op_histogram(validate(f.read()))
 

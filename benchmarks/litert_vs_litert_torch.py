@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     bench_py = ensure_bench_venv()
     load_start = os.getloadavg()[0]
     import zoo
-    from torchtpu_export.targets.litert import describe as describe_tflite
+    from torchtpu_export.targets.litert.target import describe as describe_tflite
     threads_all = os.cpu_count() or 1
     rows = []
     tmp = tempfile.mkdtemp(prefix="litert-bench-")

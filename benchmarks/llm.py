@@ -176,7 +176,7 @@ def reference(folder: str, steps: int) -> list[tuple[list[int], int, np.ndarray]
 def quality(bundle_path: str, refs) -> tuple[float, float]:
     """Top-1 agreement with the float model's next tokens and mean KL(float || bundle), teacher-forced."""
     from torchtpu_export import llm
-    from torchtpu_export.targets.litertlm import LitertLmBundle
+    from torchtpu_export.targets.litertlm.target import LitertLmBundle
     program = LitertLmBundle.from_file(bundle_path).edge
     agree, kls = [], []
     for seq, start, ref in refs:

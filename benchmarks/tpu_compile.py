@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 import torchtpu_export as tte  # noqa: E402
 import zoo  # noqa: E402
-from torchtpu_export import tpu_compile  # noqa: E402
+from torchtpu_export.targets.tpu import aot as tpu_compile  # noqa: E402
 
 KERNEL_FRIENDLY = dict(seq=512, dim=1024, heads=8, layers=4, max_seq=1024)  # head_dim 128
 

@@ -66,7 +66,7 @@ def main() -> int:
     import torch
 
     import torchtpu_export as tte
-    from torchtpu_export import web
+    from torchtpu_export.targets.litert import web
     server = web.start_server({}, port=0)
     # the CPU (WASM) path, as the README's table reports; the page's default would pick WebGPU when
     # the browser has it (here SwiftShader, a software GPU)

@@ -70,8 +70,8 @@ class QnnHtpRunner:
         import onnxruntime as ort
         from onnx import helper
 
-        from torchtpu_export import npu
-        from torchtpu_export.litert_format import op_histogram, signature_io, type_name, validate
+        from torchtpu_export.targets.litert import npu
+        from torchtpu_export.targets.litert.artifact import op_histogram, signature_io, type_name, validate
         from torchtpu_export.specs import numpy_dtype
 
         why = available()

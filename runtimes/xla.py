@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from torchtpu_export import tpu_compile
+from torchtpu_export.targets.tpu import aot as tpu_compile
 
 tpu_compile.prepare_environment()  # before jax loads libtpu (on a host without TPU chips)
 
@@ -18,8 +18,8 @@ import numpy as np  # noqa: E402
 
 from torchtpu_export.errors import ArtifactError, InputError
 from torchtpu_export.specs import TensorSpec, check_dims, coerce_input
-from torchtpu_export import tpu_format
-from torchtpu_export.tpu_format import TpuArtifact
+from torchtpu_export.targets.tpu import artifact as tpu_format
+from torchtpu_export.targets.tpu.artifact import TpuArtifact
 
 log = logging.getLogger("torchtpu_export")
 _WARNED: set = set()

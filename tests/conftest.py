@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from torchtpu_export import tpu_compile
+from torchtpu_export.targets.tpu import aot as tpu_compile
 
 tpu_compile.prepare_environment()  # test modules that import jax themselves do so after this
 

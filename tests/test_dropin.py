@@ -14,7 +14,7 @@ from ai_edge_litert import interpreter as tfl_interpreter
 
 import torchtpu_export as litert_torch
 import zoo
-from torchtpu_export.targets.litert import describe as describe_tflite
+from torchtpu_export.targets.litert.target import describe as describe_tflite
 
 
 class Add(torch.nn.Module):

@@ -5,7 +5,7 @@ import torch
 
 import torchtpu_export as tte
 import zoo
-from torchtpu_export.targets.litert import describe as describe_tflite
+from torchtpu_export.targets.litert.target import describe as describe_tflite
 from torchtpu_export.numerics import compare
 
 

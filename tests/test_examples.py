@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from torchtpu_export import tpu_compile, tpu_format
+from torchtpu_export.targets.tpu import aot as tpu_compile, artifact as tpu_format
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 import torchtpu_export as tte
-from torchtpu_export import litert_format, models, safetensors_io, targets, tpu_format
+from torchtpu_export.targets.litert import artifact as litert_format
+from torchtpu_export import models, safetensors_io, targets
+from torchtpu_export.targets.tpu import artifact as tpu_format
 from torchtpu_export.errors import ArtifactError, InputError
 
 from test_fuzz import _rezip  # tests/ is on the path

@@ -30,7 +30,8 @@ def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch, exc):
 
 
 def test_ctrl_c_in_cli_exits_130_without_output(tmp_path, monkeypatch, capsys):
-    from torchtpu_export import cli, tpu_format
+    from torchtpu_export import cli
+    from torchtpu_export.targets.tpu import artifact as tpu_format
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt

@@ -17,7 +17,7 @@ import hf_llms
 import torchtpu_export as tte
 from conftest import run_cli, run_cli_many
 from test_hostile import _cli_peak_rss_mb
-from torchtpu_export.targets import litertlm
+from torchtpu_export.targets.litertlm import target as litertlm
 
 T = schema.AnySectionDataType
 MEMORY_BOUND_MB = 300  # plus 4x the file: what the README promises for any hostile file

@@ -19,9 +19,9 @@ import torch
 import torchtpu_export as tte
 import zoo
 from conftest import run_cli
-from torchtpu_export import npu
+from torchtpu_export.targets.litert import npu
 from torchtpu_export.errors import ArtifactError
-from torchtpu_export.litert_format import validate
+from torchtpu_export.targets.litert.artifact import validate
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64",
                                 reason="QNN's host libraries and HTP simulator are x86-64 Linux only")

@@ -28,7 +28,8 @@ from conftest import run_cli
 from test_fuzz import _rezip
 from test_fuzz_readers import mutate, mutations
 from test_hostile import _cli_peak_rss_mb
-from torchtpu_export import litert_format, models
+from torchtpu_export.targets.litert import artifact as litert_format
+from torchtpu_export import models
 from torchtpu_export.errors import ArtifactError, InputError, TteError
 
 MEMORY_BOUND_MB = 300  # plus 4x the file: what the README promises for any hostile file
@@ -144,7 +145,7 @@ def _refused_everywhere(path):
         _clean(r, 5)
     with pytest.raises(ArtifactError):
         tte.load(path)
-    from torchtpu_export import web
+    from torchtpu_export.targets.litert import web
     with pytest.raises(ArtifactError):  # the models are checked before anything else is set up
         web.start_server([path], port=0, check_dtypes=False)
 
@@ -417,7 +418,7 @@ def test_a_stored_executable_is_never_loaded_on_the_manifests_word(files, tmp_pa
     """An executable whose manifest says it is for this host's device kind (here a CPU) is not
     deserialized: only real TPU chips of its generation ever load one."""
     import jax
-    from torchtpu_export import tpu_compile
+    from torchtpu_export.targets.tpu import aot as tpu_compile
     from torchtpu_export.runtimes import xla
     prog = tte.load(files["tpu"])
     art = prog.artifact
@@ -638,7 +639,7 @@ def test_load_errors_say_what_went_wrong(files, tmp_path):
 
 def test_serve_web_bounds_idle_connections_and_ignores_vanishing_clients(files, tmp_path, monkeypatch, capfd):
     import threading
-    from torchtpu_export import web
+    from torchtpu_export.targets.litert import web
     monkeypatch.setattr(web._Handler, "timeout", 1)
     monkeypatch.setattr(web.WebServer, "workers", 4)
     monkeypatch.setattr(web.WebServer, "backlog", 4)

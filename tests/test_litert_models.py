@@ -5,7 +5,7 @@ import torch.utils._pytree as pytree
 
 import torchtpu_export as tte
 import zoo
-from torchtpu_export.targets.litert import describe as describe_tflite
+from torchtpu_export.targets.litert.target import describe as describe_tflite
 from torchtpu_export.numerics import compare
 
 # model -> (factory kwargs, most TRANSPOSE ops allowed)

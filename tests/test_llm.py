@@ -193,7 +193,7 @@ def test_int4_blockwise_linear_is_the_dequantized_matmul(block):
     got = edge(x)
     assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
     assert edge.quant_report.quant_bytes < edge.quant_report.float_bytes / 5  # 4 bits + a scale per block
-    from torchtpu_export.litert_format import validate
+    from torchtpu_export.targets.litert.artifact import validate
     model = validate(edge.model_content())
     sub = model.Subgraphs(0)
     types = {sub.Tensors(j).Type() for j in range(sub.TensorsLength())}
@@ -218,7 +218,7 @@ def test_quantized_bundles_run_in_litert_lm(folders, tmp_path):
 def test_blockwise_scales_out_of_range_are_refused():
     from ai_edge_litert import schema_py_generated as fb
     from torchtpu_export.errors import ArtifactError
-    from torchtpu_export.litert_format import validate
+    from torchtpu_export.targets.litert.artifact import validate
     import flatbuffers
     m = torch.nn.Linear(64, 32).eval()
     content = tte.convert(m, (torch.randn(1, 64),), quant_config="int4_blockwise").model_content()

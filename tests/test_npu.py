@@ -18,7 +18,7 @@ import torch
 
 import torchtpu_export as tte
 import zoo
-from torchtpu_export import npu
+from torchtpu_export.targets.litert import npu
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64",
                                 reason="QNN's host libraries and HTP simulator are x86-64 Linux only")

@@ -19,7 +19,7 @@ CORE = {"capture", "fxnodes", "errors", "specs", "treespec", "untrusted", "filei
         "litert_format", "onnx_format", "flatbuf", "numerics", "quant", "core_ops", "torch_semantics", "progress",
         "_version", "tpu_compile", "npyfiles"}
 FACES = ("torchtpu_export.targets", "torchtpu_export.converters", "torchtpu_export.runtimes", "torchtpu_export.api",
-         "torchtpu_export.cli", "torchtpu_export.coverage", "torchtpu_export.debugger", "torchtpu_export.web",
+         "torchtpu_export.cli", "torchtpu_export.coverage", "torchtpu_export.debugger", "torchtpu_export.targets.litert.web",
          "torchtpu_export.describe", "torchtpu_export.models")
 
 

@@ -20,7 +20,7 @@ from torch.export import Dim
 
 import torchtpu_export as tte
 import zoo
-from torchtpu_export import tpu_compile
+from torchtpu_export.targets.tpu import aot as tpu_compile
 from torchtpu_export.converters.stablehlo import pallas
 from torchtpu_export.converters.stablehlo.pallas.attention import flash_attention, plan_attention
 from torchtpu_export.converters.stablehlo.pallas.int8_matmul import int8_matmul, plan_int8_matmul

@@ -44,7 +44,7 @@ STD = np.array([0.229, 0.224, 0.225], np.float32)
 @pytest.fixture(scope="module")
 def server():
     require_web_deps()
-    from torchtpu_export import web
+    from torchtpu_export.targets.litert import web
     srv = web.start_server({"mlp.tflite": fx.mlp_model()}, port=0)
     yield srv
     srv.shutdown()
@@ -216,7 +216,7 @@ def test_model_webgpu_cannot_take_whole_runs_on_wasm_without_the_jspi_build(serv
 
 
 def test_given_inputs_are_used_in_signature_order(tmp_path, browser):
-    from torchtpu_export import web
+    from torchtpu_export.targets.litert import web
     model = fx.difference_model()
     assert [t["name"] for t in web.signature_tensors(model)["serving_default"]["inputs"]] == ["zeta", "alpha"]
     zeta = np.linspace(-2, 2, 4)                 # float64 on disk: cast to the model's float32
@@ -305,7 +305,7 @@ def test_serve_web_cli_serves_until_interrupted(tmp_path):
     model.write_bytes(fx.mlp_model())
     # Ctrl-C as a terminal delivers it: the test worker may run with SIGINT ignored (inherited by children,
     # which Python then leaves ignored), so the server starts with the default disposition
-    proc = subprocess.Popen([sys.executable, "-m", "torchtpu_export.web", str(model), "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "torchtpu_export.targets.litert.web", str(model), "--port", "0",
                              "--accelerator", "webgpu"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONWARNINGS="ignore"),
@@ -365,7 +365,7 @@ def _convert(module, args):
 
 def _web_inputs(edge, model: bytes, args) -> dict[str, np.ndarray]:
     """The sample args under the converted model's input names, cast to its (web) input dtypes."""
-    from torchtpu_export.web import signature_tensors
+    from torchtpu_export.targets.litert.web import signature_tensors
     specs = {t["name"]: t for t in next(iter(signature_tensors(model).values()))["inputs"]}
     out = {}
     for spec, a in zip(edge.inputs(), args):

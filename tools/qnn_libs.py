@@ -8,7 +8,7 @@ ships the same libraries (QNN 2.51; the plugin was built against 2.50) minus lib
 which the plugin uses no symbol: an empty library stands in for it.
 
 This links them into ``<venv>/qairt/lib/x86_64-linux-clang`` (a QAIRT SDK's layout), which
-``torchtpu_export.npu`` searches after ``QNN_SDK_ROOT``. ``make`` runs it after installing.
+``torchtpu_export.targets.litert.npu`` searches after ``QNN_SDK_ROOT``. ``make`` runs it after installing.
 Users with the real SDK need none of this.
 """
 from __future__ import annotations

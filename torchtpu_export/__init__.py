@@ -15,10 +15,10 @@ from .debugger import DebugReport, debug
 from .llm import export_llm
 from .errors import (ArtifactError, CaptureError, ConversionError, InputError, NumericsError, OutputError, TteError,
                      UnsafeInputError, UnsupportedOpError)
-from .targets.litert import EdgeModel, to_channel_last_io
-from .targets.litertlm import LitertLmBundle
-from .targets.onnx import OnnxProgram
-from .targets.tpu import TpuProgram
+from .targets.litert.target import EdgeModel, to_channel_last_io
+from .targets.litertlm.target import LitertLmBundle
+from .targets.onnx.target import OnnxProgram
+from .targets.tpu.target import TpuProgram
 
 # litert-torch's names for the same things, so that `import torchtpu_export as litert_torch` works
 Converter = SignatureSet

@@ -91,7 +91,7 @@ class SignatureSet:
         target twice is a no-op; ``kwargs`` go to the vendor's compiler."""
         from ai_edge_litert.aot.core import aot_types
 
-        from . import npu
+        from .targets.litert import npu
         if target is None:
             from ai_edge_litert.aot.vendors import import_vendor
             found = [import_vendor.AllRegisteredTarget()]
@@ -131,7 +131,7 @@ class SignatureSet:
             entries.append((default, module, _tuple(sample_args), sample_kwargs, dynamic_shapes))
         edge = self._export(entries, "litert", strict_export, dict(options, quant_config=quant_config))
         if self.compilation_configs:  # litert-torch's result type: ai_edge_litert.aot's CompilationResult
-            from . import npu
+            from .targets.litert import npu
             return npu.compile_model(edge.model_content(), self.compilation_configs)
         return edge
 

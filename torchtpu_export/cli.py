@@ -24,7 +24,8 @@ import traceback
 import warnings
 from typing import Callable
 
-from . import debugger, server, targets, web
+from . import debugger, server, targets
+from .targets.litert import web
 from ._version import __version__
 from .coverage import cli as coverage_cli
 from . import fileio
@@ -215,7 +216,7 @@ def _check(args, model, margs, mkwargs, artifact) -> int:
     from .numerics import DEFAULT_RTOL, compare
     eager = model.module() if isinstance(model, torch.export.ExportedProgram) else model
     if getattr(args, "channels_last", False):  # the artifact takes and gives NHWC images
-        from .targets.litert import channels_last
+        from .targets.litert.target import channels_last
         eager, margs, mkwargs = channels_last(eager, margs, mkwargs)
     with torch.no_grad():
         ref = pytree.tree_leaves(eager(*margs, **mkwargs))

@@ -57,7 +57,7 @@ def format_description(desc: dict) -> str:
                 what += f" ({k['detail']})"
             lines.append(f"  kernel [{k.get('platform', '?')}] {k.get('node', '?')} ({k.get('op', '?')}): {what}")
         for topo, entry in (prog.get("compiled") or {}).items():
-            from .tpu_compile import describe_stats
+            from .targets.tpu.aot import describe_stats
             stored = "executable stored" if entry.get("executable") else entry.get("executable_reason", "not stored")
             lines.append(f"  compiled [{topo}, {entry.get('device_kind')}, libtpu {entry.get('libtpu')}, {stored}]: "
                          + describe_stats(entry["stats"]))

@@ -19,7 +19,7 @@ from torchtpu_export._version import __version__
 from torchtpu_export import treespec
 from torchtpu_export.capture import CapturedProgram, kept_or_plain_core
 from torchtpu_export.errors import InputError
-from torchtpu_export.litert_format import METADATA_NAME, LiteRTArtifact  # noqa: F401
+from torchtpu_export.targets.litert.artifact import METADATA_NAME, LiteRTArtifact  # noqa: F401
 
 from . import ops_composite, ops_elementwise, ops_index, ops_linalg, ops_misc, ops_nn, ops_quant, ops_reduction, ops_shape  # noqa: F401
 from .dims import symbol_ranges
@@ -47,7 +47,7 @@ def convert(captures: Mapping[str, CapturedProgram], *, quant_config=None, obser
             **options) -> LiteRTArtifact:
     """One flatbuffer with a subgraph and SignatureDef per captured program, weights stored once.
 
-    Returns the :class:`~torchtpu_export.litert_format.LiteRTArtifact` (its bytes, or a temporary
+    Returns the :class:`~torchtpu_export.targets.litert.artifact.LiteRTArtifact` (its bytes, or a temporary
     file for models past ``IN_MEMORY_LIMIT``; each signature's I/O and pytree specs are also in the
     flatbuffer's ``torchtpu_export`` metadata). ``observer`` is the LiteRT runtime the int8 recipe
     calibrates with (``runtimes.litert.TensorObserver``; converters do not import runtimes).

@@ -14,7 +14,7 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from torchtpu_export.torch_semantics import antialiased_linear_resize_matrix, linear_resize_matrix
+from torchtpu_export.converters.torch_semantics import antialiased_linear_resize_matrix, linear_resize_matrix
 
 from .composite import inline
 from .dims import all_static, broadcast_shapes, is_static

@@ -19,7 +19,7 @@ from ai_edge_litert import schema_py_generated as fb
 
 from torchtpu_export import flatbuf
 from torchtpu_export.errors import ConversionError
-from torchtpu_export.litert_format import METADATA_NAME, weights_digest
+from torchtpu_export.targets.litert.artifact import METADATA_NAME, weights_digest
 
 from . import schema
 from .dims import concrete, is_static

@@ -15,7 +15,7 @@ import torch
 
 from torchtpu_export.capture import CapturedProgram, kept_or_plain_core
 from torchtpu_export.errors import ConversionError, InputError, UnsupportedOpError
-from torchtpu_export.onnx_format import OnnxArtifact, with_metadata
+from torchtpu_export.targets.onnx.artifact import OnnxArtifact, with_metadata
 
 # torch.onnx picks its own decompositions (it keeps the ops it has ONNX functions for), so the
 # capture decomposes nothing and hands it the program as torch.export made it.

@@ -8,7 +8,7 @@ import contextlib
 import logging
 from typing import Mapping, Sequence
 
-from torchtpu_export import tpu_compile
+from torchtpu_export.targets.tpu import aot as tpu_compile
 
 tpu_compile.prepare_environment()  # before jax loads libtpu (on a host without TPU chips)
 
@@ -16,7 +16,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from torchtpu_export import progress, tpu_format  # noqa: E402
+from torchtpu_export import progress
+from torchtpu_export.targets.tpu import artifact as tpu_format  # noqa: E402
 from torchtpu_export._version import __version__  # noqa: E402
 from torchtpu_export.capture import CapturedProgram, is_abstract
 from torchtpu_export.core_ops import core_aten_ops, rewritten_core_ops

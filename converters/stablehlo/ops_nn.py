@@ -10,7 +10,7 @@ from jax import lax
 
 import torch
 
-from torchtpu_export.torch_semantics import antialiased_linear_resize_matrix, linear_resize_matrix
+from torchtpu_export.converters.torch_semantics import antialiased_linear_resize_matrix, linear_resize_matrix
 
 from .registry import lowers
 

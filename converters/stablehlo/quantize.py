@@ -15,7 +15,7 @@ import torch
 
 from torchtpu_export.capture import CapturedProgram
 from torchtpu_export.quant import QuantConfig, per_channel_int8
-from torchtpu_export.tpu_format import AbstractWeight
+from torchtpu_export.targets.tpu.artifact import AbstractWeight
 
 from .sharding import _matmul_weight, _weight_of
 

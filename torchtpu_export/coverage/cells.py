@@ -72,7 +72,7 @@ class Column:
     def missing(self) -> str | None:
         """Why this column cannot run in this installation, or None."""
         if self.compile_for:
-            from ..tpu_compile import libtpu_version
+            from ..targets.tpu.aot import libtpu_version
             if libtpu_version() is None:
                 return "libtpu (the TPU compiler) is not installed: pip install 'torchtpu-export[tpu]'"
         return None
@@ -183,7 +183,7 @@ def compare_outputs(entry, samples, refs, outs, column: Column, note: str | None
 
 def compile_cell(program, topology: str, samples, label: str, note: str | None) -> Cell:
     """A tpu cell: pass when libtpu compiles the program for ``topology`` (the numbers are the xla column's)."""
-    from .. import tpu_compile
+    from ..targets.tpu import aot as tpu_compile
     try:
         tpu_compile.compile_artifact(program.artifact, topology, store=False)
     except tpu_compile.CompileError as e:

@@ -99,7 +99,7 @@ class Batch:
         try:
             program = column.build({"main": cap})
             if column.quant is not None:
-                from ..litert_format import int8_ops
+                from ..targets.litert.artifact import int8_ops
                 quantized = int8_ops(program.model_content())
                 if not quantized:
                     return Cell("unsupported", sample=label, reason=f"the {column.quant} recipe leaves it float")

@@ -19,7 +19,7 @@ def get(name: str) -> Target:
     """The target called ``name`` (its module is imported on first use)."""
     if name not in NAMES:
         raise InputError(f"unknown target {name!r}; choose one of {', '.join(NAMES)}")
-    return importlib.import_module(f"{__name__}.{name}").TARGET
+    return importlib.import_module(f"{__name__}.{name}.target").TARGET
 
 
 def all_targets() -> dict[str, Target]:

@@ -103,7 +103,7 @@ def compiler_rejects(kernel: str, call, operands, key, topologies) -> str | None
     (kernel, key, operand shapes and dtypes, topology); ``key`` holds what ``call`` binds
     (the plan and static parameters).
     """
-    from torchtpu_export import tpu_compile
+    from torchtpu_export.targets.tpu import aot as tpu_compile
     avals = tuple((tuple(o.shape), jnp.dtype(o.dtype).name) for o in operands)
     for topology in topologies:
         entry = (kernel, key, avals, topology)

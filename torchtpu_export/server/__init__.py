@@ -28,7 +28,7 @@ import uuid
 import numpy as np
 
 from . import distributed
-from .errors import InputError, TteError
+from ..errors import InputError, TteError
 
 # v2 datatypes <-> numpy dtype names
 V2_DTYPES = {"BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
@@ -469,7 +469,7 @@ def _sse(obj: dict) -> str:
 
 
 async def _json_body(raw, limit: int) -> dict:
-    from .untrusted import load_json
+    from ..untrusted import load_json
     data = await raw.body()
     if len(data) > limit:
         raise OpenAIError(f"the request body is {len(data):,} bytes, more than the {limit:,} this model's requests "
@@ -507,7 +507,7 @@ class RequestGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        from .httpcheck import host_allowed, origin_allowed
+        from ..httpcheck import host_allowed, origin_allowed
         headers = {}
         for k, v in scope.get("headers", []):
             headers.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
@@ -628,7 +628,7 @@ class Served:
 
     def __init__(self, path: str, name: str | None = None, *, batched: bool = True, text_workers: int = 2,
                  text_budget: float = 10.0):
-        from .api import load
+        from ..api import load
         self.path = os.fspath(path)
         self.name = name or os.path.splitext(os.path.basename(self.path))[0]
         if not self.name or len(self.name) > 128 or not all(c.isalnum() or c in "-_." for c in self.name):
@@ -640,13 +640,13 @@ class Served:
         self.engine = self.text = self.model = None
         self.stop_ids: tuple = ()
         if self.llm is not None:
-            from .engine import Engine
+            from ..engine import Engine
             self.engine = Engine(self.program, batched=batched)
             self.limits = Limits.for_cache(self.engine.length)
             self.stop_ids = tuple(self.llm.get("stop_ids", ()))
             special = [i for i in (*self.stop_ids, self.llm.get("bos_id"), self.llm.get("pad_id")) if i is not None]
             if any(i >= self.engine.vocab for i in special):
-                from .errors import ArtifactError
+                from ..errors import ArtifactError
                 raise ArtifactError(f"{self.path}: its special token ids {special} are not all below the model's "
                                     f"vocabulary of {self.engine.vocab}")
             tok = self.llm.get("tokenizer")

@@ -15,9 +15,9 @@ import zipfile
 
 import numpy as np
 
-from .. import tpu_format
-from ..errors import InputError
-from .base import Runnable, Target
+from . import artifact as tpu_format
+from ...errors import InputError
+from ..base import Runnable, Target
 
 
 class TpuProgram(Runnable):
@@ -57,7 +57,7 @@ class TpuProgram(Runnable):
 
     def runner(self, signature_name: str | None = None, platform: str | None = None):
         """The runtime of one program on one PJRT platform (the local one by default)."""
-        from ..runtimes.xla import XlaRunner
+        from ...runtimes.xla import XlaRunner
         key = (self.signature(signature_name), platform)
         if key not in self._runners and self.abstract_weights:
             raise InputError(f"this program's {len(self.abstract_weights)} weights are abstract (exported without "
@@ -96,7 +96,7 @@ class TpuProgram(Runnable):
         under its own name, or under it with a leading module path removed (``model.`` of an LLM's wrapper:
         the checkpoint's names), or with ``prefix`` removed. Floats are cast to the program's dtype (bf16);
         the int8 recipe quantizes here, as export would have. Every weight must be found, with its shape."""
-        from ..tpu_bind import bind
+        from .bind import bind
         return TpuProgram(bind(self.artifact, source, prefix))
 
     def stablehlo_text(self, platform: str = "tpu", signature_name: str | None = None) -> str:
@@ -111,7 +111,7 @@ class TpuProgram(Runnable):
         sequence) with libtpu, ahead of time (no TPU needed), and stores each executable in the
         artifact (``save`` writes them; ``load`` on a matching TPU host runs them without compiling).
         Raises ConversionError with the compiler's message if it rejects a program."""
-        from .. import tpu_compile
+        from . import aot as tpu_compile
         programs = None if signature_name is None else [self.signature(signature_name)]
         for topo in tpu_compile.parse_topologies(topology):
             tpu_compile.compile_artifact(self.artifact, topo, programs)
@@ -121,7 +121,7 @@ class TpuProgram(Runnable):
         """What the TPU compiler says about one program on a topology's chips: HBM bytes (arguments,
         outputs, temporaries, code) and whether they fit, FLOPs, bytes accessed, and a roofline estimate
         from the generation's published peak FLOP/s and HBM bandwidth. Compiles (and stores) if needed."""
-        from .. import tpu_compile
+        from . import aot as tpu_compile
         prog = self.signature(signature_name)
         (topo,) = tpu_compile.parse_topologies(topology)
         entry = self.manifest.get("compiled", {}).get(topo, {}).get(prog)
@@ -135,7 +135,7 @@ class TpuProgram(Runnable):
         """Tokens generated after ``prompt_ids`` by an LLM's programs (``tte.export_llm(..., target="tpu")``),
         with the KV cache kept on the device and updated in place (donated), sampling on the device:
         greedy at ``temperature=0``, else top-k / top-p sampling seeded by ``seed``. Stops at a token in ``stop``."""
-        from ..engine import Engine
+        from ...engine import Engine
         if getattr(self, "_generator", None) is None:
             self._generator = Engine(self, batched=False)
         return self._generator.generate(prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
@@ -157,13 +157,13 @@ def build(captures: dict, options: dict) -> TpuProgram:
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise TypeError(f"export() got an unexpected keyword argument {unknown[0]!r} for the tpu target")
-    from .. import converters
+    from ... import converters
     options = dict(options)
     report = options.pop("quant_report", True)  # False: no error measured on the sample inputs
     prog = TpuProgram(converters.converter(TARGET.converter).convert(captures, **options))
     quant_config, platforms = options.get("quant_config"), options.get("platforms", ("tpu", "cpu"))
     if quant_config is not None and "cpu" in platforms and report and not prog.abstract_weights:
-        from ..quant import parse, report_against_eager
+        from ...quant import parse, report_against_eager
         float_bytes = sum(t.numel() * t.element_size() for c in captures.values() for t in c.weights.values())
         prog.quant_report = report_against_eager(prog, captures, parse(quant_config, "tpu").recipe, float_bytes,
                                                  sum(w.nbytes for w in prog.artifact.weights.values()))
@@ -178,7 +178,7 @@ def load(path) -> TpuProgram:
 def describe(path: str, topologies=None) -> dict:
     """What ``inspect`` shows of a ``.tpu``; with ``topologies``, also what the TPU compiler says about
     each program on them (compiled here with libtpu, nothing written)."""
-    from .. import tpu_compile
+    from . import aot as tpu_compile
     art = tpu_format.read(path)
     slices = {}
     for topo in tpu_compile.parse_topologies(topologies) if topologies else ():
@@ -217,8 +217,8 @@ def _llm_summary(info: dict) -> dict:
 def compile_cli(args) -> list[str]:
     """``torchtpu-export compile model.tpu --topology ...``: compiles, stores the executables in
     ``-o`` (default: the input file), and returns a line per program and topology."""
-    from .. import tpu_compile
-    from ..fileio import check_writable
+    from . import aot as tpu_compile
+    from ...fileio import check_writable
     if args.topology is None:
         raise InputError("compile model.tpu needs --topology", hint="e.g. --topology v5e or v5e:2x2,v6e-8")
     for flag in ("soc", "ai_pack"):
@@ -264,7 +264,7 @@ LLM_TOKENIZER = "llm/tokenizer.json"
 def from_llm(program: TpuProgram, source, layout, prefill_lengths) -> TpuProgram:
     """An LLM's programs: each step's KV-cache inputs are donated (recorded in the manifest), so compiled
     programs update the cache in place and ``generate`` keeps it on the device."""
-    from ..llm import DECODE_BATCH
+    from ...llm import DECODE_BATCH
     manifest = program.manifest
     for sig, spec in manifest["programs"].items():
         spec["donate"] = [i for i, s in enumerate(spec["inputs"]) if s["name"].startswith("kv_cache_")]

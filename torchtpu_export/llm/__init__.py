@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 
 # what LiteRT-LM and litert-torch call the signatures and tensors (the bundle contract)
 PREFILL = "prefill_{}"
@@ -148,7 +148,7 @@ class LlmSource:
 def load_source(model_or_path, tokenizer=None, abstract: bool = False) -> LlmSource:
     """The model and tokenizer from a local Hugging Face folder, ``file.py:factory`` (returning a model
     or ``(model, tokenizer)``), or a model object. Local files only: nothing is downloaded."""
-    from .models import call_factory, is_factory
+    from ..models import call_factory, is_factory
 
     stop_ids: list[int] = []
     if isinstance(model_or_path, torch.nn.Module):
@@ -237,7 +237,7 @@ def _build_from_folder(path: str, cfg_path: str, raw: dict, jsons: dict, ckpt, a
         _check_layout(cfg_path, config)
         _check_against_checkpoint(cfg_path, _meta_model(cfg_path, config, ckpt), ckpt)
         if abstract:
-            from .capture import abstract_weights
+            from ..capture import abstract_weights
             with abstract_weights():
                 return _built(cfg_path, lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32))
         try:  # its load report is checked below, not printed
@@ -584,13 +584,13 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     ``abstract_weights=True`` with a model folder: built from config.json alone, weights never read (tpu:
     the programs take abstract weights, bound at load with ``TpuProgram.bind_weights``).
     """
-    from . import targets
-    from .api import SignatureSet
+    from .. import targets
+    from ..api import SignatureSet
     source = load_source(model_or_path, tokenizer, abstract_weights)
     lengths = check_options(source, prefill_lengths, cache_length)
     t = targets.get(target)
     program_target = t.program_target or target
-    from .quant import parse
+    from ..quant import parse
     recipe = parse(quant_config, program_target)
     # serving in bf16 keeps the KV cache in bf16 too (half the HBM); LiteRT-LM's caches are float32
     serving = targets.get(program_target).serving

@@ -12,10 +12,10 @@ import dataclasses
 import json
 import os
 
-from .errors import ArtifactError
-from .fileio import write_bytes_atomic
-from .specs import TensorSpec
-from .untrusted import load_json
+from ...errors import ArtifactError
+from ...fileio import write_bytes_atomic
+from ...specs import TensorSpec
+from ...untrusted import load_json
 
 METADATA_KEY = "torchtpu_export"
 
@@ -57,7 +57,7 @@ def with_metadata(model_bytes: bytes, artifact_metadata: dict) -> bytes:
 
 def _graph_specs(values, path: str) -> list[TensorSpec]:
     import onnx
-    from .specs import _NP_DTYPES
+    from ...specs import _NP_DTYPES
     specs = []
     for v in values:
         t = v.type.tensor_type
@@ -108,8 +108,8 @@ def read(path: str | os.PathLike) -> OnnxArtifact:
 
 
 def _metadata_problem(meta) -> str | None:
-    from .specs import call_metadata_problem
-    from .untrusted import Count, MapOf, Record
+    from ...specs import call_metadata_problem
+    from ...untrusted import Count, MapOf, Record
     return Record({}, {"op_histogram": MapOf(Count())}).problem(meta) or call_metadata_problem(meta)
 
 

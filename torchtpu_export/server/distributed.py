@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 
-from .errors import InputError, OutputError
+from ..errors import InputError, OutputError
 
 log = logging.getLogger("torchtpu_export")
 

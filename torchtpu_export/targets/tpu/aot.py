@@ -27,8 +27,8 @@ import os
 import pickle
 import re
 
-from .errors import ArtifactError, ConversionError, InputError
-from .tpu_format import donated
+from ...errors import ArtifactError, ConversionError, InputError
+from .artifact import donated
 
 log = logging.getLogger("torchtpu_export")
 

@@ -26,8 +26,8 @@ import zlib
 
 import numpy as np
 
-from ..errors import ArtifactError, InputError
-from .base import Runnable, Target, no_topologies
+from ...errors import ArtifactError, InputError
+from ..base import Runnable, Target, no_topologies
 
 MAGIC = b"LITERTLM"
 _HEADER_END_AT = 24  # litertlm_core: the u64 offset where the header's flatbuffer ends
@@ -58,7 +58,7 @@ class LitertLmBundle(Runnable):
     def edge(self):
         """The prefill/decode ``.tflite`` LiteRT-LM runs, as an EdgeModel (read from the file on first use)."""
         if self._edge is None:
-            from .litert import EdgeModel
+            from ..litert.target import EdgeModel
             self._edge = EdgeModel(section_bytes(self.path, self._checked.model))
         return self._edge
 
@@ -77,7 +77,7 @@ class LitertLmBundle(Runnable):
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the bundle atomically (packed by litert-lm-builder)."""
-        from ..fileio import atomic_open, check_writable
+        from ...fileio import atomic_open, check_writable
         path = check_writable(os.fspath(path))
         if self.path is not None:  # loaded from a file: the same bytes
             with open(self.path, "rb") as src, atomic_open(path) as f:
@@ -97,7 +97,7 @@ class LitertLmBundle(Runnable):
 
     def engine(self, threads: int | None = None):
         if self._engine is None:
-            from ..runtimes.litertlm import LitertLmEngine
+            from ...runtimes.litertlm import LitertLmEngine
             path = self._file()
             if self._checked is None:
                 self._checked = check(path)
@@ -137,7 +137,7 @@ def pack(edge, tokenizer, metadata: dict, tmp: str, out) -> None:
     msg.max_num_tokens = metadata["max_num_tokens"]
     msg.llm_model_type.generic_model.SetInParent()
     if tokenizer.chat_template:
-        from ..llm import parts_template
+        from ...llm import parts_template
         msg.jinja_prompt_template = parts_template(tokenizer.chat_template)
     with open(meta_path, "wb") as f:
         f.write(msg.SerializeToString())
@@ -445,7 +445,7 @@ def check(path: str) -> Checked:
 
 def _said(e: BaseException) -> str:
     # an error a library raised, on one line: it may quote the file's text (a token, a key)
-    from ..untrusted import printable
+    from ...untrusted import printable
     return printable(f"{type(e).__name__}: {str(e)[:200]}")
 
 
@@ -506,7 +506,7 @@ def _hf_tokenizer(path: str, section: dict, file_size: int):
         raise ArtifactError(f"{what} inflates to {len(text):,} bytes, not the {declared:,} it declares"
                             if len(text) != declared else f"{what} has bytes after its zlib stream")
     del data
-    from ..untrusted import load_json
+    from ...untrusted import load_json
     if not isinstance(load_json(text, what, max_bytes=cap), dict):
         raise ArtifactError(f"{what} is JSON but not a tokenizer (not an object)")
     try:
@@ -581,7 +581,7 @@ def _sp_tokenizer(path: str, section: dict, file_size: int, template: str):
         said = r.stderr.decode(errors="replace").strip().splitlines()
         why = f"SentencePiece crashes on it (signal {-r.returncode})" if r.returncode < 0 else \
             (said[-1][:200] if said else f"exit {r.returncode}")
-        from ..untrusted import printable
+        from ...untrusted import printable
         raise ArtifactError(f"{what} does not load as a SentencePiece model ({printable(why)}); LiteRT-LM "
                             "would abort on it") from None
     processor = sentencepiece.SentencePieceProcessor()
@@ -592,7 +592,7 @@ def _sp_tokenizer(path: str, section: dict, file_size: int, template: str):
 def _tflite_models(path: str, found: dict) -> tuple:
     """Validates every TFLite model LiteRT-LM may load (mapped, not read); the prefill/decode model's
     context length and its signatures."""
-    from ..litert_format import signature_io, validate
+    from ..litert.artifact import signature_io, validate
     with open(path, "rb") as f:
         content = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
@@ -722,7 +722,7 @@ def describe(path: str, topologies=None) -> dict:
     """What ``inspect`` prints for a ``.litertlm``: the checks ``run`` makes, then its sections (which one
     LiteRT-LM reads), LlmMetadata and the signatures of the model LiteRT-LM runs."""
     no_topologies(topologies)
-    from .litert import _describe
+    from ..litert.target import _describe
     checked = check(path)
     model = checked.model
     with open(path, "rb") as f:

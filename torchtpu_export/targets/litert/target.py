@@ -21,12 +21,11 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import ArtifactError, InputError, OutputError
-from ..fileio import atomic_open, write_bytes_atomic
-from ..litert_format import (LiteRTArtifact, damaged, op_histogram, parse_model, read_metadata, signature_io,
-                              validate)
-from ..specs import TensorSpec, as_numpy, bind_dims, check_dims, numpy_dtype
-from .base import Runnable, Target, no_topologies
+from ...errors import ArtifactError, InputError, OutputError
+from ...fileio import atomic_open, write_bytes_atomic
+from .artifact import LiteRTArtifact, damaged, op_histogram, parse_model, read_metadata, signature_io, validate
+from ...specs import TensorSpec, as_numpy, bind_dims, check_dims, numpy_dtype
+from ..base import Runnable, Target, no_topologies
 
 
 def _quantize_input(x, scale_zero: tuple, dtype: str) -> np.ndarray:
@@ -80,7 +79,7 @@ class EdgeModel(Runnable):
             self._sigs = signature_io(model)
         except Exception as e:
             raise damaged(e) from e
-        from .. import npu
+        from . import npu
         self._npu = bool(npu.dispatch_ops(model, self._content))  # compiled for a phone NPU
         meta = read_metadata(self._content, verify=True) if signatures is None else {"signatures": signatures}
         self._meta = (meta or {}).get("signatures", {})
@@ -177,12 +176,12 @@ class EdgeModel(Runnable):
 
         A compiled file runs only when it matches the digest ``torchtpu-export compile`` wrote in it;
         ``allow_unverified_npu=True`` runs one without a digest (compiled by another tool) too."""
-        from ..runtimes import litert
+        from ...runtimes import litert
         sig = self.signature(signature_name)
         if runtime not in litert.RUNTIMES:
             raise InputError(f"unknown LiteRT runtime {runtime!r}; choose one of {', '.join(litert.RUNTIMES)}")
         if self._npu and runtime != "qnn_htp":  # a changed file is named as such; then no CPU runtime gets it
-            from .. import npu
+            from . import npu
             npu.require_digest(npu.digest_state(self._content, parse_model(self._content)), allow_unverified=True)
             raise ArtifactError(f"LiteRT's {runtime} runtime here runs on the CPU, and this file is compiled for a "
                                 f"phone NPU (DISPATCH_OP)", hint=litert.NPU_HINT)
@@ -201,7 +200,7 @@ class EdgeModel(Runnable):
                                              interpreter=interp)
                 self._interpreters[num_threads] = r.interpreter
             elif runtime == "qnn_htp":
-                from ..runtimes.qnn_htp import QnnHtpRunner
+                from ...runtimes.qnn_htp import QnnHtpRunner
                 r = QnnHtpRunner(self._source(), sig, ins, outs, allow_unverified=allow_unverified_npu)
             else:
                 r = litert.CompiledModelRunner(self._source(), sig, ins, outs, num_threads=num_threads)
@@ -332,7 +331,7 @@ def to_channel_last_io(module, args=None, outputs=None) -> ChannelLastIO:
 
 def channels_last(module, sample_args: Sequence, sample_kwargs: dict | None = None):
     """``channels_last_io=True``: every 4-D float input and output NHWC; the sample inputs transposed to match."""
-    from ..capture import to_torch
+    from ...capture import to_torch
     to_nhwc = lambda t: _to_channel_last(t).contiguous() if _image_like(t) else t  # noqa: E731
     args = pytree.tree_map(to_nhwc, pytree.tree_map(to_torch, tuple(sample_args)))
     kwargs = pytree.tree_map(to_nhwc, pytree.tree_map(to_torch, dict(sample_kwargs or {})))
@@ -372,8 +371,8 @@ def prepare(module, sample_args, sample_kwargs, options: dict):
 def build(captures: dict, options: dict) -> "EdgeModel":
     """One flatbuffer with a signature per captured program, wrapped in an EdgeModel; with a quantization
     recipe, its ``quant_report``; with ``output_file_path`` (litert-torch's option), also written there."""
-    from .. import converters
-    from ..runtimes.litert import TensorObserver
+    from ... import converters
+    from ...runtimes.litert import TensorObserver
     options = _litert_options("convert", options)
     output_file_path = options.pop("output_file_path", None)
     report = options.pop("quant_report", True)  # False: no error measured on the sample inputs
@@ -381,7 +380,7 @@ def build(captures: dict, options: dict) -> "EdgeModel":
                                                                         **options))
     info = edge.quantization
     if info is not None and report:  # a recipe, or a model quantized with pt2e
-        from ..quant import report_against_eager
+        from ...quant import report_against_eager
         edge.quant_report = report_against_eager(edge, captures, info["recipe"], info["float_weight_bytes"],
                                                  info["weight_bytes"])
     if output_file_path is not None:
@@ -485,7 +484,7 @@ def _describe(path: str, content: bytes) -> dict:
 
 def _npu_description(model, content, programs: dict) -> dict | None:
     # a file compiled by LiteRT's AOT path: its SoC, NPU partitions and the ops left on the CPU
-    from .. import npu
+    from . import npu
     parts = npu.dispatch_ops(model, content)
     if not parts:
         return None
@@ -516,7 +515,7 @@ _DIGEST_LINES = {
 def npu_report(path: str, soc: str) -> list[dict]:
     """``inspect model.tflite --soc ...``: compiles in memory for each SoC and says how many of the
     model's ops its NPU takes and which stay on the CPU (nothing is written)."""
-    from .. import npu
+    from . import npu
     content = _read_plain_tflite(path)
     out = []
     for r in npu.soc_results(npu.compile_model(content, npu.parse_targets(soc))):
@@ -529,7 +528,7 @@ def npu_report(path: str, soc: str) -> list[dict]:
 
 def _read_plain_tflite(path: str) -> bytes:
     # a .tflite to compile for NPUs: validated, and not one already compiled
-    from .. import npu
+    from . import npu
     try:
         with open(path, "rb") as f:
             content = f.read()
@@ -546,8 +545,8 @@ def compile_cli(args) -> list[str]:
     """``torchtpu-export compile model.tflite --soc qualcomm:SM8650[,...] [-o DIR | --ai-pack DIR]``:
     one ``<stem>_<SoC>.tflite`` per SoC (and the CPU model as the fallback when DIR is not the
     model's folder), or an Android AI Pack. Every SoC compiles before anything is written."""
-    from .. import npu
-    from ..fileio import check_writable
+    from . import npu
+    from ...fileio import check_writable
     for flag in ("topology", "signature"):
         if getattr(args, flag, None):
             raise InputError(f"--{flag} applies to .tpu programs; a .tflite compiles for NPUs with --soc")
@@ -607,7 +606,7 @@ def _write_ai_pack(content: bytes, socs: list, folder: str, stem: str) -> list[s
     from ai_edge_litert.aot.ai_pack import export_lib
     from ai_edge_litert.aot.vendors import fallback_backend
 
-    from .. import npu
+    from . import npu
     folder = folder.rstrip(os.sep) or os.sep  # "pack/" names the folder itself, not what a link there points to
     if os.path.islink(folder):  # the pack replaces the folder: a link would be replaced, not followed
         raise OutputError(f"--ai-pack {folder} is a symbolic link; the AI Pack is written as a new folder",

@@ -250,7 +250,7 @@ class TextWorkers:
     def __init__(self, tokenizer_json: bytes, *, template: str | None, bos_id, eos_id, max_chars: int,
                  workers: int = 2, time_budget: float = 10.0, memory_budget: int = 128 << 20,
                  start_budget: float = 30.0):
-        from .errors import ArtifactError
+        from ..errors import ArtifactError
         config = {"tokenizer": tokenizer_json.decode("utf-8", "replace"), "template": template, "bos_id": bos_id,
                   "eos_id": eos_id, "max_chars": max_chars, "memory_budget": memory_budget}
         self._config = json.dumps(config).encode() + b"\n"

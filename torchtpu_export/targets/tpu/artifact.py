@@ -39,10 +39,10 @@ from typing import Mapping
 
 import numpy as np
 
-from . import progress, safetensors_io
-from .errors import ArtifactError, InputError
-from .fileio import atomic_open
-from .untrusted import load_json
+from ... import progress, safetensors_io
+from ...errors import ArtifactError, InputError
+from ...fileio import atomic_open
+from ...untrusted import load_json
 
 FORMAT = "torchtpu-export.tpu"
 FORMAT_VERSION = 2  # 2: digests of every entry in the manifest (1: none; still read)
@@ -286,7 +286,7 @@ def _check_digests(manifest: dict, infos: dict, f, mm, path: str) -> None:
 
 
 def _manifest_schema():
-    from .untrusted import BOOL, NAME, NUMBER, STR, Count, Is, ListOf, MapOf, OneOf, Opt, Record, TupleOf
+    from ...untrusted import BOOL, NAME, NUMBER, STR, Count, Is, ListOf, MapOf, OneOf, Opt, Record, TupleOf
     axis = Opt(NAME)
     stats = Record({"hbm_bytes": Record({k: NUMBER for k in ("arguments", "outputs", "temporaries", "code", "total")},
                                         {"aliased": NUMBER}),
@@ -361,7 +361,7 @@ def check_manifest(manifest, path: str = "artifact") -> None:
 
 def _check_program(spec: dict, where: str) -> None:
     """A program entry's call metadata, and the references between its fields."""
-    from .specs import call_metadata_problem
+    from ...specs import call_metadata_problem
     problem = call_metadata_problem(spec)
     n_out = len(spec["outputs"]) if not problem else 0
     plan = spec.get("sharding")

@@ -35,7 +35,7 @@ import struct
 import sys
 import tempfile
 
-from .errors import ArtifactError, InputError, TteError
+from ...errors import ArtifactError, InputError, TteError
 
 # vendor name as users type it -> (ai_edge_litert.aot.vendors module, SDK package, what the SDK is)
 VENDORS = {
@@ -278,7 +278,7 @@ def dispatch_ops(model, content: bytes) -> list[dict]:
 def _dispatch_ops(model, content: bytes) -> list[dict]:
     from flatbuffers import flexbuffers
 
-    from .litert_format import opcode_names
+    from .artifact import opcode_names
     codes = opcode_names(model)
     found = []
     for k in range(model.SubgraphsLength()):
@@ -337,7 +337,7 @@ def _with_digest_slot(content) -> bytes:
     one's fields whose buffers and metadata vectors have the new entry too (an earlier entry of that
     name left out). Offsets in a flatbuffer are relative, so the old tables still read the same; only
     data kept after a 2 GB flatbuffer is addressed from the file's start, and those offsets move with it."""
-    from .litert_format import validate
+    from .artifact import validate
     model = validate(content)
     if dispatch_ops(model, content):
         raise InputError("the model is already compiled for an NPU (it has DISPATCH_OPs)",
@@ -437,7 +437,7 @@ def _prefix_digest_slot(content, old_entries: list[int]) -> bytes:
 
 def _digest_slot(model, content) -> tuple[int, int] | None:
     # (start, size) of the digest's bytes in a validated flatbuffer; ArtifactError if named twice
-    from . import flatbuf
+    from ... import flatbuf
     found = [model.Metadata(i).Buffer() for i in range(model.MetadataLength())
              if model.Metadata(i).Name() == DIGEST_NAME.encode()]
     if not found:
@@ -470,7 +470,7 @@ def _file_digest(content, start: int) -> bytes:
 
 def _seal(content: bytes) -> bytes | None:
     """A compiled file with its digest written in place of the placeholder; None without one."""
-    from .litert_format import validate
+    from .artifact import validate
     slot = _digest_slot(validate(content), content)
     if slot is None or content[slot[0]:slot[0] + slot[1]] != _DIGEST_PENDING:
         return None

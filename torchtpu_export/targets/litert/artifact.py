@@ -14,10 +14,10 @@ import mmap
 import os
 import weakref
 
-from . import flatbuf
-from .errors import ArtifactError
-from .specs import TensorSpec
-from .untrusted import load_json
+from ... import flatbuf
+from ...errors import ArtifactError
+from ...specs import TensorSpec
+from ...untrusted import load_json
 
 
 @dataclasses.dataclass
@@ -38,7 +38,7 @@ class LiteRTArtifact:
             weakref.finalize(self, _remove, self.path)
 
     def save(self, path) -> None:
-        from .fileio import atomic_open, link_atomic, write_bytes_atomic
+        from ...fileio import atomic_open, link_atomic, write_bytes_atomic
         if self.content is not None:
             write_bytes_atomic(path, self.content)
             return
@@ -404,8 +404,8 @@ def read_metadata(content: bytes, *, verify: bool = False) -> dict | None:
 
 
 def _metadata_problem(meta) -> str | None:
-    from .specs import call_metadata_problem
-    from .untrusted import STR, Count, MapOf, Record
+    from ...specs import call_metadata_problem
+    from ...untrusted import STR, Count, MapOf, Record
     problem = Record({}, {"signatures": MapOf(Record({})), "versions": MapOf(STR), "weights_blake2b": STR,
                           "quantization": Record({"recipe": STR, "weight_bytes": Count(),
                                                   "float_weight_bytes": Count()})}).problem(meta)

@@ -45,8 +45,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import InputError
-from .llm import DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, prefill_lengths
+from ..errors import InputError
+from ..llm import DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, prefill_lengths
 
 log = logging.getLogger("torchtpu_export")
 
@@ -213,7 +213,7 @@ class Engine:
         self.length = spec["mask"].shape[-1]
         self.prefill_budget = prefill_budget or self.lengths[-1]
         import torch.utils._pytree as pytree
-        from . import treespec
+        from .. import treespec
         outs = pytree.tree_unflatten(list(self.decode_runner.outputs),
                                      treespec.loads(program._call_metadata(decode_sig)["out_spec"]))
         if not isinstance(outs, dict) or "logits" not in outs:
@@ -262,7 +262,7 @@ class Engine:
 
     def _call(self, runner, sig, slots: bool):
         import torch.utils._pytree as pytree
-        from . import treespec
+        from .. import treespec
         names = [s.name for s in runner.inputs]
         out_spec = treespec.loads(self.program._call_metadata(sig)["out_spec"])
         exported, n_out, length, cache_names = runner.exported, len(runner.outputs), self.length, self.cache_names
@@ -307,7 +307,7 @@ class Engine:
     def _put(self, x):
         """Host values (a tree of them) on the engine's devices, replicated; under several processes every
         process passes the same values (the steps are the same everywhere)."""
-        from .runtimes.xla import _place
+        from ..runtimes.xla import _place
         return self._jax.tree.map(lambda v: _place(np.asarray(v), self._small)[0], x)
 
     # ---- requests -----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import os
 import stat
 import tempfile
 
-from .errors import InputError
+from ..errors import InputError
 
 MAX_CONFIG_BYTES = 4 << 20  # config.json, generation_config.json, tokenizer_config.json, chat templates
 MAX_TOKENIZER_BYTES = 128 << 20  # tokenizer.json (Gemma 3's is 33 MB)
@@ -138,7 +138,7 @@ def read_text(folder: str, name: str, max_bytes: int = MAX_CONFIG_BYTES) -> str 
 def read_json(folder: str, name: str, max_bytes: int = MAX_CONFIG_BYTES) -> dict | None:
     """The JSON object in the file ``name`` of ``folder`` (None when there is none), parsed within the caps
     of :func:`untrusted.load_json`."""
-    from .untrusted import load_json
+    from ..untrusted import load_json
     data = read_bytes(folder, name, max_bytes)
     if data is None:
         return None
@@ -219,7 +219,7 @@ def _index(folder: str, name: str, raw: dict) -> dict:
 
 
 def _header(folder: str, name: str, path: str) -> dict:
-    from .safetensors_io import MAX_HEADER_BYTES, read_header
+    from ..safetensors_io import MAX_HEADER_BYTES, read_header
     with _open(folder, name, path) as (f, size):
         cap = min(MAX_HEADER_BYTES, _HEADER_SLACK + max(size - 8, 0) // (_HEADER_SHARE + 1))
         try:

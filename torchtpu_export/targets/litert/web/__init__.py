@@ -2,7 +2,7 @@
 
     torchtpu-export serve-web MODEL.tflite [MORE.tflite ...] [--inputs x.npy ...] [--port 8000]
                              [--accelerator auto|webgpu|wasm]
-    python -m torchtpu_export.web MODEL.tflite
+    python -m torchtpu_export.targets.litert.web MODEL.tflite
 
 The page (``page/``, installed with the package) loads LiteRT.js (``@litertjs/core``) through an
 import map and runs the model on its WebGPU accelerator where the browser has WebGPU, else on its
@@ -36,9 +36,9 @@ from http.server import HTTPServer, SimpleHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from ..errors import InputError
-from ..httpcheck import host_allowed
-from ..litert_format import signature_tensors
+from ....errors import InputError
+from ....httpcheck import host_allowed
+from ..artifact import signature_tensors
 
 log = logging.getLogger("torchtpu_export")
 
@@ -87,7 +87,7 @@ def litertjs_dir(explicit: str | os.PathLike | None = None, *, fetch: bool = Tru
                              hint=f"give the node_modules folder of `npm install @litertjs/core@{LITERTJS_VERSION} "
                                   f"@litertjs/wasm-utils@{LITERTJS_VERSION}`")
         return folder
-    checkout = PAGE_DIR.parents[2] / "examples" / "web" / "node_modules"
+    checkout = PAGE_DIR.parents[4] / "examples" / "web" / "node_modules"
     if _has_litertjs(checkout):
         return checkout
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchtpu_export" / \
@@ -130,8 +130,8 @@ def _load_inputs(paths: list[str], signature: dict) -> dict[str, bytes]:
     (names, shapes from the files' headers before any data is read; then dtypes)."""
     import numpy as np
 
-    from ..npyfiles import scan
-    from ..specs import require_memory
+    from ....npyfiles import scan
+    from ....specs import require_memory
     specs = signature["inputs"]
     stored = {}
     for path in paths:

@@ -15,11 +15,11 @@ from typing import Mapping
 
 import numpy as np
 
-from . import tpu_format
-from .errors import ArtifactError, InputError
-from .quant import per_channel_int8
-from .safetensors_io import read as read_safetensors
-from .safetensors_io import CastOnRead, to_numpy
+from . import artifact as tpu_format
+from ...errors import ArtifactError, InputError
+from ...quant import per_channel_int8
+from ...safetensors_io import read as read_safetensors
+from ...safetensors_io import CastOnRead, to_numpy
 
 
 def _open(path: str) -> tuple[dict, mmap.mmap | None]:
@@ -44,7 +44,7 @@ def tensors_of(source) -> tuple[dict[str, object], list]:
                          f"not {type(source).__name__}")
     path = os.fspath(source)
     if os.path.isdir(path):  # a checkpoint folder: its own regular files only (links out refused)
-        from .hf_folder import file_path
+        from ...llm.hf_folder import file_path
         files = sorted(file_path(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
         if not files:
             raise InputError(f"{path} holds no .safetensors files")

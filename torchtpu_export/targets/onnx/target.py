@@ -11,9 +11,9 @@ import os
 
 import numpy as np
 
-from .. import onnx_format
-from ..errors import ArtifactError
-from .base import Runnable, Target, no_topologies
+from . import artifact as onnx_format
+from ...errors import ArtifactError
+from ..base import Runnable, Target, no_topologies
 
 
 class OnnxProgram(Runnable):
@@ -40,7 +40,7 @@ class OnnxProgram(Runnable):
 
     def _run(self, sig: str, inputs: list) -> list[np.ndarray]:
         if self._runner is None:
-            from ..runtimes.onnx import OnnxRunner
+            from ...runtimes.onnx import OnnxRunner
             # from its file when it has one, so that external data resolves beside it (checked on read)
             art = self.artifact
             self._runner = OnnxRunner(art.path if art.path is not None else art.model, art.inputs, art.outputs)
@@ -55,7 +55,7 @@ class OnnxProgram(Runnable):
 
 
 def build(captures: dict, options: dict) -> OnnxProgram:
-    from .. import converters
+    from ... import converters
     return OnnxProgram(converters.converter(TARGET.converter).convert(captures, **options))
 
 

@@ -1,0 +1,1 @@
+"""The onnx target: its record and runnable (``target``) and what only it uses."""

@@ -1,0 +1,1 @@
+"""The tpu target: its record and runnable (``target``) and what only it uses."""
