@@ -9,10 +9,9 @@ Importing the package only defines names: a target's toolchain (jax and libtpu, 
 Runtime) is set up when that target is first used.
 """
 from ._version import __version__
-from .api import SignatureSet, convert, experimental_add_compilation_backend, export, load, signature
+from .api import SignatureSet, convert, experimental_add_compilation_backend, export, export_llm, load, signature
 from .capture import abstract_weights
 from .debugger import DebugReport, debug
-from .llm import export_llm
 from .errors import (ArtifactError, CaptureError, ConversionError, InputError, NumericsError, OutputError, TteError,
                      UnsafeInputError, UnsupportedOpError)
 from .targets.litert.target import EdgeModel, to_channel_last_io

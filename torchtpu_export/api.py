@@ -1,4 +1,4 @@
-"""The public API: ``export``, ``convert``, ``load``, ``signature``.
+"""The public API: ``export``, ``convert``, ``load``, ``signature``, ``export_llm``.
 
 This is the one layer that joins capture and the targets: ``captures`` captures for a target's
 converter, ``build`` converts and wraps the artifact in the target's runnable object (see
@@ -172,3 +172,82 @@ def load(path: str | os.PathLike):
         raise InputError(f"{path} is a {kind} file, not a converted artifact; convert it first "
                          f"(torchtpu-export {os.fspath(path)} --target tpu)")
     return targets.get(kind).load(path)
+
+
+# ---- LLMs ------------------------------------------------------------------------------------
+
+def _check_llm_options(source, prefill_lengths: Sequence[int], cache_length: int) -> list[int]:
+    config = source.model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise InputError(f"{source.name} is an encoder-decoder model; export_llm takes decoder-only causal LMs")
+    lengths = sorted({int(n) for n in prefill_lengths})
+    if not lengths or lengths[0] < 1:
+        raise InputError(f"prefill lengths must be positive, got {list(prefill_lengths)}")
+    if cache_length < 2:
+        raise InputError(f"cache length must be at least 2, got {cache_length}")
+    if lengths[-1] > cache_length:
+        raise InputError(f"prefill length {lengths[-1]} is above the cache length {cache_length}",
+                         hint="a prefill chunk must fit in the cache: lower --prefill-lengths or raise --cache-length")
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and cache_length > limit:
+        raise InputError(f"cache length {cache_length} is above the model's max_position_embeddings {limit}")
+    return lengths
+
+
+def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefill_lengths: Sequence[int] = (128,),
+               cache_length: int = 1024, quant_config=None, batch_size: int = 1, abstract_weights: bool = False,
+               **options):
+    """Exports a causal LM's prefill (one signature per length, ``prefill_<N>``) and ``decode`` steps.
+
+    ``model_or_path``: a local Hugging Face folder (config.json, safetensors weights, tokenizer.json),
+    ``file.py:factory`` returning a model or ``(model, tokenizer)``, or a transformers model.
+    ``target="litertlm"`` returns a bundle for LiteRT-LM (``.save("model.litertlm")``; ``generate``);
+    ``target="tpu"`` (or ``"litert"``) the target's runnable with the same signatures.
+    ``batch_size`` > 1 (tpu): ``decode_batch`` and ``prefill_batch_<N>`` programs too, stepping that many
+    sequences at once, each at its own position: the slots of the serving engine (:mod:`torchtpu_export.engine`).
+    ``abstract_weights=True`` with a model folder: built from config.json alone, weights never read (tpu:
+    the programs take abstract weights, bound at load with ``TpuProgram.bind_weights``).
+    """
+    import torch
+
+    from .llm.contract import (DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, CacheLayout, cache_shardings,
+                               slot_inputs, step_inputs)
+    from .llm.source import load_source
+    from .llm.step import CacheStep, grouped_attention_in
+    from .quant import parse
+    source = load_source(model_or_path, tokenizer, abstract_weights)
+    lengths = _check_llm_options(source, prefill_lengths, cache_length)
+    t = targets.get(target)
+    program_target = t.program_target or target
+    recipe = parse(quant_config, program_target)
+    # serving in bf16 keeps the KV cache in bf16 too (half the HBM); LiteRT-LM's caches are float32
+    serving = targets.get(program_target).serving
+    bf16 = serving and recipe is not None and recipe.recipe == "bf16"
+    layout = CacheLayout.of(source.model.config, cache_length, "bfloat16" if bf16 else "float32")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or not 1 <= batch_size <= 4096:
+        raise InputError(f"batch_size must be an integer from 1 to 4096, got {batch_size!r}")
+    if batch_size > 1 and not serving:
+        raise InputError(f"batch_size applies to target='tpu' (the serving engine's slots); {target} programs "
+                         "step one sequence", hint="leave batch_size out, or export with target='tpu'")
+    sigs = SignatureSet()
+    for n in lengths:
+        sigs.signature(PREFILL.format(n), CacheStep(source.model, layout, logits=False), (), step_inputs(layout, n))
+    sigs.signature(DECODE, CacheStep(source.model, layout, logits=True), (), step_inputs(layout, 1))
+    if batch_size > 1:
+        sigs.signature(DECODE_BATCH, CacheStep(source.model, layout, logits=True, slots=True), (),
+                       slot_inputs(layout, batch_size))
+        for n in lengths:  # requests arriving together are prefilled together, straight into their slots
+            sigs.signature(PREFILL_BATCH.format(n), CacheStep(source.model, layout, logits=False, slots=True), (),
+                           slot_inputs(layout, batch_size, n))
+    if options.get("mesh") and options.get("sharding", "tensor_parallel") in (None, "tensor_parallel"):
+        # tensor parallel splits attention by head: each chip keeps its own heads' KV cache, never the whole
+        options.setdefault("input_shardings", cache_shardings(layout, options["mesh"]))
+    if quant_config is not None:
+        # quality is the agreement of next tokens (benchmarks/llm.py), not the error on zero-filled samples,
+        # and measuring that would run both models on every signature's full cache
+        options.update(quant_config=quant_config, quant_report=False)
+    with torch.no_grad(), grouped_attention_in(source.model):
+        program = sigs.export(target=program_target, **options)
+    if t.from_llm is None:
+        return program
+    return t.from_llm(program, source, layout, lengths)

@@ -182,7 +182,7 @@ def _convert(args) -> int:
 
 def _convert_llm(args, target) -> int:
     """An LLM (a Hugging Face model folder or file.py:factory) to prefill/decode programs or a bundle."""
-    from . import llm
+    from . import api
     from .fileio import check_writable
     for flag in ("inputs", "check"):
         if getattr(args, flag):
@@ -200,7 +200,7 @@ def _convert_llm(args, target) -> int:
     options = target.cli_options(args, (), None)
     if args.quantize:
         options["quant_config"] = args.quantize
-    artifact = llm.export_llm(args.model, args.tokenizer, target=target.name, prefill_lengths=lengths,
+    artifact = api.export_llm(args.model, args.tokenizer, target=target.name, prefill_lengths=lengths,
                               cache_length=args.cache_length or 1024, batch_size=args.batch_size or 1,
                               abstract_weights=args.abstract_weights, **options)
     artifact.save(output)

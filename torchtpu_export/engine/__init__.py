@@ -46,7 +46,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InputError
-from ..llm import DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, prefill_lengths
+from ..llm.contract import DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, prefill_lengths
 
 log = logging.getLogger("torchtpu_export")
 

@@ -47,7 +47,7 @@ class Target:
     gpu_check: Callable | None = None  # path -> {"compatible", "problems"}: `inspect --gpu` (a GPU delegate's verdict)
     npu_check: Callable | None = None  # (path, "vendor:SoC,...") -> per-SoC ops on the NPU/CPU: `inspect --soc`
     stateful: bool = False  # buffers a module changes in place are kept between calls (on the device)
-    # LLMs (llm.export_llm): the target whose converter makes the prefill/decode programs (None: this one),
+    # LLMs (api.export_llm): the target whose converter makes the prefill/decode programs (None: this one),
     # what wraps them into this target's artifact ((program, source, cache layout, prefill lengths) -> Runnable),
     # and whether the target takes only LLMs (its CLI input is a model folder, not a module)
     program_target: str | None = None

@@ -137,7 +137,7 @@ def pack(edge, tokenizer, metadata: dict, tmp: str, out) -> None:
     msg.max_num_tokens = metadata["max_num_tokens"]
     msg.llm_model_type.generic_model.SetInParent()
     if tokenizer.chat_template:
-        from ...llm import parts_template
+        from ...llm.text import parts_template
         msg.jinja_prompt_template = parts_template(tokenizer.chat_template)
     with open(meta_path, "wb") as f:
         f.write(msg.SerializeToString())

@@ -264,7 +264,7 @@ LLM_TOKENIZER = "llm/tokenizer.json"
 def from_llm(program: TpuProgram, source, layout, prefill_lengths) -> TpuProgram:
     """An LLM's programs: each step's KV-cache inputs are donated (recorded in the manifest), so compiled
     programs update the cache in place and ``generate`` keeps it on the device."""
-    from ...llm import DECODE_BATCH
+    from ...llm.contract import DECODE_BATCH
     manifest = program.manifest
     for sig, spec in manifest["programs"].items():
         spec["donate"] = [i for i, s in enumerate(spec["inputs"]) if s["name"].startswith("kv_cache_")]

@@ -1,0 +1,86 @@
+"""The contract between an LLM's exported programs and whoever runs them (LiteRT-LM, the serving engine, the
+host loop): signature names, the cache layout (``kv_cache_k_<i>`` / ``kv_cache_v_<i>``, ``[B, kv_heads, C,
+head_dim]``), a step's inputs, and how a prompt is cut into prefill chunks. Targets and the engine read it;
+it imports no target."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Sequence
+
+import torch
+
+# what LiteRT-LM and litert-torch call the signatures and tensors (the bundle contract)
+PREFILL = "prefill_{}"
+DECODE = "decode"
+DECODE_BATCH = "decode_batch"  # tpu serving: one token for each of B sequences (slots), each at its own position
+PREFILL_BATCH = "prefill_batch_{}"  # tpu serving: N prompt tokens for each of B slots, each row from its own start
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    length: int  # C: positions the cache holds
+    dtype: str = "float32"  # bfloat16 for tpu programs of the bf16 recipe
+
+    @classmethod
+    def of(cls, config, length: int, dtype: str = "float32") -> "CacheLayout":
+        text = getattr(config, "text_config", None) or config
+        heads = text.num_attention_heads
+        kv = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return cls(text.num_hidden_layers, kv, head_dim, length, dtype)
+
+    def names(self) -> list[str]:
+        return [f"kv_cache_{kv}_{i}" for i in range(self.layers) for kv in "kv"]
+
+    def empty(self, dtype=None, batch: int = 1) -> dict:
+        shape = (batch, self.kv_heads, self.length, self.head_dim)
+        return {n: torch.zeros(shape, dtype=dtype or getattr(torch, self.dtype)) for n in self.names()}
+
+
+def step_inputs(layout: CacheLayout, n: int) -> dict:
+    """Sample inputs of an ``n``-token step (the runtime's names, shapes and dtypes)."""
+    return dict(tokens=torch.zeros(1, n, dtype=torch.int32), input_pos=torch.arange(n, dtype=torch.int32),
+                mask=torch.zeros(1, 1, n, layout.length), **layout.empty())
+
+
+def slot_inputs(layout: CacheLayout, slots: int, n: int = 1) -> dict:
+    """Sample inputs of a batched step over ``slots`` sequences (``n`` tokens each)."""
+    return dict(tokens=torch.zeros(slots, n, dtype=torch.int32), input_pos=torch.zeros(slots, dtype=torch.int32),
+                mask=torch.zeros(slots, 1, n, layout.length), **layout.empty(batch=slots))
+
+
+def cache_shardings(layout: CacheLayout, mesh) -> dict:
+    """Each cache ``[slots, kv_heads, length, head_dim]`` split by KV head over the mesh's ``model``
+    axis, when the heads divide over it (else replicated, as XLA would gather them anyway)."""
+    try:
+        axes = dict(mesh.items() if hasattr(mesh, "items") else mesh)
+    except (TypeError, ValueError):
+        return {}  # the converter says what is wrong with the mesh
+    n = axes.get("model", 1)
+    if not isinstance(n, int) or n <= 1:
+        return {}
+    if layout.kv_heads % n == 0:
+        return {name: [None, "model", None, None] for name in layout.names()}
+    if layout.head_dim % n == 0:  # more chips than KV heads (GQA): split each head's features instead
+        return {name: [None, None, None, "model"] for name in layout.names()}
+    return {}
+
+
+def prefill_lengths(signatures) -> list[int]:
+    """The lengths of the one-sequence ``prefill_<N>`` signatures, ascending."""
+    return sorted(int(m.group(1)) for m in (re.fullmatch(r"prefill_(\d+)", s) for s in signatures) if m)
+
+
+def prefill_chunks(count: int, lengths: Sequence[int]):
+    """``(start, tokens, prefill length)`` for ``count`` prompt tokens: each chunk the shortest exported
+    length that holds the rest, else the longest (a short chunk is padded by the step)."""
+    done = 0
+    while done < count:
+        left = count - done
+        n = next((k for k in lengths if k >= left), lengths[-1])
+        yield done, min(n, left), n
+        done += min(n, left)

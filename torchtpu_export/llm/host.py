@@ -1,0 +1,74 @@
+"""The host loop: any target's prefill/decode programs driven from the host as LiteRT-LM drives a bundle,
+the reference loop of checks and measurements."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..errors import InputError
+from .contract import DECODE, PREFILL, prefill_chunks, prefill_lengths
+
+
+class HostLoop:
+    """Drives a program with ``prefill_<N>`` and ``decode`` signatures (any target's runnable, or a
+    ``.tflite`` made elsewhere with the same contract) from the host the way LiteRT-LM drives a bundle:
+    prompt chunks padded with zeros, cache writes from each chunk's first position, the last prompt
+    token decoded. A reference loop for checks and measurements: the cache goes through the host."""
+
+    def __init__(self, program):
+        import numpy as np
+        self.program = program
+        self.lengths = prefill_lengths(program.signatures)
+        specs = {s.name: s for s in program.inputs(DECODE)}
+        self.length = specs["mask"].shape[-1]
+        self.caches = {n: np.zeros(s.shape, np.dtype(s.dtype)) for n, s in specs.items() if n.startswith("kv_cache_")}
+        self.pos = 0
+
+    def _step(self, sig: str, tokens: Sequence[int]):
+        import numpy as np
+        n = len(tokens) if sig == DECODE else int(sig.split("_")[1])
+        if self.pos + len(tokens) > self.length:
+            raise InputError(f"{self.pos + len(tokens)} tokens do not fit the cache of {self.length}")
+        pos = np.arange(self.pos, self.pos + n, dtype=np.int32)
+        mask = np.where(np.arange(self.length)[None, :] <= pos[:, None], 0.0, np.finfo(np.float32).min)
+        feed = dict(tokens=np.array([list(tokens) + [0] * (n - len(tokens))], np.int32), input_pos=pos,
+                    mask=mask[None, None].astype(np.float32), **self.caches)
+        outs = self.program(signature_name=sig, **feed)
+        if not isinstance(outs, dict):  # a file made elsewhere: flat outputs, named by the file
+            outs = dict(zip([o.name for o in self.program.outputs(sig)], outs if isinstance(outs, tuple) else [outs]))
+        self.caches.update({k: v for k, v in outs.items() if k in self.caches})
+        self.pos += len(tokens)
+        return outs.get("logits")
+
+    def prefill(self, ids: Sequence[int]) -> None:
+        """Fills the cache with ``ids``, in the largest chunks that help."""
+        for start, take, n in prefill_chunks(len(ids), self.lengths):
+            self._step(PREFILL.format(n), ids[start:start + take])
+
+    def decode(self, token: int):
+        """The next-token logits ``[vocab]`` after ``token``, which goes into the cache."""
+        return self._step(DECODE, [int(token)])[0, -1]
+
+
+def host_generate(program, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
+    """Greedy tokens after ``prompt_ids`` from a program with prefill and decode signatures (:class:`HostLoop`)."""
+    import numpy as np
+    loop = HostLoop(program)
+    ids = list(prompt_ids)
+    loop.prefill(ids[:-1])
+    out: list[int] = []
+    token = ids[-1]
+    for _ in range(max_new_tokens):
+        token = int(np.argmax(loop.decode(token)))
+        if token in stop_ids:
+            break
+        out.append(token)
+    return out
+
+
+def next_token_logits(program, ids: Sequence[int], start: int):
+    """The program's next-token logits at every position from ``start`` on, the tokens given (teacher forcing):
+    row ``i`` predicts ``ids[start + i + 1]``."""
+    import numpy as np
+    loop = HostLoop(program)
+    loop.prefill(list(ids[:start]))
+    return np.stack([loop.decode(t) for t in ids[start:]])

@@ -1,0 +1,164 @@
+"""The step wrapper: :class:`CacheStep` runs the transformers model itself (its embeddings, RoPE variant,
+norms, attention, tied head and logit transforms) and replaces only its cache with the step's cache tensors
+(the ``Cache.update`` protocol), writing a step of ``N`` tokens contiguously from ``input_pos[0]``
+(LiteRT-LM pads a prefill chunk with zeros: a write per token at its own position would send the padding to
+slot 0). The attention mask is an input; sliding-window layers mask further by position."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .contract import CacheLayout
+
+
+class _StepCache:
+    """The transformers ``Cache`` protocol over the step's cache tensors: ``update`` writes a layer's new
+    keys and values contiguously from ``start`` and gives the whole cache to attend over."""
+
+    is_compileable = True
+
+    def __init__(self, caches: dict, layers: int, input_pos, slots: bool):
+        self.k = [caches[f"kv_cache_k_{i}"] for i in range(layers)]
+        self.v = [caches[f"kv_cache_v_{i}"] for i in range(layers)]
+        self.pos, self.slots = input_pos.to(torch.int64), slots
+
+    def _write(self, cache, new):
+        new = new.to(cache.dtype)
+        if self.slots:  # each slot (batch row) from its own start: a scatter (positions past the cache are dropped)
+            b, h, n, d = new.shape
+            pos = self.pos.view(b, 1, 1, 1) + torch.arange(n, dtype=torch.int64).view(1, 1, n, 1)
+            return cache.scatter(2, pos.expand(b, h, n, d), new)
+        return cache.index_copy(2, self.pos[0] + torch.arange(new.shape[2], dtype=torch.int64), new)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.k[layer_idx] = self._write(self.k[layer_idx], key_states)
+        self.v[layer_idx] = self._write(self.v[layer_idx], value_states)
+        return self.k[layer_idx], self.v[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+class CacheStep(torch.nn.Module):
+    """One step of ``N`` tokens: ``(tokens [1,N] int32, input_pos [N] int32, mask [1,1,N,C] f32, caches)``
+    → ``{"logits" [1,N,V] (decode only), caches}``, the caches updated under their own names.
+
+    With ``slots`` (batched steps for serving), each batch row is a separate sequence:
+    ``(tokens [B,N], input_pos [B] (each row's first position), mask [B,1,N,C], caches [B,...])``; writes
+    past the cache's end are dropped (the engine parks rows that take no part at position C)."""
+
+    def __init__(self, model, layout: CacheLayout, logits: bool, slots: bool = False):
+        super().__init__()
+        self.model, self.layout, self.logits, self.slots = model, layout, logits, slots
+        config = model.config
+        self.window = getattr(config, "sliding_window", None)
+        self.layer_types = getattr(config, "layer_types", None)
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def _masks(self, mask, positions):
+        """The full-attention mask as given, and, where the config has sliding-window layers, theirs
+        (``positions`` [B, N]: each query's position)."""
+        sliding = None
+        if self.window:
+            kv_pos = torch.arange(self.layout.length, dtype=torch.int64)
+            far = (positions.to(torch.int64)[:, :, None] - kv_pos) >= self.window
+            sliding = torch.where(far[:, None], torch.finfo(mask.dtype).min, mask)
+        if self.layer_types:  # models that take one mask per layer type
+            return {t: (sliding if t == "sliding_attention" and sliding is not None else mask)
+                    for t in set(self.layer_types)}
+        return mask if sliding is None else sliding  # sliding_window without layer types: every layer slides
+
+    def forward(self, tokens, input_pos, mask, **caches):
+        cache = _StepCache(caches, self.layout.layers, input_pos, self.slots)
+        n = tokens.shape[1]
+        positions = input_pos[:, None] + torch.arange(n, dtype=input_pos.dtype) if self.slots else input_pos[None]
+        _GROUP_MASKS.clear()  # each trace of a step makes its own
+        try:
+            out = self.model(input_ids=tokens, attention_mask=self._masks(mask, positions),
+                             position_ids=positions, use_cache=True, **{self.cache_kw: cache})
+        finally:
+            _GROUP_MASKS.clear()
+        result = {"logits": out.logits} if self.logits else {}
+        for i in range(self.layout.layers):
+            result[f"kv_cache_k_{i}"], result[f"kv_cache_v_{i}"] = cache.k[i], cache.v[i]
+        return result
+
+
+def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                      **kwargs):
+    """transformers' attention (the ``AttentionInterface`` signature) with grouped-query heads computed per
+    group: the queries of a group are stacked against their shared key/value head, so the cache is read
+    as it is, never repeated to every query head (``repeat_kv`` copies the whole cache per layer and step).
+    Falls back to the model's own function for features it does not cover (attention sinks)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None or dropout:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if key.dtype != query.dtype:  # a bf16 cache under a float32 trace (the bf16 recipe makes it all bf16)
+        key, value = key.to(query.dtype), value.to(query.dtype)
+    b, heads, n, d = query.shape
+    groups, length = key.shape[1], key.shape[2]
+    rep = heads // groups
+    scale = scaling if scaling is not None else d ** -0.5
+    q = query.reshape(b, groups, rep * n, d)  # head g * rep + r, as repeat_kv orders them
+    mask = None if attention_mask is None else _group_mask(attention_mask, rep, length)
+    if softcap is None:  # one fused attention node: the converters read the cache as it is (no transpose)
+        out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
+    else:
+        scores = torch.tanh(torch.matmul(q, key.transpose(2, 3)) * scale / softcap) * softcap
+        if mask is not None:
+            scores = scores + mask
+        out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(query.dtype), value)
+    return out.reshape(b, heads, n, d).transpose(1, 2).contiguous(), None
+
+
+# (id(mask), rep, length) -> (mask, the mask for stacked query heads): made once per traced step and shared by
+# every layer given the same mask, not once per layer (on a 1B Llama's int8 prefill in LiteRT-LM, a mask
+# per layer took half the time).
+_GROUP_MASKS: dict = {}
+
+
+def _group_mask(attention_mask, rep: int, length: int):
+    """``attention_mask [B, 1, n, C]`` for the stacked queries of a group (``[B, 1, rep * n, length]``: the
+    same rows for every query head of the group)."""
+    key = (id(attention_mask), rep, length)  # unique while the entry holds the mask
+    if key in _GROUP_MASKS:
+        return _GROUP_MASKS[key][1]
+    m = attention_mask[..., :length]
+    b, one, n = m.shape[0], m.shape[1], m.shape[2]
+    mask = m.unsqueeze(2).expand(b, one, rep, n, length).reshape(b, one, rep * n, length)
+    if not torch.compiler.is_dynamo_compiling():  # strict export traces the Python: no memo by identity there
+        _GROUP_MASKS[key] = (attention_mask, mask)
+    return mask
+
+
+_ATTENTION = "tte_grouped"
+
+
+class grouped_attention_in:
+    """Within it, ``model`` (and its sub-configs) attends with :func:`grouped_attention`."""
+
+    def __init__(self, model):
+        self.configs = [c for c in _configs(model.config) if hasattr(c, "_attn_implementation")]
+
+    def __enter__(self):
+        from transformers import AttentionInterface
+        AttentionInterface.register(_ATTENTION, grouped_attention)
+        self.saved = [c._attn_implementation for c in self.configs]
+        for c in self.configs:
+            c._attn_implementation = _ATTENTION
+        return self
+
+    def __exit__(self, *exc):
+        for c, impl in zip(self.configs, self.saved):
+            c._attn_implementation = impl
+
+
+def _configs(config):
+    yield config
+    for key in ("text_config", "decoder"):
+        sub = getattr(config, key, None)
+        if sub is not None and sub is not config:
+            yield sub
