@@ -114,6 +114,11 @@ class Runnable:
                 f"this artifact holds one program, {sigs[0]!r}" if len(sigs) == 1 else f"this artifact has {sigs}"))
         return signature_name
 
+    def call_metadata(self, signature_name: str | None = None) -> dict | None:
+        """How the module is called (``CapturedProgram.call_metadata``: pytree specs of inputs and outputs,
+        constant inputs) for one signature, or None for a file made elsewhere."""
+        return self._call_metadata(self.signature(signature_name))
+
     def inputs(self, signature_name: str | None = None) -> list[TensorSpec]:
         """The inputs as the original module takes them (torch's names, shapes and dtypes)."""
         sig = self.signature(signature_name)
