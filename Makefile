@@ -12,7 +12,7 @@ JOBS ?= 2
 $(STAMP): pyproject.toml tools/qnn_libs.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,hf,tpu,litertlm,serve]'
-	$(PY) tools/qnn_libs.py
+	$(PY) -m tools.qnn_libs
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -42,10 +42,10 @@ test: venv web-deps
 # the committed coverage files (docs/coverage.*, tests/coverage_expected.json, README totals);
 # OPS='aten.add.*' regenerates those ops' rows only
 coverage: venv
-	$(PY) tools/coverage.py $(if $(OPS),--ops '$(OPS)')
+	$(PY) -m tools.coverage $(if $(OPS),--ops '$(OPS)')
 
 bench: venv web-deps
-	$(PY) benchmarks/run.py
+	$(PY) -m benchmarks.run
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,7 +1,7 @@
 """Decoders too large for this machine, exported with abstract weights and compiled by libtpu.
 
-    python benchmarks/abstract_llm.py -o benchmarks/RESULTS-abstract-llm.md
-    python benchmarks/abstract_llm.py --configs llama3-8b --cases v6e:1x1 --cache 1024
+    python -m benchmarks.abstract_llm -o benchmarks/RESULTS-abstract-llm.md
+    python -m benchmarks.abstract_llm --configs llama3-8b --cases v6e:1x1 --cache 1024
 
 Each case runs in a process of its own (its peak RSS is the export's): the config is built under
 ``tte.abstract_weights()`` (nothing allocated), ``export_llm(..., target="tpu", quant_config="bf16")``
@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {  # Llama 3's published shapes (GQA, RoPE theta 500000, untied embeddings)
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
@@ -67,7 +68,7 @@ def table(rows: list[dict], args) -> str:
     gib = 2 ** 30
     lines = [f"# Decoders exported with abstract weights ({datetime.date.today()}, {os.cpu_count()} cores, "
              f"{platform.processor() or platform.machine()})", "",
-             f"`python benchmarks/abstract_llm.py --configs {args.configs} --cache {args.cache} --batch {args.batch}`",
+             f"`python -m benchmarks.abstract_llm --configs {args.configs} --cache {args.cache} --batch {args.batch}`",
              "", "bf16 weights and KV cache; the decode step compiled by libtpu ahead of time. HBM is per chip; step "
              "time is the compiler's roofline (a lower bound), not a measurement.", "",
              "| config | parameters | case | chips / hosts | weights (bf16) | export | compile | peak RSS | "
@@ -102,8 +103,9 @@ def main() -> int:
     rows = []
     for name in args.configs.split(","):
         for case in (args.cases.split(",") if args.cases else DEFAULT_CASES[name]):
-            proc = subprocess.run([sys.executable, __file__, "--one", f"{name}|{case}", "--cache", str(args.cache),
-                                   "--batch", str(args.batch)], capture_output=True, text=True)
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.abstract_llm", "--one", f"{name}|{case}",
+                                   "--cache", str(args.cache), "--batch", str(args.batch)],
+                                  capture_output=True, text=True, cwd=REPO)
             found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode or not found:
                 err = (proc.stderr.strip().splitlines() or ["failed"])[-1][:200]

@@ -4,7 +4,7 @@ NPU; the SM8650 file run on QNN's HTP simulator), LiteRT's GPU-delegate compatib
 `inspect --gpu` prints) and OpenVINO's TFLite frontend on its CPU device. Errors are the max error
 against torch eager relative to each output's scale.
 
-    python benchmarks/edge_readers.py [--no-peers]
+    python -m benchmarks.edge_readers [--no-peers]   # from the repository root
 
 Then the GPU-delegate verdicts of litert-torch 0.10's files of the same models beside ours, with
 the op types only one of them uses (litert-torch runs in .venv-bench-litert-torch, made on first use).
@@ -20,9 +20,6 @@ import sys
 import tempfile
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # litert_vs_litert_torch
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))  # zoo
 warnings.filterwarnings("ignore")
 
 import numpy as np  # noqa: E402
@@ -31,7 +28,7 @@ import torch  # noqa: E402
 import torch.utils._pytree as pytree  # noqa: E402
 
 import torchtpu_export as tte  # noqa: E402
-import zoo  # noqa: E402
+from examples import zoo  # noqa: E402
 from torchtpu_export.targets.litert import npu
 from torchtpu_export import targets  # noqa: E402
 from torchtpu_export.numerics import compare  # noqa: E402
@@ -79,7 +76,7 @@ def peers_table(tmp: str) -> list[str]:
     """The same models converted by litert-torch 0.10 (in its own venv, as benchmarks/
     litert_vs_litert_torch.py makes it): GPU-delegate verdicts side by side, and the op types only
     one of the two files uses."""
-    from litert_vs_litert_torch import convert_in_child, ensure_bench_venv
+    from benchmarks.litert_vs_litert_torch import convert_in_child, ensure_bench_venv
     peer_py = ensure_bench_venv()
     lines = ["| model | ours: ops, GPU delegate | litert-torch 0.10: ops, GPU delegate | op types only ours use "
              "| op types only litert-torch's use |", "|---|---|---|---|---|"]

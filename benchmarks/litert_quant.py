@@ -1,7 +1,7 @@
 """Quantized edge models: size, latency and error of each recipe against float, and against
 litert-torch's own dynamic int8 recipe, on the same models.
 
-    python benchmarks/litert_quant.py [--models resnet18,llama] [--runs 20] [-o RESULTS-quant.md]
+    python -m benchmarks.litert_quant [--models resnet18,llama] [--runs 20] [-o RESULTS-quant.md]
 
 Ours: float, fp16, dynamic_int8 and int8 (calibrated on 8 random samples), converted in this
 process. litert-torch 0.10: ``litert_torch.convert(model, args, quant_config=
@@ -22,10 +22,7 @@ import sys
 import tempfile
 import time
 
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))  # zoo
-from litert_vs_litert_torch import REPO, ensure_bench_venv, latency, outputs_and_reference  # noqa: E402
+from benchmarks.litert_vs_litert_torch import REPO, ensure_bench_venv, latency, outputs_and_reference
 
 # model -> zoo factory kwargs: the CNNs at phone resolution; a ~21M-parameter Llama-style decoder
 MODELS = {
@@ -60,7 +57,7 @@ def litert_torch_dynamic(python: str, name: str, out: str) -> dict:
     factory, kwargs = MODELS[name]
     env = dict(os.environ, PYTHONWARNINGS="ignore", TF_CPP_MIN_LOG_LEVEL="3")
     r = subprocess.run([python, "-c", _CHILD, factory, json.dumps(kwargs), out,
-                        os.path.join(REPO, "torchtpu_export", "zoo.py")],
+                        os.path.join(REPO, "examples", "zoo.py")],
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=1800)
     for line in r.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -102,7 +99,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     bench_py = ensure_bench_venv()
     load_start = os.getloadavg()[0]
-    import zoo
+    from examples import zoo
     threads_all = os.cpu_count() or 1
     tmp = tempfile.mkdtemp(prefix="quant-bench-")
     rows = []
@@ -139,7 +136,7 @@ def report(rows, threads_all: int, runs: int, load_start: float, load_end: float
         f"Measured {datetime.date.today().isoformat()} on {platform.machine()} Linux, {os.cpu_count()} cores "
         f"({platform.processor() or 'cpu'}); Python {platform.python_version()}, torch {torch.__version__}, "
         f"ai-edge-litert {getattr(ai_edge_litert, '__version__', '2.3.0')}; litert-torch 0.10.0 in its own venv. "
-        "Command: `make bench` (`python benchmarks/litert_quant.py`). The machine is shared: 1-minute load "
+        "Command: `make bench` (`python -m benchmarks.litert_quant`). The machine is shared: 1-minute load "
         f"average {load_start:.1f} at the start, {load_end:.1f} at the end.",
         "",
         "Columns: ours as float, fp16, dynamic_int8, int8 (8 random calibration samples); *litert-torch* is "

@@ -1,6 +1,6 @@
 """torchtpu-export's edge target against litert-torch 0.10, side by side, in one run.
 
-    python benchmarks/litert_vs_litert_torch.py [--models resnet18,mobilenet_v2] [--runs 30] [-o RESULTS.md]
+    python -m benchmarks.litert_vs_litert_torch [--models resnet18,mobilenet_v2] [--runs 30] [-o RESULTS.md]
 
 litert-torch brings its own pinned dependencies, so it lives in a venv of its own
 (``.venv-bench-litert-torch/``, created here on first use). Each conversion runs in a
@@ -25,7 +25,6 @@ import time
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "examples"))  # zoo
 BENCH_VENV = os.path.join(REPO, ".venv-bench-litert-torch")
 LITERT_TORCH = "litert-torch==0.10.0"
 # what its export_hf (benchmarks/llm.py) also needs: transformers, and LiteRT-LM's packer it bundles with.
@@ -153,7 +152,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     bench_py = ensure_bench_venv()
     load_start = os.getloadavg()[0]
-    import zoo
+    from examples import zoo
     from torchtpu_export.targets.litert.target import describe as describe_tflite
     threads_all = os.cpu_count() or 1
     rows = []
@@ -205,7 +204,7 @@ def report(rows, threads_all, runs, load_start=None, load_end=None, their_torch=
         f"({platform.processor() or 'cpu'}); Python {platform.python_version()}, torch {torch.__version__} "
         f"(ours), litert-torch 0.10.0 with torch {their_torch} in its own venv, ai-edge-litert "
         f"{getattr(ai_edge_litert, '__version__', '2.3.0')} for both runs. Command: "
-        "`make bench` (`python benchmarks/litert_vs_litert_torch.py`). The machine is shared: 1-minute load "
+        "`make bench` (`python -m benchmarks.litert_vs_litert_torch`). The machine is shared: 1-minute load "
         f"average {_f(load_start, '.1f')} at the start, {_f(load_end, '.1f')} at the end.",
         "",
         "Conversion: convert + write the file, in a fresh process per tool and model, twice: *warm* is the "

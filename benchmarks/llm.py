@@ -1,6 +1,6 @@
 """LLM bundles for LiteRT-LM: ours against litert-torch 0.10's ``export_hf``, side by side, in one run.
 
-    python benchmarks/llm.py [--configs tiny-llama,tiny-qwen3,llama-1b] [--steps 64] [-o RESULTS-llm.md]
+    python -m benchmarks.llm [--configs tiny-llama,tiny-qwen3,llama-1b] [--steps 64] [-o RESULTS-llm.md]
 
 For each model (built from a config with seeded random weights, saved as a Hugging Face folder with a
 tokenizer made locally):
@@ -31,8 +31,6 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(REPO, "examples"))
-sys.path.insert(0, HERE)
 
 CONFIGS = {  # name -> (how the folder is made, prefill length, cache length, tokens decoded when timing)
     "tiny-llama": ("llama", 128, 512, 320),
@@ -97,7 +95,7 @@ print("RESULT " + json.dumps({"seconds": seconds, "peak_rss_gb": _peak_gb()}))
 
 
 def make_folder(kind: str, path: str) -> str:
-    import hf_llms
+    from examples import hf_llms
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     if kind == "llama-1b":
@@ -124,7 +122,7 @@ def _convert(tool: str, folder: str, out: str, prefill: int, cache: int, recipe)
     if tool == "ours":
         cmd = [sys.executable, "-c", _OURS, folder, out, str(prefill), str(cache), json.dumps(recipe)]
     else:
-        from litert_vs_litert_torch import ensure_bench_venv
+        from benchmarks.litert_vs_litert_torch import ensure_bench_venv
         cmd = [ensure_bench_venv(), "-c", _THEIRS, folder, out, str(prefill), str(cache), recipe]
     env = dict(os.environ, PYTHONWARNINGS="ignore", TF_CPP_MIN_LOG_LEVEL="3")
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=7200)
@@ -251,7 +249,7 @@ def report(conv_rows, recipe_rows, args) -> str:
     when = datetime.date.today().isoformat()
     lines = [f"# LLM bundles: torchtpu-export vs litert-torch 0.10 `export_hf`",
              "", f"{when}, {platform.machine()} {os.cpu_count()} cores, LiteRT-LM {_version('litert-lm-api')} "
-             f"CPU backend with {THREADS} threads; `python benchmarks/llm.py {' '.join(sys.argv[1:])}`".rstrip(),
+             f"CPU backend with {THREADS} threads; `python -m benchmarks.llm {' '.join(sys.argv[1:])}`".rstrip(),
              "", "Speed: `litert_lm.Benchmark` with a 128-token prefill and "
              + ", ".join(f"{CONFIGS[c][3]} decoded tokens for {c}" for c in args.configs.split(",")) +
              f"; the best of {args.rounds} interleaved rounds.",

@@ -1,6 +1,6 @@
 """OpInfo pass rates side by side: ours (xla, litert) against torchax and litert-torch, on the same cases.
 
-    python benchmarks/opinfo_peers.py [--ops PATTERN] [--jobs 2] [-o RESULTS-opinfo-peers.md] [--json FILE]
+    python -m benchmarks.opinfo_peers [--ops PATTERN] [--jobs 2] [-o RESULTS-opinfo-peers.md] [--json FILE]
                                       [--peer-cells EARLIER.json]
 
 The cases are those of ``torchtpu-export coverage --source opinfo`` (torchtpu_export/coverage/opinfo.py: the
@@ -93,8 +93,7 @@ def _peer_loop(peer: str) -> None:
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # the libraries' prints go to stderr; stdout carries only the protocol
     if peer == "torchax":
-        sys.path.insert(0, HERE)
-        import torchax_shim  # noqa: F401  (torch 2.13 removed overloads torchax names)
+        from benchmarks import torchax_shim  # noqa: F401  (torch 2.13 removed overloads torchax names)
         import jax
         import torchax
         from torchax import export as tx_export
@@ -174,7 +173,7 @@ class PeerWorker:
     def _start(self) -> None:
         env = dict(os.environ, PYTHONWARNINGS="ignore", TF_CPP_MIN_LOG_LEVEL="3", JAX_PLATFORMS="cpu",
                    OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-        self.proc = subprocess.Popen([self.python, os.path.abspath(__file__), "--peer", self.peer],
+        self.proc = subprocess.Popen([self.python, "-m", "benchmarks.opinfo_peers", "--peer", self.peer],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env, cwd=REPO)
         self.lines: queue.Queue = queue.Queue()
@@ -304,13 +303,12 @@ def measure(pattern: str | None, jobs: int, timeout: float, peers: list, work: s
         names = [n for n in names if pattern in n]
     t0 = time.monotonic()
     dirs = {n: os.path.join(work, re.sub(r"[^\w.-]", "_", n)) for n in names}
-    tasks = [("opinfo_peers:ours_case", (n, dirs[n])) for n in names]
+    tasks = [("benchmarks.opinfo_peers:ours_case", (n, dirs[n])) for n in names]
 
     def progress(i, result, seconds):
         cells = ", ".join(f"{rt} {result[rt]['status']}" for rt in OURS if rt in result) or result.get("reason", "")
         print(f"[ours {i + 1}/{len(names)}] {names[i]}: {cells[:100]} ({seconds:.1f} s)", file=sys.stderr, flush=True)
 
-    sys.path.insert(0, HERE)  # the workers import this file as ``opinfo_peers``
     ours = run_isolated(tasks, jobs=jobs, timeout=timeout * len(OURS), on_result=progress)
     cases = {}
     excluded = {}
@@ -456,7 +454,6 @@ def main() -> int:
     unknown = [x for x in peers if x not in PEERS]
     if unknown:
         p.error(f"unknown peer(s) {unknown}; choose from {', '.join(PEERS)}")
-    sys.path.insert(0, REPO)
     work = args.keep or tempfile.mkdtemp(prefix="opinfo-peers-")
     try:
         reuse = None
@@ -467,7 +464,7 @@ def main() -> int:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    command = " ".join(["python benchmarks/opinfo_peers.py"]
+    command = " ".join(["python -m benchmarks.opinfo_peers"]
                        + [os.path.relpath(a, REPO) if os.path.isabs(a) else a for a in sys.argv[1:]])
     text = to_markdown(report, command, args.jobs)
     if args.json:  # a name ending in .gz is written compressed (the committed report is)

@@ -6,26 +6,22 @@ RMSNorm/LayerNorm, int8 matmul) and how many were lowered to a kernel, with
 the reasons for the rest. Models run at kernel-friendly shapes (sequence 256,
 head_dim 128) and at the zoo's small default shapes, where most fall back.
 
-    python benchmarks/pallas_kernels.py [--kernels auto|pallas|xla] [--json FILE]
+    python -m benchmarks.pallas_kernels [--kernels auto|pallas|xla] [--json FILE]   # from the repository root
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import json
-import os
-import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))  # zoo
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
 import torchtpu_export as tte  # noqa: E402
-import zoo  # noqa: E402
+from examples import zoo  # noqa: E402
 
 FRIENDLY = dict(seq=256, dim=256, heads=2, layers=2, max_seq=256)
 LLAMA = dict(FRIENDLY, kv_heads=1, head_dim=128)

@@ -1,7 +1,7 @@
 """make bench: every benchmark, one after another, each writing its table to benchmarks/RESULTS-*.md.
 
-    python benchmarks/run.py                 # all
-    python benchmarks/run.py tpu litert      # some (names below)
+    python -m benchmarks.run                 # all (from the repository root)
+    python -m benchmarks.run tpu litert      # some (names below)
 
 Benchmarks measure; they never fail a build on a number. Run them on a quiet machine: the 2-thread
 latencies and conversion times move with whatever else the cores are doing.
@@ -14,22 +14,23 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
 
 BENCHMARKS = {
-    # name: (script, arguments) -- each writes benchmarks/RESULTS-<name>.md
-    "tpu": ("tpu_export.py", ["-o", "RESULTS-tpu.md"]),
-    "litert": ("litert_vs_litert_torch.py", ["-o", "RESULTS-litert.md"]),
-    "quant": ("litert_quant.py", ["-o", "RESULTS-quant.md"]),
-    "scale": ("scale.py", ["-o", "RESULTS-scale.md"]),
-    "pallas": ("pallas_kernels.py", []),
-    "tpu-compile": ("tpu_compile.py", ["-o", "RESULTS-tpu-compile.md"]),
-    "web": ("web.py", []),
-    "edge-readers": ("edge_readers.py", []),
-    "opinfo-peers": ("opinfo_peers.py", ["-o", "RESULTS-opinfo-peers.md"]),
-    "llm": ("llm.py", ["--rounds", "3", "-o", "RESULTS-llm.md"]),
-    "serving": ("serving.py", ["-o", "RESULTS-serving.md"]),
-    "abstract-llm": ("abstract_llm.py", ["--configs", "llama3-8b,llama3-70b", "-o", "RESULTS-abstract-llm.md"]),
-    "serving-tpu": ("serving.py", ["--concurrency", "", "--topologies", "v5e,v6e", "-o", "RESULTS-serving-tpu.md"]),
+    # name: (module under benchmarks/, arguments) -- each writes benchmarks/RESULTS-<name>.md
+    "tpu": ("tpu_export", ["-o", "RESULTS-tpu.md"]),
+    "litert": ("litert_vs_litert_torch", ["-o", "RESULTS-litert.md"]),
+    "quant": ("litert_quant", ["-o", "RESULTS-quant.md"]),
+    "scale": ("scale", ["-o", "RESULTS-scale.md"]),
+    "pallas": ("pallas_kernels", []),
+    "tpu-compile": ("tpu_compile", ["-o", "RESULTS-tpu-compile.md"]),
+    "web": ("web", []),
+    "edge-readers": ("edge_readers", []),
+    "opinfo-peers": ("opinfo_peers", ["-o", "RESULTS-opinfo-peers.md"]),
+    "llm": ("llm", ["--rounds", "3", "-o", "RESULTS-llm.md"]),
+    "serving": ("serving", ["-o", "RESULTS-serving.md"]),
+    "abstract-llm": ("abstract_llm", ["--configs", "llama3-8b,llama3-70b", "-o", "RESULTS-abstract-llm.md"]),
+    "serving-tpu": ("serving", ["--concurrency", "", "--topologies", "v5e,v6e", "-o", "RESULTS-serving-tpu.md"]),
 }
 
 
@@ -40,11 +41,11 @@ def main(names) -> int:
         return 2
     failed = []
     for name in names or BENCHMARKS:
-        script, args = BENCHMARKS[name]
+        module, args = BENCHMARKS[name]
         args = [os.path.join(HERE, a) if a.startswith("RESULTS-") else a for a in args]
-        print(f"== {name}: {script} {' '.join(args)}", flush=True)
+        print(f"== {name}: python -m benchmarks.{module} {' '.join(args)}", flush=True)
         t = time.perf_counter()
-        proc = subprocess.run([sys.executable, os.path.join(HERE, script), *args])
+        proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], cwd=REPO)
         print(f"== {name}: exit {proc.returncode} after {time.perf_counter() - t:.0f} s", flush=True)
         if proc.returncode:
             failed.append(name)

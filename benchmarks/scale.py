@@ -1,7 +1,7 @@
 """Conversion time and peak memory against weight bytes (100 MB, 1 GB, 3 GB of weights).
 
-    python benchmarks/scale.py                          # tpu, litert and litert-torch, 0.1/1/3 GB
-    python benchmarks/scale.py --sizes 0.1,1 --targets tpu -o benchmarks/RESULTS-scale.md
+    python -m benchmarks.scale                          # tpu, litert and litert-torch, 0.1/1/3 GB
+    python -m benchmarks.scale --sizes 0.1,1 --targets tpu -o benchmarks/RESULTS-scale.md
 
 Each point runs in a fresh process: convert a tiny model (so imports and one-time setup are not
 timed), build a model of N bytes of float32 weights (embedding tables plus an MLP head, like a
@@ -61,7 +61,6 @@ def worker(target: str, gbytes: float) -> dict:
         def convert(model, args, out):
             litert_torch.convert(model, args).export(out)
     else:
-        sys.path.insert(0, REPO)
         import torchtpu_export as tte
 
         def convert(model, args, out):
@@ -99,8 +98,7 @@ def main() -> int:
     for target in args.targets.split(","):
         python = sys.executable
         if target == "litert-torch":
-            sys.path.insert(0, HERE)
-            from litert_vs_litert_torch import ensure_bench_venv
+            from benchmarks.litert_vs_litert_torch import ensure_bench_venv
             python = ensure_bench_venv()
         for size in args.sizes.split(","):
             rows.append(_point(python, target, size, args.max_rss_gb))
@@ -108,7 +106,7 @@ def main() -> int:
     lines = [f"Conversion at scale, {datetime.date.today()}, {platform.machine()} Linux, {os.cpu_count()} cores, "
              f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GB RAM; 1-minute load average "
              f"{load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
-             f"(`python benchmarks/scale.py --sizes {args.sizes} --targets {args.targets}`)", "",
+             f"(`python -m benchmarks.scale --sizes {args.sizes} --targets {args.targets}`)", "",
              "| target | weights (MB) | convert + write (s) | MB/s | peak RSS (MB) | RSS growth over the model (MB) "
              "| growth / weights | file (MB) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -127,9 +125,10 @@ def main() -> int:
 
 
 def _point(python: str, target: str, size: str, max_rss_gb: float) -> dict:
-    # one measurement in a fresh process, stopped if its RSS passes max_rss_gb
-    proc = subprocess.Popen([python, os.path.abspath(__file__), "--worker", target, size], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
+    # one measurement in a fresh process (this module's worker, in the tool's python, from the repository
+    # root), stopped if its RSS passes max_rss_gb
+    proc = subprocess.Popen([python, "-m", "benchmarks.scale", "--worker", target, size], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO,
                             env=dict(os.environ, PYTHONWARNINGS="ignore", TF_CPP_MIN_LOG_LEVEL="3"))
     stopped = None
     while proc.poll() is None:

@@ -1,7 +1,7 @@
 """Serving throughput on this machine's CPU PJRT: the continuous-batching engine against sequential
 serving of the same programs, the old host round-trip loop, and transformers' generate (torch eager).
 
-    python benchmarks/serving.py [--configs llama-30m] [--concurrency 1,4,16] [--new-tokens 64] [-o RESULTS-serving.md]
+    python -m benchmarks.serving [--configs llama-30m] [--concurrency 1,4,16] [--new-tokens 64] [-o RESULTS-serving.md]
 
 For each config (a Llama built from a config with seeded random weights; token ids only, no tokenizer):
 the model is exported once with ``tte.export_llm(..., target="tpu", batch_size=16)`` and then, for
@@ -27,10 +27,6 @@ import sys
 import time
 
 import numpy as np
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(REPO, "examples"))
 
 CONFIGS = {  # name -> (Llama config, cache length, prefill lengths)
     "llama-30m": (dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
@@ -261,7 +257,7 @@ def tpu_text(dtype_rows, name, tpu, topologies, args) -> str:
     if dtype_rows:
         lines += [f"# Serving dtypes and the TPU decode step ({datetime.date.today()}, compiled ahead of time by "
                   f"libtpu on {os.cpu_count()} CPU cores)", "",
-                  f"`python benchmarks/serving.py --concurrency '' --configs {name} --slots {args.slots} "
+                  f"`python -m benchmarks.serving --concurrency '' --configs {name} --slots {args.slots} "
                   f"--topologies {args.topologies} --tpu-configs {args.tpu_configs} --tpu-batches {args.tpu_batches} "
                   f"--tpu-cache {args.tpu_cache}`", "",
                   f"## Serving dtypes ({name}, decode_batch of {args.slots} slots)", "",
@@ -301,7 +297,7 @@ def table(results: list[dict], args) -> str:
     cpu = platform.processor() or platform.machine()
     lines = [f"# Serving on CPU PJRT ({datetime.date.today()}, {os.cpu_count()} cores, {cpu}, "
              f"Python {platform.python_version()})", "",
-             f"`python benchmarks/serving.py --configs {','.join(r['name'] for r in results)} "
+             f"`python -m benchmarks.serving --configs {','.join(r['name'] for r in results)} "
              f"--concurrency {args.concurrency} --new-tokens {args.new_tokens}`", "",
              "Tokens per second over all requests (higher is better) and time per output token per request "
              "(ms). `engine`: continuous batching on the exported `decode_batch`; `sequential`: the same engine "

@@ -5,7 +5,7 @@ bytes accessed come from the compiler's memory and cost analysis; the roofline e
 larger of FLOPs / peak bf16 FLOP/s and bytes / HBM bandwidth, from Google's published per-chip
 figures. It is a lower bound on a step's time, not a measurement: only a TPU can time a program.
 
-    python benchmarks/tpu_compile.py [-o benchmarks/RESULTS-tpu-compile.md] [--topologies v5e:2x2,v6e:2x2]
+    python -m benchmarks.tpu_compile [-o benchmarks/RESULTS-tpu-compile.md] [--topologies v5e:2x2,v6e:2x2]
 """
 from __future__ import annotations
 
@@ -17,14 +17,12 @@ import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))  # zoo
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
 import torchtpu_export as tte  # noqa: E402
-import zoo  # noqa: E402
+from examples import zoo  # noqa: E402
 from torchtpu_export.targets.tpu import aot as tpu_compile  # noqa: E402
 
 KERNEL_FRIENDLY = dict(seq=512, dim=1024, heads=8, layers=4, max_seq=1024)  # head_dim 128
@@ -89,7 +87,7 @@ def main(argv=None) -> int:
         f"TPU compile statistics, {datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores (no TPU), "
         f"torch {torch.__version__.split('+')[0]}, jax {tpu_compile.jaxlib_version()}, libtpu "
         f"{tpu_compile.libtpu_version()}; 1-minute load average {load:.1f} at the end "
-        "(`python benchmarks/tpu_compile.py`).",
+        "(`python -m benchmarks.tpu_compile`).",
         "",
         "Each zoo model's tpu program compiled ahead of time by libtpu for each topology, once with the default",
         "`kernels=\"auto\"` (Pallas kernels where they fit and compile) and once with `kernels=\"xla\"`. HBM and",

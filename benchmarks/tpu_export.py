@@ -1,7 +1,7 @@
 """TPU export: conversion time, peak memory, and cpu-program latency vs torch eager; torchax side by side.
 
-    python benchmarks/tpu_export.py                 # all models, ours and torchax, table to stdout
-    python benchmarks/tpu_export.py --models resnet18 --repeats 3 -o benchmarks/RESULTS-tpu.md
+    python -m benchmarks.tpu_export                 # all models, ours and torchax, table to stdout
+    python -m benchmarks.tpu_export --models resnet18 --repeats 3 -o benchmarks/RESULTS-tpu.md
 
 Every measurement runs in a fresh process (cold start, like a user's first export). torchax runs
 from its own venv (.venv-bench-torchax, created on first use: torch 2.13.0, torchax 0.0.13, the same
@@ -35,12 +35,10 @@ def _rss_mb() -> float:
 
 
 def worker(tool: str, model_name: str, platforms: str) -> dict:
-    sys.path.insert(0, REPO)
-    sys.path.insert(0, os.path.join(REPO, "examples"))  # zoo
     import torch
 
-    import zoo
-    from common import median_ms  # examples/common.py: warm-ups, then the median of timed calls
+    from examples import zoo
+    from examples.common import median_ms  # warm-ups, then the median of timed calls
     model, args = zoo.ZOO[model_name]()
     base_rss = _rss_mb()
     result = {"tool": tool, "model": model_name, "platforms": platforms}
@@ -63,8 +61,7 @@ def worker(tool: str, model_name: str, platforms: str) -> dict:
             flat = [a.numpy() for a in args]
             result["xla_cpu_ms"] = median_ms(lambda: runner.run(flat), runs=15, warmup=2)
     else:
-        sys.path.insert(0, HERE)
-        import torchax_shim  # noqa: F401
+        from benchmarks import torchax_shim  # noqa: F401
         from torchax import export as tx_export
         import jax
         t = time.perf_counter()
@@ -90,7 +87,8 @@ def _ensure_torchax_venv() -> str:
 
 
 def run_worker(python: str, tool: str, model: str, platforms: str) -> dict:
-    proc = subprocess.run([python, __file__, "--worker", tool, model, platforms], capture_output=True, text=True,
+    proc = subprocess.run([python, "-m", "benchmarks.tpu_export", "--worker", tool, model, platforms], cwd=REPO,
+                          capture_output=True, text=True,
                           env=dict(os.environ, PYTHONWARNINGS="ignore", XLA_FLAGS=XLA_ONE_THREAD), timeout=1800)
     if proc.returncode != 0:
         lines = (proc.stderr or proc.stdout).strip().splitlines()
@@ -149,7 +147,7 @@ def format_table(rows, repeats) -> str:
     import torch
     head = (f"TPU export, {datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, "
             f"torch {torch.__version__.split('+')[0]}, median of {repeats} fresh processes; 1-minute load average "
-            f"{os.getloadavg()[0]:.1f} at the end (`python benchmarks/tpu_export.py`). Export: capture, lowering "
+            f"{os.getloadavg()[0]:.1f} at the end (`python -m benchmarks.tpu_export`). Export: capture, lowering "
             "and jax.export serialisation, the first in a fresh process (it includes torch.export's and JAX's "
             "one-time setup). Latency: median of 15 runs after 2 warm-ups, one thread each "
             "(torch.set_num_threads(1); XLA without its Eigen pool), on the sample inputs.\n\n"

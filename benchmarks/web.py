@@ -1,8 +1,8 @@
 """LiteRT.js in headless Chromium: load, compile and run times of converted zoo models, next to
 the Python LiteRT interpreter on the same flatbuffer, and the largest difference between them.
 
-    python benchmarks/web.py                          # all models, a markdown table to stdout
-    python benchmarks/web.py --models mobilenet_v2 --repeats 50 --threads 0
+    python -m benchmarks.web                          # all models, a markdown table to stdout
+    python -m benchmarks.web --models mobilenet_v2 --repeats 50 --threads 0
 
 Needs `make web-deps` (chromium, node, examples/web/node_modules). Models with int64 inputs are
 converted with io_dtypes="web" (int32 at the boundary), which LiteRT.js needs.
@@ -17,11 +17,7 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests"))  # the headless-browser helper the tests use
-sys.path.insert(0, os.path.join(REPO, "examples"))  # zoo
-
-from web_browser import Browser, interpreter_outputs, max_error, missing_web_deps  # noqa: E402
+from tests.web_browser import Browser, interpreter_outputs, max_error, missing_web_deps  # the tests' helper
 
 MODELS = ["small_cnn", "mobilenet_v2", "bert_encoder", "llama_decode"]
 
@@ -29,7 +25,7 @@ MODELS = ["small_cnn", "mobilenet_v2", "bert_encoder", "llama_decode"]
 def _case(name):
     import torch
 
-    import zoo
+    from examples import zoo
     if name == "small_cnn":
         return zoo.small_cnn()
     if name == "mobilenet_v2":

@@ -85,6 +85,12 @@ class LitertLmEngine:
     def tokenize(self, text: str) -> list[int]:
         return list(self.engine.tokenize(text))
 
+    def detokenize(self, ids: list[int]) -> str:
+        try:
+            return self.engine.detokenize(list(ids))
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise InputError(f"{self.path}'s tokenizer cannot read these token ids ({e})") from None
+
     def close(self) -> None:
         self.engine.close()
 

@@ -95,7 +95,7 @@ class XlaRunner:
                 for n in spec["weights"]:
                     key = (n, platform, repr(wsh.get(n)))
                     if key not in placed:
-                        placed[key], read = _place(artifact.weights[n], wsh.get(n))
+                        placed[key], read = place(artifact.weights[n], wsh.get(n))
                         self.bytes_read += read
                     self.weights[n] = placed[key]
             except (ArtifactError, InputError):
@@ -162,6 +162,12 @@ class XlaRunner:
             log.warning("compiling the tpu program %r: no stored executable can run here (%s)", program, why)
         return None
 
+    @property
+    def input_shardings(self) -> list | None:
+        """The sharding of each input (then each state buffer) of a sharded program, as its plan says;
+        None for a program on one device."""
+        return self._input_shardings
+
     def state_arrays(self) -> list:
         """The current value of each buffer the program changes in place, on the device (placed from the
         artifact's initial values on first use, and after ``TpuProgram.reset_state``)."""
@@ -171,7 +177,7 @@ class XlaRunner:
             key = (spec.name, self.platform)
             if key not in self._state_store:
                 sharding = self._input_shardings[n + k] if self._input_shardings else None
-                self._state_store[key] = _place(self._artifact_state[spec.name], sharding)[0]
+                self._state_store[key] = place(self._artifact_state[spec.name], sharding)[0]
             arrays.append(self._state_store[key])
         return arrays
 
@@ -208,7 +214,7 @@ class XlaRunner:
         return outs[:len(self.outputs)]
 
 
-def _place(value, sharding) -> tuple:
+def place(value, sharding) -> tuple:
     """A host value (a weight, a state's initial value) on the device(s) ``sharding`` names, and the bytes
     read: under several processes each reads only its own slices (:func:`global_array`)."""
     if sharding is not None and jax.process_count() > 1:

@@ -14,7 +14,9 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
-sys.path.insert(0, EXAMPLES)  # zoo: the example models tests build (and, below, the processes tests start)
+# Tests import the zoo (examples/zoo.py) and the other example modules by name: pyproject.toml's pytest
+# `pythonpath` puts examples/ on this process's path. The processes tests start (``python -c`` scripts that
+# ``import zoo`` or ``import hf_llms``, model files the CLI loads) find them through PYTHONPATH.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (EXAMPLES, os.environ.get("PYTHONPATH")) if p)
 
 

@@ -12,12 +12,10 @@ import torch
 
 from torchtpu_export import cli
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 @pytest.fixture
 def in_tests_dir(monkeypatch, tmp_path):
-    monkeypatch.syspath_prepend(HERE)
+    # cli_models (tests/) is importable by name: pyproject.toml's pytest pythonpath
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -38,7 +36,6 @@ def assert_clean_error(code, err, expected_code, *phrases):
 
 @pytest.fixture(scope="module")
 def tiny_pt2(tmp_path_factory):
-    sys.path.insert(0, HERE)
     import cli_models
     model, args = cli_models.tiny()
     path = tmp_path_factory.mktemp("pt2") / "tiny.pt2"

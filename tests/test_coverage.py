@@ -3,7 +3,7 @@
 Every op of the table runs on every runtime, like ``torchtpu-export coverage``. A cell whose
 status differs from the committed one fails, whether it regressed or newly passes, and so does a
 mismatch whose error grew past its recorded bound: run ``make coverage`` (or
-``python tools/coverage.py --ops OP`` for one op) to regenerate the files when a change is intended.
+``python -m tools.coverage --ops OP`` for one op) to regenerate the files when a change is intended.
 """
 import json
 import os

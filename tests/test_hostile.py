@@ -233,8 +233,7 @@ def test_a_flipped_bit_in_a_program_is_caught_before_it_runs(small_tpu, tmp_path
 
 SLOW_WRITE = """
 import os, sys, time
-sys.path.insert(0, {examples!r})
-import zoo
+import zoo  # examples/ is on the PYTHONPATH conftest.py gives the processes tests start
 
 _fsync = os.fsync
 
@@ -255,13 +254,12 @@ def model():
 @pytest.mark.parametrize("target,suffix", [("tpu", ".tpu"), ("litert", ".tflite")])
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_sigterm_and_sighup_leave_no_partial_files(tmp_path, target, suffix, sig, code):
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out_dir, tmp_dir = tmp_path / "out", tmp_path / "tmp"
     out_dir.mkdir()
     tmp_dir.mkdir()
     ready = tmp_path / "ready"
     factory = tmp_path / "slow.py"
-    factory.write_text(SLOW_WRITE.format(examples=os.path.join(repo, "examples"), ready=str(ready)))
+    factory.write_text(SLOW_WRITE.format(ready=str(ready)))
     proc = subprocess.Popen([sys.executable, "-m", "torchtpu_export", f"{factory}:model", "--target", target,
                              "-o", str(out_dir / f"m{suffix}")], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
@@ -280,8 +278,7 @@ def test_sigterm_and_sighup_leave_no_partial_files(tmp_path, target, suffix, sig
 
 SCRIPT = """
 import sys, torchtpu_export as tte
-sys.path.insert(0, {examples!r})
-import zoo
+import zoo  # examples/ is on the PYTHONPATH conftest.py gives the processes tests start
 model, args = zoo.gpt(seq=16)
 tte.export(model, args, target="tpu").save(sys.argv[1])
 """
@@ -291,10 +288,10 @@ def test_tpu_bytes_do_not_depend_on_the_caller_or_hold_its_paths(tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     examples = os.path.join(repo, "examples")
     script = tmp_path / "one_script.py"
-    script.write_text(SCRIPT.format(examples=examples))
+    script.write_text(SCRIPT)
     renamed = tmp_path / "elsewhere" / "another_name.py"
     renamed.parent.mkdir()
-    renamed.write_text(SCRIPT.format(examples=examples))
+    renamed.write_text(SCRIPT)
     outs = []
     for i, argv in enumerate(([str(script)], [str(renamed)])):
         out = tmp_path / f"m{i}.tpu"

@@ -161,7 +161,7 @@ def test_readiness_says_when_the_engine_has_stopped(llm):
     served = srv.Served(str(llm.good), text_workers=1)
     try:
         assert not served.ready()  # not registered yet
-        (model,) = served.app_models(srv._import_kserve())
+        (model,) = served.app_models(srv.import_kserve())
         model.start()
         assert served.ready() and served.live()
         served.engine.stop()
@@ -361,7 +361,7 @@ def test_a_hostile_tokenizer_is_refused_at_start_or_fails_its_requests_alone(tok
     operation on it returns or fails with a message: never a crash of the server."""
     import asyncio
     from torchtpu_export.errors import ArtifactError
-    from torchtpu_export.server.textproc import TextError, TextWorkers
+    from torchtpu_export.llm.textproc import TextError, TextWorkers
     try:
         text = TextWorkers(tokenizer, template=hf_llms.CHAT_TEMPLATE, bos_id=None, eos_id=None, max_chars=4096,
                            workers=1, time_budget=2)
@@ -398,7 +398,7 @@ def test_a_failed_decode_batch_fails_only_the_request_whose_tokens_cause_it():
     """The detokenizing windows of all streams go to a worker in one message per step; when that message
     fails, each window is decoded alone, and only the failing one's request gets the error."""
     import asyncio
-    from torchtpu_export.server.textproc import TextError, TextWorkers
+    from torchtpu_export.llm.textproc import TextError, TextWorkers
     text = TextWorkers.__new__(TextWorkers)  # the batching alone: no worker processes
     text._decodes, text._flusher = [], None
 

@@ -61,7 +61,7 @@ def test_bundle_runs_in_litert_lm_and_equals_transformers(arch, folders, tmp_pat
         want, n_prompt = _reference(folders[arch], prompt, chat)
         if prompt is LONG:
             assert n_prompt > 32  # more than one prefill chunk
-        got = bundle.generate(prompt, STEPS, chat=chat)
+        got = bundle.generate(prompt, STEPS, chat=chat).text
         assert got == want, (arch, prompt, chat)
 
 
@@ -208,7 +208,7 @@ def test_quantized_bundles_run_in_litert_lm(folders, tmp_path):
                     "--quantize", recipe, "-o", out)
         assert r.returncode == 0, r.stderr
         bundle = tte.load(out)
-        text = bundle.generate(SHORT, 16)
+        text = bundle.generate(SHORT, 16).text
         ids = bundle.engine().tokenize(SHORT)
         from transformers import AutoTokenizer
         want = AutoTokenizer.from_pretrained(folders["qwen3"]).decode(llm.host_generate(bundle.edge, ids, 16, [2]))

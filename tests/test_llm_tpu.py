@@ -37,7 +37,7 @@ def test_greedy_equals_transformers_with_the_cache_on_the_device(arch, exported,
     loaded = tte.load(path)
     # any implicit host<->device transfer (a cache going through numpy) raises; the loop's own are explicit
     with jax.transfer_guard("disallow"):
-        got = loaded.generate(ids, 40, stop=[2])
+        got = loaded.generate(ids, 40, stop=[2]).ids
     assert got == want[:len(got)] and (len(got) == 40 or want[len(got)] == 2)
 
 
@@ -46,7 +46,7 @@ def test_sampling_is_seeded_and_stays_in_the_top_k(exported):
     ids = tok("the quick brown fox")["input_ids"]
     a = prog.generate(ids, 12, temperature=1.0, top_k=5, seed=3)
     b = prog.generate(ids, 12, temperature=1.0, top_k=5, seed=3)
-    assert a == b and len(a) == 12
+    assert a == b and len(a.ids) == 12
     # top_k=1 at any temperature is greedy
     assert prog.generate(ids, 12, temperature=2.0, top_k=1) == prog.generate(ids, 12)
 
@@ -95,10 +95,36 @@ def test_bf16_serving_keeps_the_cache_in_bf16_and_halves_the_compiled_memory(exp
     a, b = engine.submit(ids, 12), engine.submit(ids[:9], 12)
     while engine.step():
         pass
-    assert a.result() == bf16.generate(ids, 12) and len(b.result()) == 12
+    assert a.result() == bf16.generate(ids, 12, stop=()).ids and len(b.result()) == 12
     f32, half = (p.compiled_stats("v5e", signature_name="decode") for p in (prog, bf16))
     spec = bf16.manifest["programs"]["decode"]
     cache_bytes = sum(int(np.prod(spec["inputs"][i]["shape"])) * 2 for i in spec["donate"])
     assert half["hbm_bytes"]["aliased"] >= cache_bytes > 0
     # weights and caches (the arguments) halve; a tiny model's total is mostly the compiler's scratch
     assert half["hbm_bytes"]["arguments"] <= 0.55 * f32["hbm_bytes"]["arguments"]
+
+
+def test_one_generate_for_every_llm_artifact(exported, tmp_path):
+    """A .tpu from export_llm takes the prompt as text or ids, gives text and ids; `run --prompt` prints the
+    reply; an artifact that holds no LLM says so."""
+    from conftest import run_cli
+    model, tok, prog = exported["qwen3"]
+    ids = tok(PROMPT)["input_ids"]
+    by_ids = prog.generate(ids, 10, stop=())
+    by_text = prog.generate(PROMPT, 10, stop=())
+    assert by_text.ids == by_ids.ids and len(by_ids.ids) == 10 and by_ids.finish_reason == "length"
+    assert by_text.text == tok.decode(by_ids.ids, skip_special_tokens=True) == str(by_text)
+    path = tmp_path / "qwen3.tpu"
+    prog.save(path)
+    r = run_cli("run", path, "--prompt", PROMPT, "--max-new-tokens", "10")
+    assert r.returncode == 0, r.stderr
+    from torchtpu_export.untrusted import printable  # the reply is printed with terminal controls escaped
+    assert printable(prog.generate(PROMPT, 10).text, newlines=True) in r.stdout
+    assert "generated in" in r.stderr + r.stdout
+    plain = tte.export(torch.nn.Linear(4, 4), (torch.randn(1, 4),), target="tpu", platforms=("cpu",))
+    plain.save(tmp_path / "linear.tpu")
+    r = run_cli("run", tmp_path / "linear.tpu", "--prompt", "hi")
+    assert r.returncode == 2 and "holds no LLM" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    from torchtpu_export.errors import InputError
+    with pytest.raises(InputError, match="token ids"):
+        prog.generate([1, -3], 4)

@@ -1,4 +1,4 @@
-"""The OpInfo source of the coverage matrix (one small OpInfo; the full run is `python tools/coverage.py --opinfo`)."""
+"""The OpInfo source of the coverage matrix (one small OpInfo; the full run is `python -m tools.coverage --opinfo`)."""
 import types
 
 import numpy as np

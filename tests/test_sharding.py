@@ -166,7 +166,7 @@ LLM_SCRIPT = textwrap.dedent("""
         ids = tok("hello world, this is a tiny model")["input_ids"]
         res[str(mesh[1][1]) if mesh else "plain"] = {
             # the serving engine (two slots), its caches split as the plan says
-            "generated": prog.generate(ids, 12),
+            "generated": prog.generate(ids, 12).ids,
             "outs": [o.tolist() for o in outs], "plan": spec.get("sharding"), "names": names,
             "aliased": stats["hbm_bytes"]["aliased"], "collectives": stats.get("collectives", {}),
             "cache_bytes": sum(int(np.prod(spec["inputs"][i]["shape"])) * 4 for i in spec["donate"])}

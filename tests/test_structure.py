@@ -1,7 +1,9 @@
-"""The layout the docs describe holds: every target found in one place (the table in
-``torchtpu_export.targets``, the same targets in docs/architecture.md), no dispatch on a target's
-name elsewhere, no import circle, the core importing no target, converters and runtimes apart, and
-``import torchtpu_export`` doing nothing but define names."""
+"""The layout the docs describe holds: every target a folder of its own (``torchtpu_export/targets/<name>/``,
+its record in the table of ``torchtpu_export.targets``, the same targets in docs/architecture.md), modules used
+by one target alone inside its folder, no dispatch on a target's name or duck-typed branch on a runnable
+elsewhere, no import circle (package faces included), the core importing no target, converters and runtimes
+apart and reaching into a target's folder only for its artifact modules, the engine without HTTP, the server
+without JAX at import, no ``sys.path`` edits, and ``import torchtpu_export`` doing nothing but define names."""
 import ast
 import os
 import re
@@ -15,12 +17,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = {"torchtpu_export": "torchtpu_export", "converters": "torchtpu_export.converters",
             "runtimes": "torchtpu_export.runtimes"}
 # what converters and runtimes may rely on; it imports no target, converter, runtime or face
-CORE = {"capture", "fxnodes", "errors", "specs", "treespec", "untrusted", "fileio", "safetensors_io", "tpu_format",
-        "litert_format", "onnx_format", "flatbuf", "numerics", "quant", "core_ops", "torch_semantics", "progress",
-        "_version", "tpu_compile", "npyfiles"}
+CORE = {"capture", "fxnodes", "errors", "specs", "treespec", "untrusted", "fileio", "safetensors_io", "flatbuf",
+        "numerics", "quant", "core_ops", "progress", "_version", "npyfiles"}
 FACES = ("torchtpu_export.targets", "torchtpu_export.converters", "torchtpu_export.runtimes", "torchtpu_export.api",
-         "torchtpu_export.cli", "torchtpu_export.coverage", "torchtpu_export.debugger", "torchtpu_export.targets.litert.web",
-         "torchtpu_export.describe", "torchtpu_export.models")
+         "torchtpu_export.cli", "torchtpu_export.coverage", "torchtpu_export.debugger", "torchtpu_export.describe",
+         "torchtpu_export.models", "torchtpu_export.llm", "torchtpu_export.engine", "torchtpu_export.server")
+TARGETS_PKG = "torchtpu_export.targets"
 
 
 def _modules() -> dict[str, str]:
@@ -38,7 +40,9 @@ def _modules() -> dict[str, str]:
 
 
 def _imports(name: str, path: str, modules: dict) -> set[str]:
-    """The project modules ``name`` imports, at any level of its code (lazy imports included)."""
+    """The project modules ``name`` imports, at any level of its code (lazy imports included). ``from X import
+    a`` where ``a`` is a module is an edge to ``X.a`` alone (X, its package, is necessarily loaded already);
+    where ``a`` is a name ``X`` defines, an edge to ``X``."""
     tree = ast.parse(open(path).read())
     is_package = path.endswith("__init__.py")
     found = set()
@@ -53,7 +57,8 @@ def _imports(name: str, path: str, modules: dict) -> set[str]:
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            targets_ = [module] + [f"{module}.{a.name}" for a in node.names]
+            subs = [f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in modules]
+            targets_ = subs + ([module] if len(subs) < len(node.names) else [])
         for t in targets_:
             while t and t not in modules:
                 t = t.rpartition(".")[0]
@@ -93,16 +98,35 @@ def _cycle(graph: dict) -> list | None:
     return None
 
 
-def _without_package_inits(graph: dict) -> dict:
-    # a package's __init__ importing its own submodules (to register rules) is not a circle with them
-    return {n: {m for m in deps if not (n.startswith(m + ".") and m != "torchtpu_export")} for n, deps in graph.items()}
+def test_the_import_graph_has_no_circle_package_faces_included():
+    graph = _graph()
+    # a package's face importing its own submodules (to hand their names on) is no circle with them, unless a
+    # submodule imports the face back (a name the face defines): that edge is in the graph
+    cycle = _cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
 
 
-def test_the_import_graph_has_no_circle():
-    graph = _without_package_inits(_graph())
-    for n in graph:  # the package root only hands names on: leave its re-exports out
-        graph[n].discard("torchtpu_export")
-    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+def _target_of(module: str) -> str | None:
+    """The target whose folder holds ``module``, else None."""
+    parts = module.split(".")
+    return parts[2] if module.startswith(TARGETS_PKG + ".") and len(parts) > 3 else None
+
+
+def _artifact_module(module: str, graph: dict, seen=None) -> bool:
+    """A module of a target's folder that converters and runtimes may use: not the record, and importing
+    nothing but the core and other such modules (the artifact's reader and writer, ahead-of-time tools)."""
+    seen = set() if seen is None else seen
+    if module in seen:
+        return True
+    seen.add(module)
+    if _target_of(module) is None or module.endswith(".target") or module.count(".") > 3:
+        return False
+    for dep in graph[module]:
+        if dep.removeprefix("torchtpu_export.") in CORE or dep in (TARGETS_PKG, f"{TARGETS_PKG}.{_target_of(module)}"):
+            continue
+        if not _artifact_module(dep, graph, seen):
+            return False
+    return True
 
 
 def test_the_core_imports_no_target_and_converters_and_runtimes_stay_apart():
@@ -117,7 +141,99 @@ def test_the_core_imports_no_target_and_converters_and_runtimes_stay_apart():
                 bad.append(f"converter {name} imports {dep}")
             if name.startswith("torchtpu_export.runtimes") and dep.startswith("torchtpu_export.converters"):
                 bad.append(f"runtime {name} imports {dep}")
+            if name.startswith(("torchtpu_export.converters", "torchtpu_export.runtimes")) and \
+                    dep.startswith(TARGETS_PKG) and dep not in (TARGETS_PKG, f"{TARGETS_PKG}.{_target_of(dep)}") \
+                    and not _artifact_module(dep, graph):
+                bad.append(f"{name} imports {dep}, which is not a target's artifact module")
+            if name.startswith(("torchtpu_export.converters", "torchtpu_export.runtimes")) and \
+                    dep.startswith(FACES) and not dep.startswith(("torchtpu_export.converters",
+                                                                    "torchtpu_export.runtimes", TARGETS_PKG)):
+                bad.append(f"{name} imports the face {dep}")
     assert not bad, bad
+
+
+def test_each_target_is_a_folder_and_what_one_target_uses_lives_in_it():
+    for name in targets.NAMES:
+        folder = os.path.join(REPO, "torchtpu_export", "targets", name)
+        assert os.path.isfile(os.path.join(folder, "target.py")), f"target {name} has no folder with target.py"
+        assert not os.path.exists(folder + ".py"), f"targets/{name}.py: a target is a folder"
+        assert targets.get(name).name == name
+    graph = _graph()
+    importers: dict[str, set] = {}
+    for name, deps in graph.items():
+        for dep in deps:
+            importers.setdefault(dep, set()).add(name)
+    records = targets.all_targets()
+
+    def worlds(module: str) -> set | None:
+        """The targets a module works for: its folder's, its converter's or runtime's; None: shared."""
+        if _target_of(module):
+            return {_target_of(module)}
+        for kind in ("converters", "runtimes"):
+            prefix = f"torchtpu_export.{kind}."
+            if module.startswith(prefix):
+                part = module[len(prefix):].split(".")[0]
+                attr = "converter" if kind == "converters" else "runtime"
+                used = {t.name for t in records.values() if getattr(t, attr) == part}
+                return used or None
+        return None
+
+    misplaced = []
+    for module in graph:
+        if not module.startswith("torchtpu_export.") or module.startswith(
+                (TARGETS_PKG, "torchtpu_export.converters", "torchtpu_export.runtimes")):
+            continue
+        users = importers.get(module, set())
+        found = [worlds(u) for u in users]
+        if users and all(w is not None for w in found) and len(set().union(*found)) == 1:
+            misplaced.append(f"{module} is used by the {set().union(*found).pop()} target alone: "
+                             f"it belongs in its folder ({sorted(users)})")
+        short = module.rsplit(".", 1)[-1]
+        if any(short.startswith(t + "_") for t in targets.NAMES):
+            misplaced.append(f"{module} is named for a target but lives outside its folder")
+    assert not misplaced, misplaced
+
+
+def test_the_engine_has_no_http_and_the_server_no_jax_at_import():
+    graph = _graph()
+    http = ("kserve", "fastapi", "starlette", "uvicorn", "aiohttp", "http.server", "httpx", "requests")
+    for name, path in _modules().items():
+        if not name.startswith("torchtpu_export.engine"):
+            continue
+        assert not {d for d in graph[name] if d.startswith("torchtpu_export.server")}, name
+        for node in ast.walk(ast.parse(open(path).read())):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            assert not [m for m in mods if m.split(".")[0] in http or m.startswith(http)], (name, mods)
+    server = [n for n in _modules() if n.startswith("torchtpu_export.server")]
+    code = f"import sys; import {', '.join(server)}; print('jax' in sys.modules, 'jaxlib' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "False"], r.stdout
+
+
+def test_no_sys_path_edits_anywhere():
+    """Modules find each other as packages (pytest's pythonpath, ``python -m``); the one function that puts a
+    folder on the path is ``models.user_import_path``, for a user's own factory module while it loads."""
+    found = []
+    for top in ("torchtpu_export", "converters", "runtimes", "tests", "benchmarks", "examples", "tools"):
+        for root, dirs, files in os.walk(os.path.join(REPO, top)):
+            dirs[:] = [d for d in dirs if d not in ("node_modules", "__pycache__")]
+            for f in (f for f in files if f.endswith(".py")):
+                path = os.path.join(root, f)
+                tree = ast.parse(open(path, encoding="utf-8").read())
+                allowed = {id(n) for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)
+                           and fn.name == "user_import_path" and path.endswith(os.path.join("torchtpu_export", "models.py"))
+                           for n in ast.walk(fn)}
+                for node in ast.walk(tree):
+                    target = node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                        and node.func.attr in ("insert", "append", "extend", "remove", "clear") else node.targets[0] if isinstance(node, ast.Assign) else node.target \
+                        if isinstance(node, ast.AugAssign) else None
+                    if isinstance(target, ast.Subscript):
+                        target = target.value
+                    if target is not None and ast.unparse(target) == "sys.path" and id(node) not in allowed:
+                        found.append(f"{os.path.relpath(path, REPO)}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert not found, found
 
 
 def test_no_module_imports_converters_or_runtimes_by_a_bare_name():
@@ -126,18 +242,27 @@ def test_no_module_imports_converters_or_runtimes_by_a_bare_name():
     assert not found, found
 
 
-TARGET_BRANCH = re.compile(r"""(target|kind|\.name)\s*(==|!=)\s*["'](tpu|litert|onnx)["']"""
-                           r"""|(target|kind)\s+(not\s+)?in\s+[(\[]["'](tpu|litert|onnx)""")
+TARGET_BRANCH = re.compile(r"""(target|kind|\.name)\s*(==|!=)\s*["'](tpu|litert|litertlm|onnx)["']"""
+                           r"""|(target|kind)\s+(not\s+)?in\s+[(\[]["'](tpu|litert|litertlm|onnx)""")
+
+
+def _duck_typing() -> re.Pattern:
+    """``hasattr(x, "m")`` for a method ``m`` some runnable has and the base Runnable has not: a branch on
+    what kind of artifact ``x`` is, which belongs in the target's record or the runnable."""
+    own = {m for t in targets.all_targets().values() for m in vars(t.runnable)
+           if not m.startswith("__") and not hasattr(targets.Runnable, m)}
+    return re.compile(r"""hasattr\(\s*[\w.]+\s*,\s*["'](%s)["']\s*\)""" % "|".join(sorted(map(re.escape, own))))
 
 
 def test_no_code_dispatches_on_a_target_name_outside_the_table():
     table = os.path.join(REPO, "torchtpu_export", "targets")
+    duck = _duck_typing()
     found = []
     for path in _modules().values():
         if path.startswith(table):
             continue
         for i, line in enumerate(open(path), 1):
-            if TARGET_BRANCH.search(line):
+            if TARGET_BRANCH.search(line) or duck.search(line):
                 found.append(f"{os.path.relpath(path, REPO)}:{i}: {line.strip()}")
     assert not found, found
 

@@ -1,12 +1,12 @@
 """Regenerates the committed coverage files: ``make coverage`` (a repository tool, not installed code).
 
-    python tools/coverage.py                      # the whole table: docs/coverage.{json,md}, README totals,
+    python -m tools.coverage                      # the whole table: docs/coverage.{json,md}, README totals,
                                                   # tests/coverage_expected.json
-    python tools/coverage.py --ops 'aten.add.*'   # only these ops' rows, the rest kept as committed
-    python tools/coverage.py --runtimes xla_bf16  # only these columns, the rest kept as committed
-    python tools/coverage.py --opinfo             # PyTorch's OpInfo samples: docs/coverage_opinfo.{json.gz,md}
-    python tools/coverage.py --opinfo --ops fft   # only the OpInfos whose names contain 'fft' (or match a glob)
-    python tools/coverage.py --opinfo --dtype bfloat16   # their bfloat16 samples on the tpu target's CPU program
+    python -m tools.coverage --ops 'aten.add.*'   # only these ops' rows, the rest kept as committed
+    python -m tools.coverage --runtimes xla_bf16  # only these columns, the rest kept as committed
+    python -m tools.coverage --opinfo             # PyTorch's OpInfo samples: docs/coverage_opinfo.{json.gz,md}
+    python -m tools.coverage --opinfo --ops fft   # only the OpInfos whose names contain 'fft' (or match a glob)
+    python -m tools.coverage --opinfo --dtype bfloat16   # their bfloat16 samples on the tpu target's CPU program
                                                   # (xla column): docs/coverage_opinfo_bf16.{json.gz,md}
 """
 from __future__ import annotations
@@ -18,13 +18,11 @@ import os
 import sys
 import time
 
+from torchtpu_export import coverage
+from torchtpu_export.coverage import opinfo
+from torchtpu_export.fileio import write_bytes_atomic
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from torchtpu_export import coverage  # noqa: E402
-from torchtpu_export.coverage import opinfo  # noqa: E402
-from torchtpu_export.fileio import write_bytes_atomic  # noqa: E402
-
 EXPECTED = os.path.join(REPO, "tests", "coverage_expected.json")
 DOCS_JSON = os.path.join(REPO, "docs", "coverage.json")
 DOCS_MD = os.path.join(REPO, "docs", "coverage.md")

@@ -219,7 +219,7 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     lengths = _check_llm_options(source, prefill_lengths, cache_length)
     t = targets.get(target)
     program_target = t.program_target or target
-    recipe = parse(quant_config, program_target)
+    recipe = parse(quant_config, program_target, targets.get(program_target).recipes)
     # serving in bf16 keeps the KV cache in bf16 too (half the HBM); LiteRT-LM's caches are float32
     serving = targets.get(program_target).serving
     bf16 = serving and recipe is not None and recipe.recipe == "bf16"
@@ -242,6 +242,9 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     if options.get("mesh") and options.get("sharding", "tensor_parallel") in (None, "tensor_parallel"):
         # tensor parallel splits attention by head: each chip keeps its own heads' KV cache, never the whole
         options.setdefault("input_shardings", cache_shardings(layout, options["mesh"]))
+    maker = targets.get(program_target)
+    if maker.llm_options is not None:
+        options.update(maker.llm_options(source, layout, lengths))
     if quant_config is not None:
         # quality is the agreement of next tokens (benchmarks/llm.py), not the error on zero-filled samples,
         # and measuring that would run both models on every signature's full cache

@@ -4,7 +4,7 @@
     torchtpu-export inspect ARTIFACT
     torchtpu-export run ARTIFACT [--inputs x.npy ...] [-o outputs.npz]
     torchtpu-export HF_MODEL_FOLDER --target litertlm [--prefill-lengths 32,128] [--cache-length 1024]
-    torchtpu-export run model.litertlm --prompt "..." [--chat]
+    torchtpu-export run model.litertlm|model.tpu --prompt "..." [--chat]
 
 Errors print one message on stderr and exit with the code of their class
 (see ``errors.EXIT_CODES``); ``--debug`` shows the traceback.
@@ -83,21 +83,11 @@ def _convert_parser() -> argparse.ArgumentParser:
                         "or .npy/.npz files; default: the model's own example inputs")
     p.add_argument("--check", action="store_true", help="run the artifact on the sample inputs and compare with eager")
     p.add_argument("--tolerance", type=float, default=None, help="--check tolerance relative to the output scale")
-    p.add_argument("--platforms", default="tpu,cpu", help="tpu target: comma-separated PJRT platforms")
-    p.add_argument("--kernels", default="auto", choices=["auto", "pallas", "xla"],
-                   help="tpu target: Pallas kernels for hot ops (auto: where shapes allow)")
-    p.add_argument("--narrow-64bit", action="store_true", help="tpu target: int64/float64 become 32-bit")
-    p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
-                   help="tpu target: shard over a device mesh, e.g. data=1,model=8")
-    p.add_argument("--sharding", default=None, choices=["tensor_parallel", "data_parallel", "replicated"],
-                   help="tpu target with --mesh: how weights and inputs are split (default tensor_parallel)")
-    p.add_argument("--io-dtypes", default=None, choices=["auto", "web"],
-                   help="litert target: 'web' makes every input/output float32, int32 or uint8 (LiteRT.js)")
-    p.add_argument("--channels-last", action="store_true",
-                   help="litert target: 4-D float inputs and outputs in NHWC (camera frames, canvases)")
-    p.add_argument("--quantize", default=None, metavar="RECIPE",
-                   help="quantization recipe: tpu int8_weight_only, bf16; litert and litertlm fp16, dynamic_int8, int8, "
-                        "int4_blockwise (see README)")
+    for t in targets.all_targets().values():  # each target's own flags, from its record
+        for flag, kwargs in t.cli_arguments:
+            p.add_argument(flag, **kwargs)
+    recipes = "; ".join(f"{t.name} {', '.join(t.recipes)}" for t in targets.all_targets().values() if t.recipes)
+    p.add_argument("--quantize", default=None, metavar="RECIPE", help=f"quantization recipe: {recipes} (see README)")
     p.add_argument("--prefill-lengths", default=None, metavar="N,...",
                    help="LLM folders: prefill chunk lengths, one signature each (default 128)")
     p.add_argument("--cache-length", type=int, default=None, metavar="C",
@@ -346,7 +336,7 @@ def _run_args(p):
                    help=".npy/.npz files or SHAPE:DTYPE specs; default: random inputs of the artifact's shapes")
     p.add_argument("--signature", default=None, help="program/signature to run (artifacts with several)")
     p.add_argument("-o", "--output", default=None, help="save the outputs to this .npz file")
-    p.add_argument("--prompt", default=None, help=".litertlm: generate text after this prompt (LiteRT-LM's engine)")
+    p.add_argument("--prompt", default=None, help="LLM artifacts (.tpu from export_llm, .litertlm): generate text after this prompt")
     p.add_argument("--max-new-tokens", type=int, default=64, help="with --prompt: the most tokens to generate")
     p.add_argument("--chat", action="store_true", help="with --prompt: send it as a user message (chat template)")
     p.add_argument("--runtime", default=None, metavar="NAME",
@@ -366,12 +356,10 @@ def _run(args) -> int:
         check_writable(args.output, inputs=(args.artifact, *_input_files(args.inputs)))
     art = api.load(args.artifact)
     if args.prompt is not None:
-        if not hasattr(art, "generate"):
-            raise InputError(f"--prompt applies to LLM bundles (.litertlm), not {args.artifact}")
         t0 = time.perf_counter()
-        text = art.generate(args.prompt, args.max_new_tokens, chat=args.chat)
-        print(printable(text, newlines=True))
-        _out(args, f"generated in {time.perf_counter() - t0:.2f} s")
+        reply = art.generate(args.prompt, args.max_new_tokens, chat=args.chat)
+        print(printable(str(reply), newlines=True))
+        _out(args, f"generated in {time.perf_counter() - t0:.2f} s ({len(reply.ids)} tokens, {reply.finish_reason})")
         return 0
     specs = art.inputs(args.signature)
     if args.inputs:

@@ -1,13 +1,13 @@
 """``torchtpu-export inspect``: what an artifact holds, as a dict (each target's describer) and as text."""
 from __future__ import annotations
 
+from . import targets
 from .errors import InputError
 
 
 def describe(path: str, topologies=None) -> dict:
     """What the artifact at ``path`` holds; for a .tpu with ``topologies``, also what the TPU compiler
     says about each program on them (compiled here with libtpu, nothing written)."""
-    from . import targets
     target = targets.for_file(path)
     if target is None:
         raise InputError(f"{path} is a model file, not an artifact; convert it first")
@@ -24,18 +24,9 @@ def format_description(desc: dict) -> str:
         lines.append("made with " + ", ".join(f"{k} {v}" for k, v in sorted(desc["versions"].items())))
     if desc.get("platforms"):
         lines.append("platforms: " + ", ".join(desc["platforms"]))
-    if desc.get("mesh"):
-        axes = desc["mesh"]["axes"]
-        lines.append(f"mesh: {', '.join(f'{a}={n}' for a, n in axes)} ({desc['mesh']['devices']} devices)")
-    for topo, size in (desc.get("topologies") or {}).items():
-        lines.append(f"topology {topo}: {size['chips']} chip{'s' if size['chips'] != 1 else ''} on {size['hosts']} "
-                     f"host{'s' if size['hosts'] != 1 else ''}")
-    llm = desc.get("llm")
-    if llm:  # an export_llm .tpu: what the serving engine and server read
-        lines.append(f"llm {llm.get('name', '?')}: cache {llm['cache_length']} positions, prefill lengths "
-                     f"{', '.join(map(str, llm['prefill_lengths']))}, {llm.get('slots', 1)} decode slot(s), "
-                     + (f"tokenizer (stop ids {llm.get('stop_ids', [])}, chat template "
-                        f"{'yes' if llm.get('chat_template') else 'no'})" if llm.get("tokenizer") else "no tokenizer"))
+    own = targets.get(desc["kind"]).describe_lines if desc.get("kind") in targets.NAMES else None
+    if own is not None:
+        lines += own(desc, None)
     weights = desc.get("weights") or {}
     if weights.get("count") is not None:
         lines.append(f"weights: {weights['count']} tensors, {weights.get('bytes', 0):,} bytes"
@@ -51,27 +42,8 @@ def format_description(desc: dict) -> str:
         if hist:
             lines.append(f"  ops ({sum(hist.values())}): " + ", ".join(f"{k} {v}" for k, v in
                                                                    sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))))
-        for k in prog.get("kernels") or []:
-            what = k.get("kernel") or f"xla ({k.get('reason', 'no kernel')})"
-            if k.get("kernel") and k.get("detail"):
-                what += f" ({k['detail']})"
-            lines.append(f"  kernel [{k.get('platform', '?')}] {k.get('node', '?')} ({k.get('op', '?')}): {what}")
-        for topo, entry in (prog.get("compiled") or {}).items():
-            from .targets.tpu.aot import describe_stats
-            stored = "executable stored" if entry.get("executable") else entry.get("executable_reason", "not stored")
-            lines.append(f"  compiled [{topo}, {entry.get('device_kind')}, libtpu {entry.get('libtpu')}, {stored}]: "
-                         + describe_stats(entry["stats"]))
-        plan = prog.get("sharding")
-        if plan:
-            sharded = {w: s for w, s in plan["weights"].items() if any(s)}
-            lines.append(f"  sharding {plan['mode']}: {len(plan['column_parallel'])} column-parallel, "
-                         f"{len(plan['row_parallel'])} row-parallel, {len(plan['weights']) - len(sharded)} replicated")
-            lines += [f"  shard {w}: [{', '.join(a or '-' for a in s)}]" for w, s in sorted(sharded.items())]
-            names = [i["name"] for i in prog.get("inputs", [])]
-            lines += [f"  shard input {names[i] if i < len(names) else i}: [{', '.join(a or '-' for a in s)}]"
-                      for i, s in enumerate(plan["inputs"]) if any(s)]
-            lines += [f"  shard output {i}: [{', '.join(a or '-' for a in s)}]"
-                      for i, s in enumerate(plan.get("outputs", [])) if any(s)]
+        if own is not None:
+            lines += own(desc, name)
     if desc.get("entries"):
         lines.append("entries:")
         lines += [f"  {n}: {s:,} bytes" for n, s in sorted(desc["entries"].items())]

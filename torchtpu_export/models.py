@@ -24,42 +24,9 @@ _SPEC_RE = re.compile(r"^(?P<shape>scalar|\d+(?:x\d+)*):(?P<dtype>[a-z0-9]+)(?::
 
 
 def sniff_model(path: str) -> str:
-    """``"pt2"``, ``"torchscript"``, ``"pickle"``, ``"tpu"``, ``"litert"``, ``"litertlm"``, ``"onnx"`` for the file at ``path``."""
-    if not os.path.exists(path):
-        raise InputError(f"{path} does not exist")
-    if os.path.isdir(path):
-        raise InputError(f"{path} is a directory, not a model file")
-    size = os.path.getsize(path)
-    if size == 0:
-        raise InputError(f"{path} is empty")
-    with open(path, "rb") as f:
-        head = f.read(8)
-    if head == b"LITERTLM":
-        return "litertlm"
-    if head[4:8] == b"TFL3":
-        return "litert"
-    if head[:1] == b"\x80":
-        return "pickle"
-    if head[:2] == b"PK":
-        try:
-            with zipfile.ZipFile(path) as zf:
-                names = zf.namelist()
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as e:
-            raise ArtifactError(f"{path} is a damaged zip archive ({e})",
-                                hint="the file is truncated or corrupt: save or export it again") from e
-        if "manifest.json" in names:
-            return "tpu"
-        if any(n.endswith("/models/model.json") or n.endswith("/archive_format") for n in names):
-            return "pt2"
-        if any("/code/__torch__" in n for n in names):
-            return "torchscript"
-        if any(n.endswith("/data.pkl") or n == "data.pkl" for n in names):
-            return "pickle"
-        raise ArtifactError(f"{path} is a zip archive but not a .pt2, TorchScript or .tpu file")
-    if path.endswith(".onnx"):
-        return "onnx"
-    raise ArtifactError(f"{path} is not a model file torchtpu-export reads (unrecognised header)",
-                        hint="give a .pt2 from torch.export.save, a TorchScript archive, or package.module:factory")
+    """``"pt2"``, ``"torchscript"``, ``"pickle"``, or the name of the target whose artifact the file is."""
+    from .targets import sniff
+    return sniff(path)
 
 
 def is_factory(spec: str) -> bool:
@@ -268,8 +235,6 @@ def _import_file(path: str):
     if not os.path.isfile(path):
         raise InputError(f"{path} does not exist")
     path = os.path.abspath(path)
-    if os.path.dirname(path) not in sys.path:
-        sys.path.insert(0, os.path.dirname(path))
     name = os.path.splitext(os.path.basename(path))[0]
     existing = sys.modules.get(name)
     if existing is not None and os.path.abspath(getattr(existing, "__file__", None) or "") == path:
@@ -285,23 +250,38 @@ def _import_file(path: str):
     return mod
 
 
+@contextlib.contextmanager
+def user_import_path(folder: str):
+    """The user's folder on the import path while their factory's module loads and its factory runs (for
+    the module's own imports, as ``python file.py`` would have it), and off it after. The one place the
+    project touches ``sys.path``: its own modules find each other as a package."""
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        if added and folder in sys.path:
+            sys.path.remove(folder)
+
+
 def call_factory(spec: str):
     """What the function ``package.module:factory`` or ``path/to/file.py:factory`` returns."""
     module_name, _, attr = spec.rpartition(":")
-    if module_name.endswith(".py"):
-        mod = _import_file(module_name)
-    else:
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        try:
-            mod = importlib.import_module(module_name)
-        except ImportError as e:
-            raise InputError(f"cannot import {module_name}: {e}",
-                             hint="run from the directory that holds the package") from e
-    factory = getattr(mod, attr, None)
-    if not callable(factory):
-        raise InputError(f"{module_name} has no callable {attr}")
-    return factory()
+    folder = os.path.dirname(os.path.abspath(module_name)) if module_name.endswith(".py") else os.getcwd()
+    with user_import_path(folder):
+        if module_name.endswith(".py"):
+            mod = _import_file(module_name)
+        else:
+            try:
+                mod = importlib.import_module(module_name)
+            except ImportError as e:
+                raise InputError(f"cannot import {module_name}: {e}",
+                                 hint="run from the directory that holds the package") from e
+        factory = getattr(mod, attr, None)
+        if not callable(factory):
+            raise InputError(f"{module_name} has no callable {attr}")
+        return factory()
 
 
 def _load_factory(spec: str):

@@ -18,20 +18,15 @@ import numpy as np
 from .errors import InputError
 from .specs import as_numpy
 
-RECIPES = {
-    "tpu": ("int8_weight_only", "bf16"),
-    "litert": ("fp16", "dynamic_int8", "int8", "int4_blockwise"),
-}
-
-
 @dataclasses.dataclass
 class QuantConfig:
     recipe: str
     options: dict = dataclasses.field(default_factory=dict)
 
 
-def parse(quant_config, target: str) -> QuantConfig | None:
-    """Validates ``quant_config`` for ``target``; None means float."""
+def parse(quant_config, target: str, recipes: tuple | None = None) -> QuantConfig | None:
+    """``quant_config`` as a QuantConfig (None means float), its recipe checked against ``recipes``, the
+    target's (its record's ``recipes``; a converter called by its target's ``build`` passes none)."""
     if quant_config is None:
         return None
     if isinstance(quant_config, QuantConfig):
@@ -42,9 +37,10 @@ def parse(quant_config, target: str) -> QuantConfig | None:
         cfg = QuantConfig(quant_config["recipe"], {k: v for k, v in quant_config.items() if k != "recipe"})
     else:
         raise InputError(f"quant_config must be a recipe name or a dict with 'recipe', not {quant_config!r}")
-    if cfg.recipe not in RECIPES.get(target, ()):
+    if recipes is not None and cfg.recipe not in recipes:
         raise InputError(f"unknown quantization recipe {cfg.recipe!r} for the {target} target",
-                         hint=f"choose one of {', '.join(RECIPES.get(target, ()))}")
+                         hint=f"choose one of {', '.join(recipes)}" if recipes else
+                         f"the {target} target has no quantization recipes")
     return cfg
 
 

@@ -19,7 +19,7 @@ from torchtpu_export._version import __version__
 from torchtpu_export import treespec
 from torchtpu_export.capture import CapturedProgram, kept_or_plain_core
 from torchtpu_export.errors import InputError
-from torchtpu_export.targets.litert.artifact import METADATA_NAME, LiteRTArtifact  # noqa: F401
+from torchtpu_export.targets.litert.artifact import FORMAT, FORMAT_VERSION, METADATA_NAME, LiteRTArtifact  # noqa: F401
 
 from . import ops_composite, ops_elementwise, ops_index, ops_linalg, ops_misc, ops_nn, ops_quant, ops_reduction, ops_shape  # noqa: F401
 from .dims import symbol_ranges
@@ -32,9 +32,6 @@ from .writer import serialize, write
 
 log = logging.getLogger("torchtpu_export")
 aten = torch.ops.aten
-
-FORMAT = "torchtpu_export.litert"
-FORMAT_VERSION = 1
 
 KEEP_WHOLE: list = keep_whole()
 

@@ -13,7 +13,7 @@ from torchtpu_export.capture import decomposition_table
 from torchtpu_export.fxnodes import op_name
 
 from .ir import Tensor
-from .lower import _IGNORED, _build, constant_tensor
+from .lower import IGNORED, build_node, constant_tensor
 from .registry import BUILDERS, BuildContext, keep_whole
 
 
@@ -86,11 +86,11 @@ def inline(ctx: BuildContext, fn, args, kwargs):
                 value = getattr(gm, node.target)
                 env[node] = constant_tensor(node, value, name=f"{outer.name}/{node.name}")
             elif node.op == "call_function":
-                if node.target is not operator.getitem and node.target not in _IGNORED \
+                if node.target is not operator.getitem and node.target not in IGNORED \
                         and node.target not in BUILDERS:
                     ctx.node = outer
                     raise ctx.unsupported(f"its lowering uses {op_name(node.target)}, which has no TFLite builder")
-                env[node] = _build(ctx, node, env)
+                env[node] = build_node(ctx, node, env)
             elif node.op == "output":
                 result = map_arg(node.args[0], env.__getitem__)
     finally:

@@ -18,8 +18,8 @@ from .dims import canon, source_of, symbol, symbol_ranges
 from .registry import BUILDERS, NOT_SUPPORTED, BuildContext, Missing, io_dtype, ir_shape, numpy_dtype
 
 # Nodes that compute nothing the model returns.
-_IGNORED = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default,
-            torch.ops.aten.sym_constrain_range_for_size.default, torch.ops.aten._linalg_check_errors.default}
+IGNORED = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default,
+           torch.ops.aten.sym_constrain_range_for_size.default, torch.ops.aten._linalg_check_errors.default}
 
 
 @dataclasses.dataclass
@@ -53,7 +53,7 @@ class AtenProgram:
 def check_supported(prog: AtenProgram) -> None:
     """Raises UnsupportedOpError naming the most used op of the graph that has no builder."""
     nodes = [n for n in live_nodes(prog) if n.op == "call_function" and n not in prog.constants
-             and n.target is not operator.getitem and n.target not in _IGNORED and not _is_symbolic(n)]
+             and n.target is not operator.getitem and n.target not in IGNORED and not _is_symbolic(n)]
     require_rules(nodes, lambda op: op in BUILDERS, target="litert", reasons=NOT_SUPPORTED,
                   default_reason="no TFLite builder is registered for it")
 
@@ -124,7 +124,7 @@ def lower(prog: AtenProgram) -> Graph:
         elif node.op == "placeholder":
             env[node] = None  # a non-tensor input that torch.export specialised
         elif node.op == "call_function":
-            env[node] = _build(ctx, node, env)
+            env[node] = build_node(ctx, node, env)
         elif node.op == "output":
             _set_outputs(ctx, graph, [env[o] if isinstance(o, torch.fx.Node) else o for o in node.args[0]], cap,
                          prog.io_dtypes)
@@ -171,12 +171,13 @@ def _dynamic_dims(node: torch.fx.Node) -> list[str]:
     return found
 
 
-def _build(ctx: BuildContext, node: torch.fx.Node, env: dict):
+def build_node(ctx: BuildContext, node: torch.fx.Node, env: dict):
+    """The IR value of one ``call_function`` node, its arguments read from ``env``, by its builder."""
     args = map_arg(node.args, env.__getitem__)
     kwargs = map_arg(node.kwargs, env.__getitem__)
     if node.target is operator.getitem:
         return args[0][args[1]]
-    if node.target in _IGNORED:
+    if node.target in IGNORED:
         return None
     missing = _missing_args(args, kwargs)
     if missing:

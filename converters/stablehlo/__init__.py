@@ -26,9 +26,9 @@ from torchtpu_export.quant import parse as parse_quant
 
 from . import quantize
 from . import sharding as sharding_plans
-from . import (ops_backward, ops_composite, ops_distance, ops_elementwise, ops_embedding,  # noqa: F401
-               ops_fft, ops_hot, ops_index, ops_linalg, ops_misc, ops_nn, ops_random, ops_reduction, ops_sampling,
-               ops_shape, ops_special)
+from . import (ops_backward, ops_distance, ops_elementwise, ops_embedding, ops_fft,  # noqa: F401
+               ops_hot, ops_index, ops_linalg, ops_misc, ops_nn, ops_noncore, ops_random, ops_reduction,
+               ops_sampling, ops_shape, ops_special)
 from .fusion import fuse_hot_ops
 from .interpreter import check_supported, to_jax_function, uses_random
 from .registry import LOWERINGS, PLATFORMS, LoweringContext, jax_dtype, lookup, lowers  # noqa: F401

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 import torch
 
-from .ops_nn import _acc, adaptive_avg_pool, avg_pool, conv
+from .ops_nn import acc_dtype, adaptive_avg_pool, avg_pool, conv
 from .registry import lowers
 
 aten = torch.ops.aten
@@ -53,7 +53,7 @@ def convolution_backward(ctx, grad, x, w, bias_sizes, stride, padding, dilation,
     gx, gw = pullback(grad.astype(x.dtype))
     gb = None
     if output_mask[2]:
-        gb = jnp.sum(grad.astype(_acc(grad.dtype)), axis=(0,) + tuple(range(2, grad.ndim))).astype(grad.dtype)
+        gb = jnp.sum(grad.astype(acc_dtype(grad.dtype)), axis=(0,) + tuple(range(2, grad.ndim))).astype(grad.dtype)
     return (gx if output_mask[0] else None), (gw if output_mask[1] else None), gb
 
 
@@ -73,7 +73,7 @@ def embedding_dense_backward(ctx, grad, indices, num_weights, padding_idx, scale
 
 @lowers(aten.native_layer_norm_backward.default)
 def native_layer_norm_backward(ctx, grad, x, normalized_shape, mean, rstd, w, b, output_mask):
-    acc = _acc(x.dtype)
+    acc = acc_dtype(x.dtype)
     axis = x.ndim - len(normalized_shape)
     inner = tuple(range(axis, x.ndim))
     outer = tuple(range(axis))
@@ -97,7 +97,7 @@ def native_layer_norm_backward(ctx, grad, x, normalized_shape, mean, rstd, w, b,
 
 @lowers(aten.native_group_norm_backward.default)
 def native_group_norm_backward(ctx, grad, x, mean, rstd, w, n, c, hxw, group, output_mask):
-    acc = _acc(x.dtype)
+    acc = acc_dtype(x.dtype)
     cpg = c // group
     g = grad.astype(acc).reshape((n, c, hxw))
     xf = x.astype(acc).reshape((n, c, hxw))

@@ -18,7 +18,7 @@ def opmath(dtype):
     return jnp.float32 if dtype in (jnp.float16, jnp.bfloat16) else dtype
 
 
-def _unary(op, fn, kind=Kind.DEFAULT):
+def unary(op, fn, kind=Kind.DEFAULT):
     @lowers(op)
     def rule(ctx, x):
         return fn(ctx.cast(x, opmath(ctx.promoted_dtype(kind))))
@@ -37,7 +37,7 @@ for _op, _fn in [
     (aten.sigmoid.default, jax.nn.sigmoid), (aten.sin.default, jnp.sin), (aten.sinh.default, jnp.sinh),
     (aten.sqrt.default, jnp.sqrt), (aten.tan.default, jnp.tan), (aten.tanh.default, jnp.tanh),
 ]:
-    _unary(_op, _fn, Kind.INT_TO_FLOAT)
+    unary(_op, _fn, Kind.INT_TO_FLOAT)
 
 # Ops that keep the input dtype (ints stay ints).
 for _op, _fn in [
@@ -47,7 +47,7 @@ for _op, _fn in [
      if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.sign(x)),
     (aten.relu.default, lambda x: jnp.maximum(x, jnp.zeros((), x.dtype))),
 ]:
-    _unary(_op, _fn)
+    unary(_op, _fn)
 
 
 def _float_or_same(fn):
@@ -59,7 +59,7 @@ def _float_or_same(fn):
 
 for _op, _fn in [(aten.ceil.default, jnp.ceil), (aten.floor.default, jnp.floor),
                  (aten.round.default, jnp.round), (aten.trunc.default, jnp.trunc)]:
-    _unary(_op, _float_or_same(_fn))
+    unary(_op, _float_or_same(_fn))
 
 
 @lowers(aten.isnan.default)
@@ -77,7 +77,7 @@ def logical_not(ctx, x):
     return jnp.logical_not(x)
 
 
-def _binary(ops, fn, kind=Kind.DEFAULT):
+def binary(ops, fn, kind=Kind.DEFAULT):
     @lowers(*ops)
     def rule(ctx, a, b, *args, out=None, **kwargs):
         # ``out`` (of out= overloads) only says where torch would write the result
@@ -92,27 +92,27 @@ def _with_alpha(fn):
     return apply
 
 
-_binary([aten.add.Tensor, aten.add.Scalar], _with_alpha(jnp.add))
-_binary([aten.sub.Tensor, aten.sub.Scalar], _with_alpha(jnp.subtract))
-_binary([aten.mul.Tensor, aten.mul.Scalar], jnp.multiply)
-_binary([aten.div.Tensor, aten.div.Scalar], jnp.true_divide, Kind.INT_TO_FLOAT)
-_binary([aten.maximum.default], jnp.maximum)
-_binary([aten.minimum.default], jnp.minimum)
-_binary([aten.atan2.default, aten.atan2.out], jnp.arctan2, Kind.INT_TO_FLOAT)
-_binary([aten.fmod.Tensor, aten.fmod.Scalar], jnp.fmod)
-_binary([aten.remainder.Tensor, aten.remainder.Scalar], jnp.remainder)
-_binary([aten.bitwise_and.Tensor, aten.bitwise_and.Scalar], jnp.bitwise_and)
-_binary([aten.bitwise_or.Tensor, aten.bitwise_or.Scalar], jnp.bitwise_or)
-_binary([aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar], jnp.bitwise_xor)
-_binary([aten.logical_and.default], jnp.logical_and)
-_binary([aten.logical_or.default], jnp.logical_or)
-_binary([aten.logical_xor.default], jnp.logical_xor)
-_binary([aten.eq.Tensor, aten.eq.Scalar], jnp.equal)
-_binary([aten.ne.Tensor, aten.ne.Scalar], jnp.not_equal)
-_binary([aten.lt.Tensor, aten.lt.Scalar], jnp.less)
-_binary([aten.le.Tensor, aten.le.Scalar], jnp.less_equal)
-_binary([aten.gt.Tensor, aten.gt.Scalar], jnp.greater)
-_binary([aten.ge.Tensor, aten.ge.Scalar], jnp.greater_equal)
+binary([aten.add.Tensor, aten.add.Scalar], _with_alpha(jnp.add))
+binary([aten.sub.Tensor, aten.sub.Scalar], _with_alpha(jnp.subtract))
+binary([aten.mul.Tensor, aten.mul.Scalar], jnp.multiply)
+binary([aten.div.Tensor, aten.div.Scalar], jnp.true_divide, Kind.INT_TO_FLOAT)
+binary([aten.maximum.default], jnp.maximum)
+binary([aten.minimum.default], jnp.minimum)
+binary([aten.atan2.default, aten.atan2.out], jnp.arctan2, Kind.INT_TO_FLOAT)
+binary([aten.fmod.Tensor, aten.fmod.Scalar], jnp.fmod)
+binary([aten.remainder.Tensor, aten.remainder.Scalar], jnp.remainder)
+binary([aten.bitwise_and.Tensor, aten.bitwise_and.Scalar], jnp.bitwise_and)
+binary([aten.bitwise_or.Tensor, aten.bitwise_or.Scalar], jnp.bitwise_or)
+binary([aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar], jnp.bitwise_xor)
+binary([aten.logical_and.default], jnp.logical_and)
+binary([aten.logical_or.default], jnp.logical_or)
+binary([aten.logical_xor.default], jnp.logical_xor)
+binary([aten.eq.Tensor, aten.eq.Scalar], jnp.equal)
+binary([aten.ne.Tensor, aten.ne.Scalar], jnp.not_equal)
+binary([aten.lt.Tensor, aten.lt.Scalar], jnp.less)
+binary([aten.le.Tensor, aten.le.Scalar], jnp.less_equal)
+binary([aten.gt.Tensor, aten.gt.Scalar], jnp.greater)
+binary([aten.ge.Tensor, aten.ge.Scalar], jnp.greater_equal)
 
 
 def _div_mode(a, b, rounding_mode=None):
@@ -189,14 +189,14 @@ def gelu(ctx, x, *, approximate="none"):
 for _op, _fn in [(aten.erfc.default, jax.scipy.special.erfc), (aten.erfinv.default, jax.scipy.special.erfinv),
                  (aten.exp2.default, jnp.exp2), (aten.lgamma.default, jax.scipy.special.gammaln),
                  (aten.digamma.default, jax.scipy.special.digamma)]:
-    _unary(_op, _fn, Kind.INT_TO_FLOAT)
+    unary(_op, _fn, Kind.INT_TO_FLOAT)
 
-_binary([aten.copysign.Tensor, aten.copysign.Scalar], jnp.copysign, Kind.INT_TO_FLOAT)
+binary([aten.copysign.Tensor, aten.copysign.Scalar], jnp.copysign, Kind.INT_TO_FLOAT)
 # right shifts of signed integers are arithmetic, like torch's
-_binary([aten.bitwise_left_shift.Tensor, aten.bitwise_left_shift.Tensor_Scalar, aten.__lshift__.Tensor,
-         aten.__lshift__.Scalar], jnp.left_shift)
-_binary([aten.bitwise_right_shift.Tensor, aten.bitwise_right_shift.Tensor_Scalar, aten.__rshift__.Tensor,
-         aten.__rshift__.Scalar], jnp.right_shift)
+binary([aten.bitwise_left_shift.Tensor, aten.bitwise_left_shift.Tensor_Scalar, aten.__lshift__.Tensor,
+        aten.__lshift__.Scalar], jnp.left_shift)
+binary([aten.bitwise_right_shift.Tensor, aten.bitwise_right_shift.Tensor_Scalar, aten.__rshift__.Tensor,
+        aten.__rshift__.Scalar], jnp.right_shift)
 
 
 @lowers(aten.angle.default)
@@ -214,12 +214,12 @@ def round_decimals(ctx, x, *, decimals):
     return jnp.round(x * scale) / scale if decimals >= 0 else jnp.round(x / scale) * scale
 
 
-_binary([aten.fmax.default], jnp.fmax)
-_binary([aten.fmin.default], jnp.fmin)
-_binary([aten.hypot.default], jnp.hypot)
-_binary([aten.nextafter.default], jnp.nextafter)
-_binary([aten.gcd.default], jnp.gcd)
-_binary([aten.lcm.default], jnp.lcm)
+binary([aten.fmax.default], jnp.fmax)
+binary([aten.fmin.default], jnp.fmin)
+binary([aten.hypot.default], jnp.hypot)
+binary([aten.nextafter.default], jnp.nextafter)
+binary([aten.gcd.default], jnp.gcd)
+binary([aten.lcm.default], jnp.lcm)
 
 
 @lowers(aten.signbit.default)

@@ -21,12 +21,12 @@ aten = torch.ops.aten
 
 @lowers(aten.mm.default, aten.bmm.default)
 def matmul(ctx, a, b):
-    return jnp.matmul(a, b, preferred_element_type=_acc(a.dtype)).astype(ctx.out_dtype())
+    return jnp.matmul(a, b, preferred_element_type=acc_dtype(a.dtype)).astype(ctx.out_dtype())
 
 
 @lowers(aten.addmm.default)
 def addmm(ctx, bias, a, b, *, beta=1, alpha=1):
-    out = jnp.matmul(a, b, preferred_element_type=_acc(a.dtype))
+    out = jnp.matmul(a, b, preferred_element_type=acc_dtype(a.dtype))
     if alpha != 1:
         out = out * alpha
     if beta == 0:
@@ -34,8 +34,9 @@ def addmm(ctx, bias, a, b, *, beta=1, alpha=1):
     return (out + (bias if beta == 1 else bias * beta)).astype(ctx.out_dtype())
 
 
-def _acc(dtype):
-    # low-precision floats accumulate in f32, like torch's CPU and XLA's TPU kernels
+def acc_dtype(dtype):
+    """The dtype ``dtype`` math accumulates in: low-precision floats in f32, like torch's CPU and XLA's
+    TPU kernels."""
     return jnp.float32 if dtype in (jnp.bfloat16, jnp.float16) else dtype
 
 
@@ -44,7 +45,7 @@ def half_rounding(dtype):
     otherwise), for lowerings that follow torch kernels which round every step to the half type.
     ``reduce_precision`` is an op of its own, so XLA keeps each rounding (excess precision does not
     remove it)."""
-    if _acc(dtype) == dtype:
+    if acc_dtype(dtype) == dtype:
         return lambda v: v
     finfo = jnp.finfo(dtype)
     return lambda v: lax.reduce_precision(v, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
@@ -63,7 +64,7 @@ def conv(x, w, bias, stride, padding, dilation, transposed, output_padding, grou
     if not transposed:
         out = lax.conv_general_dilated(x, w, window_strides=stride, padding=[(p, p) for p in padding],
                                        rhs_dilation=dilation, dimension_numbers=_dimension_numbers(nd),
-                                       feature_group_count=groups, preferred_element_type=_acc(x.dtype))
+                                       feature_group_count=groups, preferred_element_type=acc_dtype(x.dtype))
     else:
         output_padding = list(output_padding) * nd if len(output_padding) == 1 else list(output_padding)
         # (Cin, Cout/g, *k) -> (Cout, Cin/g, *k), spatially flipped: a transposed conv is a conv over
@@ -76,7 +77,7 @@ def conv(x, w, bias, stride, padding, dilation, transposed, output_padding, grou
         pads = [(d * (kk - 1) - p, d * (kk - 1) - p + op) for kk, d, p, op in zip(k, dilation, padding, output_padding)]
         out = lax.conv_general_dilated(x, w, window_strides=[1] * nd, padding=pads, lhs_dilation=stride,
                                        rhs_dilation=dilation, dimension_numbers=_dimension_numbers(nd),
-                                       feature_group_count=groups, preferred_element_type=_acc(x.dtype))
+                                       feature_group_count=groups, preferred_element_type=acc_dtype(x.dtype))
     out = out.astype(x.dtype)
     if bias is not None:
         out = out + bias.reshape((1, -1) + (1,) * nd)
@@ -94,8 +95,9 @@ def _bcast_channel(v, ndim):
     return v.reshape((1, -1) + (1,) * (ndim - 2))
 
 
-def _batch_norm(x, w, b, mean, var, eps):
-    acc = _acc(x.dtype)
+def normalize_batch(x, w, b, mean, var, eps):
+    """Batch norm of NC... ``x`` with the given per-channel statistics (and optional affine ``w``, ``b``)."""
+    acc = acc_dtype(x.dtype)
     xf = x.astype(acc)
     inv = lax.rsqrt(var.astype(acc) + eps)
     out = (xf - _bcast_channel(mean.astype(acc), x.ndim)) * _bcast_channel(inv, x.ndim)
@@ -109,12 +111,13 @@ def _batch_norm(x, w, b, mean, var, eps):
 @lowers(aten._native_batch_norm_legit_no_training.default)
 def batch_norm_inference(ctx, x, w, b, running_mean, running_var, momentum, eps):
     empty = jnp.zeros((0,), x.dtype)
-    return _batch_norm(x, w, b, running_mean, running_var, eps), empty, empty
+    return normalize_batch(x, w, b, running_mean, running_var, eps), empty, empty
 
 
-def _batch_stats(x):
+def batch_stats(x):
+    """The per-channel mean and (biased) variance of NC... ``x``, in its accumulation dtype."""
     axes = (0,) + tuple(range(2, x.ndim))
-    xf = x.astype(_acc(x.dtype))
+    xf = x.astype(acc_dtype(x.dtype))
     return jnp.mean(xf, axis=axes), jnp.var(xf, axis=axes)
 
 
@@ -122,8 +125,8 @@ def _batch_stats(x):
 def batch_norm_training(ctx, x, w, b, running_mean, running_var, training, momentum, eps):
     if not training:
         return batch_norm_inference(ctx, x, w, b, running_mean, running_var, momentum, eps)
-    mean, var = _batch_stats(x)
-    return _batch_norm(x, w, b, mean, var, eps), mean, lax.rsqrt(var + eps)
+    mean, var = batch_stats(x)
+    return normalize_batch(x, w, b, mean, var, eps), mean, lax.rsqrt(var + eps)
 
 
 @lowers(aten._native_batch_norm_legit_functional.default)
@@ -132,12 +135,12 @@ def batch_norm_functional(ctx, x, w, b, running_mean, running_var, training, mom
     if not training:
         out, save_mean, save_rstd = batch_norm_inference(ctx, x, w, b, running_mean, running_var, momentum, eps)
         return out, save_mean, save_rstd, running_mean, running_var
-    mean, var = _batch_stats(x)
+    mean, var = batch_stats(x)
     n = x.size // x.shape[1]
     unbiased = var * (n / max(n - 1, 1))
     new_mean = (1 - momentum) * running_mean + momentum * mean.astype(running_mean.dtype)
     new_var = (1 - momentum) * running_var + momentum * unbiased.astype(running_var.dtype)
-    return _batch_norm(x, w, b, mean, var, eps), mean, lax.rsqrt(var + eps), new_mean, new_var
+    return normalize_batch(x, w, b, mean, var, eps), mean, lax.rsqrt(var + eps), new_mean, new_var
 
 
 @lowers(aten._batch_norm_with_update_functional.default)
@@ -150,14 +153,14 @@ def batch_norm_with_update(ctx, x, w, b, running_mean, running_var, momentum, ep
 
 @lowers(aten._native_batch_norm_legit.no_stats)
 def batch_norm_no_stats(ctx, x, w, b, training, momentum, eps):
-    mean, var = _batch_stats(x)
-    return _batch_norm(x, w, b, mean, var, eps), mean, lax.rsqrt(var + eps)
+    mean, var = batch_stats(x)
+    return normalize_batch(x, w, b, mean, var, eps), mean, lax.rsqrt(var + eps)
 
 
 @lowers(aten.native_layer_norm.default)
 def native_layer_norm(ctx, x, normalized_shape, w, b, eps):
     axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
-    xf = x.astype(_acc(x.dtype))
+    xf = x.astype(acc_dtype(x.dtype))
     mean = jnp.mean(xf, axis=axes, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=axes, keepdims=True)
     rstd = lax.rsqrt(var + eps)
@@ -171,7 +174,7 @@ def native_layer_norm(ctx, x, normalized_shape, w, b, eps):
 
 @lowers(aten.native_group_norm.default)
 def native_group_norm(ctx, x, w, b, n, c, hxw, group, eps):
-    xf = x.astype(_acc(x.dtype)).reshape((x.shape[0], group, -1))
+    xf = x.astype(acc_dtype(x.dtype)).reshape((x.shape[0], group, -1))
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
     rstd = lax.rsqrt(var + eps)
@@ -269,7 +272,7 @@ def avg_pool(x, nd, kernel, stride, padding, ceil_mode, count_include_pad, divis
     window = (1,) * lead + tuple(kernel)
     strides = (1,) * lead + tuple(stride)
     pads = [(0, 0)] * lead + [(p, h) for p, h in zip(padding, hi)]
-    acc = _acc(x.dtype)
+    acc = acc_dtype(x.dtype)
     sums = lax.reduce_window(x.astype(acc), np.array(0, acc), lax.add, window, strides, pads)
     if divisor_override:
         div = jnp.asarray(divisor_override, acc)
@@ -315,7 +318,7 @@ def adaptive_matrix(n_in: int, n_out: int) -> np.ndarray:
 
 def adaptive_avg_pool(x, output_size):
     nd = len(output_size)
-    out = x.astype(_acc(x.dtype))
+    out = x.astype(acc_dtype(x.dtype))
     for i, n_out in enumerate(output_size):
         axis = x.ndim - nd + i
         m = jnp.asarray(adaptive_matrix(x.shape[axis], n_out), out.dtype)
@@ -357,7 +360,7 @@ def _resize_by_matrices(x, output_size, align_corners, scale_factors, matrix, si
         sizes, scales = _out_sizes(x, 2, output_size, scale_factors)
     else:
         scales = list(scale_factors)
-    out = x.astype(_acc(x.dtype))
+    out = x.astype(acc_dtype(x.dtype))
     for i, (n_out, s) in enumerate(zip(sizes, scales)):
         axis = x.ndim - 2 + i
         m = jnp.asarray(matrix(x.shape[axis], n_out, align_corners, s), out.dtype)
@@ -387,7 +390,7 @@ def embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sp
 
 @lowers(aten.addmv.default)
 def addmv(ctx, bias, mat, vec, *, beta=1, alpha=1):
-    out = jnp.matmul(mat, vec, preferred_element_type=_acc(mat.dtype))
+    out = jnp.matmul(mat, vec, preferred_element_type=acc_dtype(mat.dtype))
     out = out * alpha if alpha != 1 else out
     return (out if beta == 0 else out + (bias if beta == 1 else bias * beta)).astype(ctx.out_dtype())
 
@@ -395,7 +398,7 @@ def addmv(ctx, bias, mat, vec, *, beta=1, alpha=1):
 @lowers(aten.addbmm.default)
 def addbmm(ctx, bias, batch1, batch2, *, beta=1, alpha=1):
     dtype = ctx.out_dtype()
-    if _acc(dtype) != dtype and batch1.shape[0]:
+    if acc_dtype(dtype) != dtype and batch1.shape[0]:
         # torch's CPU kernel is a chain of addmm over the batches: each step adds one product to the
         # half-precision result in float32 and rounds it, so the rounding of every step is torch's too
         acc = jnp.broadcast_to(bias, batch1.shape[1:2] + batch2.shape[2:]).astype(jnp.float32)
@@ -406,7 +409,7 @@ def addbmm(ctx, bias, batch1, batch2, *, beta=1, alpha=1):
             return (c.astype(jnp.float32) + (prod * alpha if alpha != 1 else prod)).astype(dtype), None
         head = step(first, (batch1[0], batch2[0]))[0]
         return lax.scan(step, head, (batch1[1:], batch2[1:]))[0]
-    out = jnp.einsum("bij,bjk->ik", batch1, batch2, preferred_element_type=_acc(batch1.dtype))
+    out = jnp.einsum("bij,bjk->ik", batch1, batch2, preferred_element_type=acc_dtype(batch1.dtype))
     out = out * alpha if alpha != 1 else out
     return (out if beta == 0 else out + (bias if beta == 1 else bias * beta)).astype(dtype)
 
@@ -511,7 +514,7 @@ def _linear_cross_entropy_ops():
 def _linear_cross_entropy(x, w, target, bias, weight, reduction, ignore_index, label_smoothing):
     """cross_entropy(x @ w.T + bias, target) with class weights, ignore_index and label smoothing, in
     float32 for half inputs (the chunked op's float32 accumulation; its chunks are a memory schedule)."""
-    acc = _acc(x.dtype)
+    acc = acc_dtype(x.dtype)
     logits = jnp.matmul(x.astype(acc), w.astype(acc).T, preferred_element_type=acc)
     if bias is not None:
         logits = logits + bias.astype(acc)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from .ops_nn import _acc
+from .ops_nn import acc_dtype
 from .registry import lowers
 
 aten = torch.ops.aten
@@ -29,14 +29,14 @@ def _normal(ctx, shape, dtype=None):
     # half floats: a float32 draw rounded to the half type
     dtype = dtype or ctx.out_dtype()
     floating = jnp.issubdtype(dtype, jnp.floating)
-    z = jax.random.normal(ctx.random_key(), tuple(shape), _acc(dtype) if floating else jnp.float32)
+    z = jax.random.normal(ctx.random_key(), tuple(shape), acc_dtype(dtype) if floating else jnp.float32)
     return z.astype(dtype) if floating else z
 
 
 def _math_dtype(ctx):
     """The dtype a transformed draw is computed in: float32 for half floats (as torch's CPU kernels,
     which transform a float draw and round once), else the output's."""
-    return _acc(ctx.out_dtype())
+    return acc_dtype(ctx.out_dtype())
 
 
 @lowers(aten.rand.default, aten.rand.generator)

@@ -6,7 +6,7 @@ from jax import lax
 
 import torch
 
-from .ops_nn import _acc, half_rounding
+from .ops_nn import acc_dtype, half_rounding
 from .registry import lowers
 
 aten = torch.ops.aten
@@ -130,7 +130,7 @@ def _grid_sampler_2d_half(x, grid, interpolation_mode, padding_mode, align_corne
 def grid_sampler_2d(ctx, x, grid, interpolation_mode, padding_mode, align_corners):
     if x.dtype in (jnp.bfloat16, jnp.float16):
         return _grid_sampler_2d_half(x, grid, interpolation_mode, padding_mode, align_corners)
-    acc = _acc(x.dtype)
+    acc = acc_dtype(x.dtype)
     xf, grid = x.astype(acc), grid.astype(acc)
     n, c, h, w = x.shape
     batch = jnp.arange(n).reshape((n, 1, 1))
@@ -176,7 +176,7 @@ def col2im(ctx, x, output_size, kernel_size, dilation, padding, stride):
     oh = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
     ow = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
     n, c = x.shape[0], x.shape[1] // (kh * kw)
-    acc = _acc(x.dtype)
+    acc = acc_dtype(x.dtype)
     cols = x.astype(acc).reshape((n, c, kh, kw, oh, ow))
     out = jnp.zeros((n, c, h + 2 * ph, w + 2 * pw), acc)
     # every kernel tap adds its column block to a strided window of the padded output
@@ -196,7 +196,7 @@ def grid_sampler_3d(ctx, x, grid, interpolation_mode, padding_mode, align_corner
         raise NotImplementedError("grid_sampler_3d with bicubic interpolation (torch does not support it either)")
     if x.dtype in (jnp.bfloat16, jnp.float16):
         return _grid_sampler_3d_half(x, grid, interpolation_mode, padding_mode, align_corners)
-    acc = _acc(x.dtype)
+    acc = acc_dtype(x.dtype)
     xf, grid = x.astype(acc), grid.astype(acc)
     n, c, d, h, w = x.shape
     batch = jnp.arange(n).reshape((n, 1, 1, 1))

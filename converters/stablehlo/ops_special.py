@@ -13,7 +13,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Kind
 import torch
 
 from .. import cephes, special_math
-from .ops_elementwise import _binary, _unary, opmath
+from .ops_elementwise import binary, opmath, unary
 from .registry import lowers
 
 aten = torch.ops.aten
@@ -25,12 +25,12 @@ for _op, _fn in [
     (aten.special_modified_bessel_i0.default, special.i0), (aten.special_modified_bessel_i1.default, special.i1),
     (aten.special_erfcx.default, special.erfcx), (aten.special_ndtri.default, special.ndtri),
 ]:
-    _unary(_op, _fn, Kind.INT_TO_FLOAT)
+    unary(_op, _fn, Kind.INT_TO_FLOAT)
 
-_binary([aten.igamma.default], special.gammainc, Kind.INT_TO_FLOAT)
-_binary([aten.igammac.default], special.gammaincc, Kind.INT_TO_FLOAT)
-_binary([aten.special_zeta.default, aten.special_zeta.other_scalar, aten.special_zeta.self_scalar],
-        special.zeta, Kind.INT_TO_FLOAT)
+binary([aten.igamma.default], special.gammainc, Kind.INT_TO_FLOAT)
+binary([aten.igammac.default], special.gammaincc, Kind.INT_TO_FLOAT)
+binary([aten.special_zeta.default, aten.special_zeta.other_scalar, aten.special_zeta.self_scalar],
+       special.zeta, Kind.INT_TO_FLOAT)
 
 
 def _recurrence(n_steps, p, q, step):
@@ -210,14 +210,14 @@ for _op, _fn in [(aten.special_bessel_j0.default, special_math.bessel_j0),
                  (aten.special_bessel_y0.default, special_math.bessel_y0),
                  (aten.special_bessel_y1.default, special_math.bessel_y1),
                  (aten.special_spherical_bessel_j0.default, special_math.spherical_bessel_j0)]:
-    _unary(_op, lambda x, fn=_fn: fn(x, jnp), Kind.INT_TO_FLOAT)
+    unary(_op, lambda x, fn=_fn: fn(x, jnp), Kind.INT_TO_FLOAT)
 
 for _op, _order, _scaled in [(aten.special_modified_bessel_k0.default, 0, False),
                              (aten.special_modified_bessel_k1.default, 1, False),
                              (aten.special_scaled_modified_bessel_k0.default, 0, True),
                              (aten.special_scaled_modified_bessel_k1.default, 1, True)]:
-    _unary(_op, lambda x, o=_order, sc=_scaled: special_math.bessel_k(o, sc, x, special.i0 if o == 0 else special.i1, jnp),
-           Kind.INT_TO_FLOAT)
+    unary(_op, lambda x, o=_order, sc=_scaled: special_math.bessel_k(o, sc, x, special.i0 if o == 0 else special.i1, jnp),
+          Kind.INT_TO_FLOAT)
 
 
 @lowers(aten.polygamma.default)
@@ -323,4 +323,4 @@ def _airy_ai(x):
     return jnp.where(jnp.isinf(x), jnp.nan, out)
 
 
-_unary(aten.special_airy_ai.default, _airy_ai, Kind.INT_TO_FLOAT)
+unary(aten.special_airy_ai.default, _airy_ai, Kind.INT_TO_FLOAT)

@@ -17,7 +17,7 @@ from torchtpu_export.capture import CapturedProgram
 from torchtpu_export.quant import QuantConfig, per_channel_int8
 from torchtpu_export.targets.tpu.artifact import AbstractWeight
 
-from .sharding import _matmul_weight, _weight_of
+from .sharding import matmul_weight, weight_of
 
 aten = torch.ops.aten
 
@@ -33,11 +33,11 @@ def matmul_weights(captured: CapturedProgram) -> dict[str, int]:
         if node.op != "call_function":
             continue
         if node.target in _CONVS and not (node.target is aten.convolution.default and node.args[6]):
-            w = _weight_of(node.args[1], captured)
+            w = weight_of(node.args[1], captured)
             if w and not w[1] and captured.weights[w[0]].dtype.is_floating_point:
                 found[w[0]] = 0
             continue
-        mm = _matmul_weight(node, captured)
+        mm = matmul_weight(node, captured)
         if mm is None:
             continue
         _, name, out_first, _ = mm

@@ -54,7 +54,7 @@ def parse_mesh(mesh) -> dict[str, int]:
     return axes
 
 
-def _weight_of(node, captured: CapturedProgram) -> tuple[str, bool] | None:
+def weight_of(node, captured: CapturedProgram) -> tuple[str, bool] | None:
     """(weight name, transposed) if ``node`` is a weight placeholder, possibly through permute/t."""
     transposed = False
     while node.op == "call_function" and node.target in (aten.permute.default, aten.t.default, aten.transpose.int):
@@ -65,21 +65,21 @@ def _weight_of(node, captured: CapturedProgram) -> tuple[str, bool] | None:
     return None
 
 
-def _matmul_weight(node, captured):
+def matmul_weight(node, captured):
     """For linear-like nodes: (activation input, weight name, weight-is-[out,in], bias name or None)."""
     t = node.target
     if t is aten.linear.default:
-        w = _weight_of(node.args[1], captured)
-        bias = _weight_of(node.args[2], captured) if len(node.args) > 2 and node.args[2] is not None else None
+        w = weight_of(node.args[1], captured)
+        bias = weight_of(node.args[2], captured) if len(node.args) > 2 and node.args[2] is not None else None
         if w and not w[1]:
             return node.args[0], w[0], True, bias[0] if bias else None
     elif t is aten.addmm.default:
-        w = _weight_of(node.args[2], captured)
-        bias = _weight_of(node.args[0], captured)
+        w = weight_of(node.args[2], captured)
+        bias = weight_of(node.args[0], captured)
         if w:
             return node.args[1], w[0], w[1], bias[0] if bias else None
     elif t in (aten.mm.default, aten.matmul.default):
-        w = _weight_of(node.args[1], captured)
+        w = weight_of(node.args[1], captured)
         if w:
             return node.args[0], w[0], w[1], None
     return None
@@ -105,7 +105,7 @@ def plan(captured: CapturedProgram, mesh: Mapping[str, int], mode: str,
         for node in captured.graph.nodes:
             if node.op != "call_function":
                 continue
-            mm = _matmul_weight(node, captured)
+            mm = matmul_weight(node, captured)
             if mm is not None:
                 act, wname, out_first, bias = mm
                 shape = captured.weights[wname].shape

@@ -13,7 +13,7 @@ from litert_torch.quantize.pt2e_quantizer import PT2EQuantizer, get_symmetric_qu
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-spec = importlib.util.spec_from_file_location("zoo", os.path.join(HERE, "..", "..", "torchtpu_export", "zoo.py"))
+spec = importlib.util.spec_from_file_location("zoo", os.path.join(HERE, "..", "..", "examples", "zoo.py"))
 zoo = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(zoo)
 

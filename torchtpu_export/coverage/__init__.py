@@ -1,7 +1,7 @@
 """The op-coverage matrix: every op of the table on every runtime, compared with torch eager.
 
     torchtpu-export coverage [--targets xla,tpu,litert,onnx] [--ops PATTERN] [--format md|json] [-o FILE]
-    python tools/coverage.py [--ops PATTERN]   # regenerates docs/coverage.{json,md} and the committed verdicts
+    python -m tools.coverage [--ops PATTERN]   # regenerates docs/coverage.{json,md} and the committed verdicts
 
 A cell is one op on one runtime: ``pass`` (every sample within the op's tolerance),
 ``mismatch`` (the worst error and the sample), ``unsupported`` (the converter's reason) or

@@ -15,13 +15,13 @@ def op_module(entry, samples):
     import torch
     import torch.utils._pytree as pytree
 
-    from ..optable import Constant, View, _is_input, view_of
+    from ..optable import Constant, View, is_input, view_of
 
     plans = []
     for s in samples:
         leaves, spec = pytree.tree_flatten((s.args, s.kwargs), is_leaf=lambda x: isinstance(x, View))
-        plans.append((spec, [(_is_input(x), x.how if isinstance(x, View) else None,
-                              None if _is_input(x) else (x.tensor if isinstance(x, Constant) else x))
+        plans.append((spec, [(is_input(x), x.how if isinstance(x, View) else None,
+                              None if is_input(x) else (x.tensor if isinstance(x, Constant) else x))
                              for x in leaves]))
 
     class OpModule(torch.nn.Module):

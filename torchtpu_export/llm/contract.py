@@ -10,6 +10,8 @@ from typing import Sequence
 
 import torch
 
+from ..errors import InputError
+
 # what LiteRT-LM and litert-torch call the signatures and tensors (the bundle contract)
 PREFILL = "prefill_{}"
 DECODE = "decode"
@@ -84,3 +86,33 @@ def prefill_chunks(count: int, lengths: Sequence[int]):
         n = next((k for k in lengths if k >= left), lengths[-1])
         yield done, min(n, left), n
         done += min(n, left)
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What an LLM artifact's ``generate`` gives, whatever the target: the text and the token ids of the
+    reply (the prompt left out), and why it ended (``"stop"``: a stop token; ``"length"``:
+    ``max_new_tokens``). ``text`` is None for a program that carries no tokenizer; ``str(g)`` is the text."""
+
+    text: str | None
+    ids: list[int]
+    finish_reason: str
+
+    def __str__(self) -> str:
+        return self.text if self.text is not None else " ".join(map(str, self.ids))
+
+
+def prompt_ids(prompt, vocab: int | None = None) -> list[int] | None:
+    """The prompt as token ids when it was given as ids (a sequence of ints), None when it is text;
+    anything else is refused."""
+    if isinstance(prompt, str):
+        return None
+    try:
+        ids = [int(t) for t in prompt]
+        bad = [t for t, i in zip(prompt, ids) if isinstance(t, bool) or t != i]
+    except (TypeError, ValueError):
+        bad, ids = [prompt], []
+    if bad or not ids or any(i < 0 or (vocab is not None and i >= vocab) for i in ids):
+        raise InputError("the prompt is text (a str) or a non-empty sequence of token ids"
+                         + (f" below the vocabulary of {vocab}" if vocab else ""))
+    return ids

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import F32_ACCUM, S, aten, entry
+from ._entry import F32_ACCUM, S, aten, entry
 
 _GRAD = "float32 gradient sums: the accumulation order differs"
 

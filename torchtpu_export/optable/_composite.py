@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import F32_ACCUM, S, aten, entry
+from ._entry import F32_ACCUM, S, aten, entry
 
 _NORM = "float32 mean/variance over the normalised dims: the summation order differs"
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import EXACT, F32_ULPS, S, aten, edge_values, entry
+from ._entry import EXACT, F32_ULPS, S, aten, edge_values, entry
 
 INT_DTYPES = (torch.int32, torch.int64)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import EXACT, F32_ACCUM, S, aten, entry
+from ._entry import EXACT, F32_ACCUM, S, aten, entry
 
 _MOVE = "moves values"
 L = torch.int64

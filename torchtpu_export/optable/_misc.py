@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from ..numerics import Agreement
-from . import EXACT, S, aten, entry
+from ._entry import EXACT, S, aten, entry
 
 _SHAPE = "an integer shape query"
 _DYN = {0: {0: (2, 64), 1: (2, 64)}}   # both dims of the first input are symbolic
@@ -22,13 +22,13 @@ entry(aten.sym_size.int, lambda g: [
 def _factor_rewrite(make):
     """Replaces the scalar factor of the graph's ``mul.Tensor(x, factor)`` by ``make(graph, x)``."""
     def rewrite(gm):
-        from ._rewrite import _finish, _nodes
-        for node in _nodes(gm, aten.mul.Tensor):
+        from ._rewrite import finish, nodes_of
+        for node in nodes_of(gm, aten.mul.Tensor):
             x = node.args[0]
             with gm.graph.inserting_before(node):
                 node.args = (x, make(gm.graph, x))
         gm.graph.eliminate_dead_code()
-        _finish(gm)
+        finish(gm)
     return rewrite
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from ..numerics import Agreement
-from . import EXACT, F32_ACCUM, S, aten, entry
+from ._entry import EXACT, F32_ACCUM, S, aten, entry
 
 _MATMUL = "float32 dot products: the accumulation order differs (blocked kernels)"
 _NORM = "float32 mean/variance over the normalised dims: the summation order differs"

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from . import TABLE, Constant, S
+from ._entry import TABLE, Constant, S
 # the entries marked below (imported first, so that importing this module alone works)
 from . import _backward, _composite, _elementwise, _index, _misc, _nn, _reduction, _shape  # noqa: F401,E402
 

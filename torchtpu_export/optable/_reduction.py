@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from . import EXACT, F32_ACCUM, F32_ULPS, S, aten, edge_values, entry, ties_in_any_order
+from ._entry import EXACT, F32_ACCUM, F32_ULPS, S, aten, edge_values, entry, ties_in_any_order
 
 _SUM = "float32 sums: the summation order differs (pairwise vs tree)"
 

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from ..numerics import Agreement
-from . import EXACT, F32_ULPS, S, aten, edge_values, entry
+from ._entry import EXACT, F32_ULPS, S, aten, edge_values, entry
 
 _MOVE = "moves or copies values"
 

@@ -28,9 +28,54 @@ def all_targets() -> dict[str, Target]:
 
 def for_file(path: str) -> Target | None:
     """The target whose artifact the file at ``path`` is (by its content), or None for a model file."""
-    from ..models import sniff_model
-    kind = sniff_model(path)
+    kind = sniff(path)
     return get(kind) if kind in NAMES else None
 
 
-__all__ = ["NAMES", "Runnable", "Target", "all_targets", "for_file", "get"]
+def sniff(path: str) -> str:
+    """What the file at ``path`` is: a target's artifact (its name: the record's ``magic`` claims it, or
+    no one's magic does and it ends in the record's suffix), or a model file: ``"pt2"``,
+    ``"torchscript"``, ``"pickle"``."""
+    import os
+    import zipfile
+
+    from ..errors import ArtifactError
+    if not os.path.exists(path):
+        raise InputError(f"{path} does not exist")
+    if os.path.isdir(path):
+        raise InputError(f"{path} is a directory, not a model file")
+    if os.path.getsize(path) == 0:
+        raise InputError(f"{path} is empty")
+    with open(path, "rb") as f:
+        head = f.read(8)
+    names = None
+    if head[:2] == b"PK":
+        try:
+            with zipfile.ZipFile(path) as zf:
+                names = zf.namelist()
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as e:
+            raise ArtifactError(f"{path} is a damaged zip archive ({e})",
+                                hint="the file is truncated or corrupt: save or export it again") from e
+    records = all_targets().values()
+    for t in records:
+        if t.magic is not None and t.magic(head, names):
+            return t.name
+    if head[:1] == b"\x80":
+        return "pickle"
+    if names is not None:
+        if any(n.endswith("/models/model.json") or n.endswith("/archive_format") for n in names):
+            return "pt2"
+        if any("/code/__torch__" in n for n in names):
+            return "torchscript"
+        if any(n.endswith("/data.pkl") or n == "data.pkl" for n in names):
+            return "pickle"
+        raise ArtifactError(f"{path} is a zip archive but not a .pt2, TorchScript or "
+                            f"{'/'.join(t.suffix for t in records if t.magic is not None and t.zipped)} file")
+    for t in records:
+        if t.magic is None and path.endswith(t.suffix):
+            return t.name
+    raise ArtifactError(f"{path} is not a model file torchtpu-export reads (unrecognised header)",
+                        hint="give a .pt2 from torch.export.save, a TorchScript archive, or package.module:factory")
+
+
+__all__ = ["NAMES", "Runnable", "Target", "all_targets", "for_file", "get", "sniff"]

@@ -16,7 +16,8 @@ class Target:
     """A deployment target: the one record code goes through for anything that differs by target.
 
     ``name`` is what users type (``--target NAME``, ``tte.export(target=NAME)``) and the kind
-    ``models.sniff_model`` gives its artifact files; ``converter`` names the package under
+    ``targets.sniff`` gives its artifact files (those ``magic(head, zip_names)`` claims; a target without
+    ``magic`` claims the files no one else does that end in its ``suffix``); ``converter`` names the package under
     ``converters/`` and ``runtime`` the module under ``runtimes/``. The callables take:
     ``build(captures, options) -> Runnable`` (converted, wrapped in its runnable object),
     ``load(path) -> Runnable``, ``describe(path, topologies) -> dict`` (what ``inspect`` prints),
@@ -38,7 +39,13 @@ class Target:
     load: Callable
     describe: Callable
     cli_options: Callable
-    cli_flags: tuple = ()
+    # the command line: this target's own arguments, (flag, argparse keywords) each, added to the convert
+    # parser by the CLI, and the quantization recipes it takes (``--quantize``, ``quant_config=``)
+    cli_arguments: tuple = ()
+    recipes: tuple = ()
+    magic: Callable | None = None  # (first 8 bytes, zip member names or None) -> whether the file is this target's
+    zipped: bool = False  # its artifact is a zip archive
+    describe_lines: Callable | None = None  # (inspect's dict, program name or None) -> this target's lines of text
     prepare: Callable | None = None
     compile: Callable | None = None  # `torchtpu-export compile`: (args, output path) -> lines to print
     local_options: dict = dataclasses.field(default_factory=dict)  # to build what runs on this machine
@@ -52,6 +59,9 @@ class Target:
     # and whether the target takes only LLMs (its CLI input is a model folder, not a module)
     program_target: str | None = None
     from_llm: Callable | None = None
+    # (source, cache layout, prefill lengths) -> build options through which the programs carry what an LLM
+    # artifact needs (the tpu target's manifest: donated caches, tokenizer, chat template)
+    llm_options: Callable | None = None
     llm_only: bool = False
     # datacenter serving: export_llm may add batched programs (the engine's slots), and the KV cache
     # follows a bf16 recipe (on-device runtimes keep float32 caches)
@@ -59,6 +69,18 @@ class Target:
     # programs take weights by shape and dtype alone (a model built under abstract_weights()); values
     # are bound at load. Other targets write weight values into their files.
     abstract_weights: bool = False
+
+
+    @property
+    def cli_flags(self) -> tuple:
+        """The argparse names of this target's flags (``--quantize`` where it has recipes)."""
+        own = tuple(flag.lstrip("-").replace("-", "_") for flag, _ in self.cli_arguments)
+        return own + (("quantize",) if self.recipes else ())
+
+    def check_recipe(self, quant_config) -> None:
+        """A recipe this target does not take is refused before anything is captured."""
+        from ..quant import parse
+        parse(quant_config, self.name, self.recipes)
 
 
 def no_topologies(topologies) -> None:
@@ -95,6 +117,16 @@ class Runnable:
 
     def save(self, path: str | os.PathLike) -> None:
         raise NotImplementedError
+
+    def generate(self, prompt, max_new_tokens: int = 64, *, chat: bool = False, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, stop=None, seed: int | None = None):
+        """An LLM artifact's reply to ``prompt`` (text, or token ids), as a ``llm.contract.Generation``
+        (text and ids). ``chat=True`` sends a text prompt as a user message through the artifact's chat
+        template; greedy at ``temperature=0``, else top-k / top-p sampling seeded by ``seed``; ``stop``:
+        token ids that end the reply (default: the artifact's stop tokens). Artifacts that hold no LLM
+        (not made by ``export_llm``) refuse."""
+        raise InputError(f"this {type(self).__name__} holds no LLM: generate applies to the artifacts "
+                         "tte.export_llm makes (.tpu, .litertlm)")
 
     # ---- shared ------------------------------------------------------------------------------
 

@@ -57,6 +57,9 @@ def _remove(path: str) -> None:
 
 METADATA_NAME = "torchtpu_export"
 MAX_METADATA_BYTES = 16 << 20
+# the metadata's "format" and "format_version": the converter writes them, read_metadata checks the version
+FORMAT = "torchtpu_export.litert"
+FORMAT_VERSION = 1  # 1: signatures, versions, weights_blake2b, quantization
 
 
 def _schema():
@@ -385,6 +388,7 @@ def read_metadata(content: bytes, *, verify: bool = False) -> dict | None:
                                         f"(at most {MAX_METADATA_BYTES:,} are read)")
                 meta = load_json(content[start:start + size], f"the flatbuffer's {METADATA_NAME} metadata",
                                  max_bytes=MAX_METADATA_BYTES)
+                _check_format_version(meta)
                 problem = _metadata_problem(meta)
                 if problem:
                     raise ArtifactError(f"the flatbuffer's {METADATA_NAME} metadata is malformed: {problem}",
@@ -401,6 +405,24 @@ def read_metadata(content: bytes, *, verify: bool = False) -> dict | None:
     except Exception as e:
         raise damaged(e) from e
     return None
+
+
+def _check_format_version(meta) -> None:
+    """ArtifactError unless the metadata's format version is one this reader takes (1..FORMAT_VERSION),
+    before anything else in it is read: a newer format may lay its fields out differently."""
+    if not isinstance(meta, dict):
+        return  # malformed: _metadata_problem says so
+    version = meta.get("format_version")
+    number = isinstance(version, int) and not isinstance(version, bool)
+    if number and 1 <= version <= FORMAT_VERSION:
+        return
+    reads = f"format version {FORMAT_VERSION}" if FORMAT_VERSION == 1 else f"format versions 1 to {FORMAT_VERSION}"
+    if number and version > FORMAT_VERSION:
+        raise ArtifactError(f"the flatbuffer's {METADATA_NAME} metadata has format version {version}, newer than "
+                            f"this torchtpu-export reads ({reads})", hint="upgrade torchtpu-export to load it")
+    found = "no format version" if version is None else f"format version {str(version)[:40]!r}, unknown"
+    raise ArtifactError(f"the flatbuffer's {METADATA_NAME} metadata has {found} (this torchtpu-export reads {reads})",
+                        hint="convert the model again")
 
 
 def _metadata_problem(meta) -> str | None:

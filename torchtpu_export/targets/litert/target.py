@@ -374,6 +374,7 @@ def build(captures: dict, options: dict) -> "EdgeModel":
     from ... import converters
     from ...runtimes.litert import TensorObserver
     options = _litert_options("convert", options)
+    TARGET.check_recipe(options.get("quant_config"))
     output_file_path = options.pop("output_file_path", None)
     report = options.pop("quant_report", True)  # False: no error measured on the sample inputs
     edge = EdgeModel.from_artifact(converters.converter(TARGET.converter).convert(captures, observer=TensorObserver,
@@ -418,7 +419,7 @@ def describe(path: str, topologies=None) -> dict:
     except OSError as e:
         raise InputError(f"cannot read {path}: {e.strerror}") from e
     try:
-        return _describe(path, content)
+        return describe_content(path, content)
     except ArtifactError:
         raise
     except Exception as e:
@@ -440,7 +441,7 @@ def gpu_compatibility(path: str) -> dict:
     return {"compatible": "looks compatible with GPU delegate" in text and not problems, "problems": problems}
 
 
-def _describe(path: str, content: bytes) -> dict:
+def describe_content(path: str, content: bytes) -> dict:
     model = validate(content)
     io = signature_io(model)
     meta = read_metadata(content) or {}
@@ -640,6 +641,13 @@ TARGET = Target(
     name="litert", summary="LiteRT flatbuffers (.tflite) for Android, iOS, desktop and the browser",
     converter="litert", runtime="litert", suffix=".tflite", runnable=EdgeModel, signature="serving_default",
     build=build, load=load, describe=describe, cli_options=cli_options, prepare=prepare,
-    cli_flags=("io_dtypes", "channels_last", "quantize"), gpu_check=gpu_compatibility, compile=compile_cli,
+    cli_arguments=(
+        ("--io-dtypes", dict(default=None, choices=["auto", "web"],
+                             help="litert target: 'web' makes every input/output float32, int32 or uint8 (LiteRT.js)")),
+        ("--channels-last", dict(action="store_true",
+                                 help="litert target: 4-D float inputs and outputs in NHWC (camera frames, canvases)")),
+    ),
+    recipes=("fp16", "dynamic_int8", "int8", "int4_blockwise"), magic=lambda head, names: head[4:8] == b"TFL3",
+    gpu_check=gpu_compatibility, compile=compile_cli,
     npu_check=npu_report,
 )

@@ -67,13 +67,13 @@ class LitertLmBundle(Runnable):
         return self.edge.signatures
 
     def _call_metadata(self, sig: str):
-        return self.edge._call_metadata(sig)
+        return self.edge.call_metadata(sig)
 
-    def _io(self, sig: str):
-        return self.edge._io(sig)
+    def _io(self, sig: str):  # asked only where the file carries no call metadata: the flatbuffer's own
+        return self.edge.inputs(sig), self.edge.outputs(sig)
 
     def _run(self, sig: str, inputs: list) -> list[np.ndarray]:
-        return self.edge._run(sig, inputs)
+        return self.edge.run_flat(inputs, sig)
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the bundle atomically (packed by litert-lm-builder)."""
@@ -104,12 +104,30 @@ class LitertLmBundle(Runnable):
             self._engine = LitertLmEngine(path, threads)
         return self._engine
 
-    def generate(self, prompt: str, max_new_tokens: int = 64, **sampling) -> str:
-        """Text LiteRT-LM generates after ``prompt`` (greedy unless ``top_k``/``top_p``/``temperature``);
-        ``chat=True`` sends the prompt as a user message through the bundle's chat template."""
+    def generate(self, prompt, max_new_tokens: int = 64, *, chat: bool = False, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, stop=None, seed: int | None = None):
+        """LiteRT-LM's reply to ``prompt`` (text, or token ids the bundle's tokenizer turns into text), as a
+        ``Generation`` (text, and the reply's ids as the bundle's tokenizer reads that text): greedy at
+        ``temperature=0``, else top-k / top-p sampling seeded by ``seed``. ``chat=True`` sends the prompt as
+        a user message through the bundle's chat template. LiteRT-LM ends at the bundle's stop tokens;
+        ``stop`` cuts the reply at other token ids too."""
+        from ...llm.contract import Generation, prompt_ids
         engine = self.engine()
+        ids = prompt_ids(prompt)
+        if ids is not None:
+            if chat:
+                raise InputError("chat=True takes the prompt as text (the chat template renders messages)")
+            prompt = engine.detokenize(ids)
         self._checked.check_prompt(prompt)  # what LiteRT-LM's tokenizer would choke on, refused here
-        return engine.generate(prompt, max_new_tokens, **sampling)
+        sampling = dict(top_k=top_k or 1) if not temperature else \
+            dict(top_k=top_k, top_p=top_p, temperature=temperature, seed=seed)
+        text = engine.generate(prompt, max_new_tokens, chat=chat, **sampling)
+        out = engine.tokenize(text) if text else []
+        cut = next((i for i, t in enumerate(out) if t in set(stop or ())), None)
+        if cut is not None:
+            out = out[:cut]
+            text = engine.detokenize(out)
+        return Generation(text, out, "length" if len(out) >= max_new_tokens else "stop")
 
     def __repr__(self) -> str:
         where = self.path or "in memory"
@@ -722,14 +740,14 @@ def describe(path: str, topologies=None) -> dict:
     """What ``inspect`` prints for a ``.litertlm``: the checks ``run`` makes, then its sections (which one
     LiteRT-LM reads), LlmMetadata and the signatures of the model LiteRT-LM runs."""
     no_topologies(topologies)
-    from ..litert.target import _describe
+    from ..litert.target import describe_content
     checked = check(path)
     model = checked.model
     with open(path, "rb") as f:
         content = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     view = memoryview(content)[model["begin"]:model["end"]]
     try:
-        desc = _describe(path, view)
+        desc = describe_content(path, view)
     finally:
         view.release()
         try:
@@ -752,9 +770,12 @@ def cli_options(args, sample_args, sample_kwargs) -> dict:
     return {}
 
 
+from ..litert.target import TARGET as LITERT  # noqa: E402  (its programs are litert's)
+
 TARGET = Target(
     name="litertlm", summary="LLM bundles (.litertlm) for LiteRT-LM on phones, desktops and the web",
     converter="litert", runtime="litertlm", suffix=".litertlm", runnable=LitertLmBundle, signature="decode",
-    build=build, load=load, describe=describe, cli_options=cli_options, cli_flags=("quantize",), debuggable=False,
+    build=build, load=load, describe=describe, cli_options=cli_options, debuggable=False,
+    recipes=LITERT.recipes, magic=lambda head, names: head == b"LITERTLM",
     program_target="litert", from_llm=from_llm, llm_only=True,
 )

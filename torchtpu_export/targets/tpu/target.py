@@ -130,16 +130,46 @@ class TpuProgram(Runnable):
             entry = self.manifest["compiled"][topo][prog]
         return entry["stats"]
 
-    def generate(self, prompt_ids, max_new_tokens: int = 64, *, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, stop=(), seed: int | None = None) -> list[int]:
-        """Tokens generated after ``prompt_ids`` by an LLM's programs (``tte.export_llm(..., target="tpu")``),
-        with the KV cache kept on the device and updated in place (donated), sampling on the device:
-        greedy at ``temperature=0``, else top-k / top-p sampling seeded by ``seed``. Stops at a token in ``stop``."""
+    def generate(self, prompt, max_new_tokens: int = 64, *, chat: bool = False, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, stop=None, seed: int | None = None):
+        """The reply of an LLM's programs (``tte.export_llm(..., target="tpu")``) to ``prompt`` (token ids, or
+        text the artifact's tokenizer encodes), as a ``Generation`` (text and ids): the KV cache kept on
+        the device and updated in place (donated), sampling on the device (greedy at ``temperature=0``, else
+        top-k / top-p seeded by ``seed``). ``chat=True`` renders a text prompt as a user message through the
+        artifact's chat template. Ends at a token in ``stop`` (default: the artifact's stop tokens).
+        Tokenizer and template run in a worker process under time and memory budgets (they are the file's)."""
+        from ...llm.contract import Generation, prompt_ids
+        llm = self.manifest.get("llm")
+        if llm is None:
+            return super().generate(prompt)
+        ids = prompt_ids(prompt)
+        text = self._text() if ids is None or llm.get("tokenizer") else None
+        if ids is None:
+            if text is None:
+                raise InputError("this .tpu carries no tokenizer: give the prompt as token ids")
+            ids = text.run("chat", [{"role": "user", "content": prompt}]) if chat else text.run("encode", prompt)
+        elif chat:
+            raise InputError("chat=True takes the prompt as text (the chat template renders messages)")
+        if stop is None:
+            stop = llm.get("stop_ids", ())
         from ...engine import Engine
         if getattr(self, "_generator", None) is None:
             self._generator = Engine(self, batched=False)
-        return self._generator.generate(prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                                        top_p=top_p, stop=stop, seed=seed)
+        out = self._generator.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                       stop=stop, seed=seed)
+        reply = text.run("decode", out, 0)[1] if text is not None else None
+        return Generation(reply, out, "length" if len(out) >= max_new_tokens else "stop")
+
+    def _text(self):
+        """The artifact's tokenizer and chat template in a worker process (started once)."""
+        if getattr(self, "_text_worker", None) is None:
+            from ...llm.textproc import TextWorkers
+            llm = self.manifest["llm"]
+            stops = llm.get("stop_ids") or [None]
+            self._text_worker = TextWorkers(self.artifact.extras[llm["tokenizer"]], template=llm.get("chat_template"),
+                                            bos_id=llm.get("bos_id"), eos_id=stops[0],
+                                            max_chars=TextWorkers.chars_for(llm["cache_length"]), workers=1)
+        return self._text_worker
 
     def kernels(self) -> list[dict]:
         """Per hot node: the Pallas kernel chosen, or why it fell back to XLA."""
@@ -150,7 +180,7 @@ class TpuProgram(Runnable):
 
 
 _OPTIONS = ("platforms", "kernels", "narrow_64bit", "quant_config", "mesh", "sharding", "input_shardings",
-            "precompile", "quant_report")
+            "precompile", "quant_report", "llm")
 
 
 def build(captures: dict, options: dict) -> TpuProgram:
@@ -159,8 +189,13 @@ def build(captures: dict, options: dict) -> TpuProgram:
         raise TypeError(f"export() got an unexpected keyword argument {unknown[0]!r} for the tpu target")
     from ... import converters
     options = dict(options)
+    TARGET.check_recipe(options.get("quant_config"))
     report = options.pop("quant_report", True)  # False: no error measured on the sample inputs
-    prog = TpuProgram(converters.converter(TARGET.converter).convert(captures, **options))
+    llm = options.pop("llm", None)
+    artifact = converters.converter(TARGET.converter).convert(captures, **options)
+    if llm is not None:
+        _carry_llm(artifact, llm)
+    prog = TpuProgram(artifact)
     quant_config, platforms = options.get("quant_config"), options.get("platforms", ("tpu", "cpu"))
     if quant_config is not None and "cpu" in platforms and report and not prog.abstract_weights:
         from ...quant import parse, report_against_eager
@@ -208,6 +243,49 @@ def describe(path: str, topologies=None) -> dict:
         "entries": entries, "mesh": m.get("mesh"),
         **({"topologies": slices} if slices else {}), **({"llm": _llm_summary(m["llm"])} if "llm" in m else {}),
     }
+
+
+def describe_lines(desc: dict, program: str | None) -> list[str]:
+    """``inspect``'s text of what only a .tpu has: the mesh, topologies, the LLM served (``program``
+    None), and per program its kernels, compiled executables and sharding plan."""
+    from .aot import describe_stats
+    lines: list[str] = []
+    if program is None:
+        if desc.get("mesh"):
+            axes = desc["mesh"]["axes"]
+            lines.append(f"mesh: {', '.join(f'{a}={n}' for a, n in axes)} ({desc['mesh']['devices']} devices)")
+        for topo, size in (desc.get("topologies") or {}).items():
+            lines.append(f"topology {topo}: {size['chips']} chip{'s' if size['chips'] != 1 else ''} on {size['hosts']} "
+                         f"host{'s' if size['hosts'] != 1 else ''}")
+        llm = desc.get("llm")
+        if llm:  # an export_llm .tpu: what the serving engine and server read
+            lines.append(f"llm {llm.get('name', '?')}: cache {llm['cache_length']} positions, prefill lengths "
+                         f"{', '.join(map(str, llm['prefill_lengths']))}, {llm.get('slots', 1)} decode slot(s), "
+                         + (f"tokenizer (stop ids {llm.get('stop_ids', [])}, chat template "
+                            f"{'yes' if llm.get('chat_template') else 'no'})" if llm.get("tokenizer") else "no tokenizer"))
+        return lines
+    prog = desc["programs"][program]
+    for k in prog.get("kernels") or []:
+        what = k.get("kernel") or f"xla ({k.get('reason', 'no kernel')})"
+        if k.get("kernel") and k.get("detail"):
+            what += f" ({k['detail']})"
+        lines.append(f"  kernel [{k.get('platform', '?')}] {k.get('node', '?')} ({k.get('op', '?')}): {what}")
+    for topo, entry in (prog.get("compiled") or {}).items():
+        stored = "executable stored" if entry.get("executable") else entry.get("executable_reason", "not stored")
+        lines.append(f"  compiled [{topo}, {entry.get('device_kind')}, libtpu {entry.get('libtpu')}, {stored}]: "
+                     + describe_stats(entry["stats"]))
+    plan = prog.get("sharding")
+    if plan:
+        sharded = {w: s for w, s in plan["weights"].items() if any(s)}
+        lines.append(f"  sharding {plan['mode']}: {len(plan['column_parallel'])} column-parallel, "
+                     f"{len(plan['row_parallel'])} row-parallel, {len(plan['weights']) - len(sharded)} replicated")
+        lines += [f"  shard {w}: [{', '.join(a or '-' for a in s)}]" for w, s in sorted(sharded.items())]
+        names = [i["name"] for i in prog.get("inputs", [])]
+        lines += [f"  shard input {names[i] if i < len(names) else i}: [{', '.join(a or '-' for a in s)}]"
+                  for i, s in enumerate(plan["inputs"]) if any(s)]
+        lines += [f"  shard output {i}: [{', '.join(a or '-' for a in s)}]"
+                  for i, s in enumerate(plan.get("outputs", [])) if any(s)]
+    return lines
 
 
 def _llm_summary(info: dict) -> dict:
@@ -261,31 +339,45 @@ def _parse_mesh(text: str | None):
 LLM_TOKENIZER = "llm/tokenizer.json"
 
 
-def from_llm(program: TpuProgram, source, layout, prefill_lengths) -> TpuProgram:
-    """An LLM's programs: each step's KV-cache inputs are donated (recorded in the manifest), so compiled
-    programs update the cache in place and ``generate`` keeps it on the device."""
+def llm_options(source, layout, prefill_lengths) -> dict:
+    """What an LLM's programs carry (``export_llm``), as a build option: ``build`` writes it into the manifest."""
+    return {"llm": {"source": source, "layout": layout, "prefill_lengths": list(prefill_lengths)}}
+
+
+def _carry_llm(artifact, llm: dict) -> None:
+    """Each step's KV-cache inputs donated (compiled programs update the cache in place, and ``generate``
+    keeps it on the device), and what a server needs to take text: the tokenizer, its special tokens and
+    the chat template, the cache length, prefill lengths and decode slots."""
     from ...llm.contract import DECODE_BATCH
-    manifest = program.manifest
-    for sig, spec in manifest["programs"].items():
+    manifest = artifact.manifest
+    for spec in manifest["programs"].values():
         spec["donate"] = [i for i, s in enumerate(spec["inputs"]) if s["name"].startswith("kv_cache_")]
     batch = manifest["programs"].get(DECODE_BATCH)
-    info = {"name": source.name, "cache_length": layout.length, "prefill_lengths": list(prefill_lengths),
+    source, layout = llm["source"], llm["layout"]
+    info = {"name": source.name, "cache_length": layout.length, "prefill_lengths": llm["prefill_lengths"],
             "slots": next(i["shape"][0] for i in batch["inputs"] if i["name"] == "tokens") if batch else 1}
     tok = source.tokenizer
-    if tok is not None:  # what a server needs to take text: the tokenizer, its special tokens, the chat template
+    if tok is not None:
         info.update(tokenizer=LLM_TOKENIZER, chat_template=tok.chat_template, bos_id=tok.bos_id, pad_id=tok.pad_id,
                     stop_ids=list(tok.stop_ids))
-        program.artifact.extras[LLM_TOKENIZER] = tok.json.encode()
+        artifact.extras[LLM_TOKENIZER] = tok.json.encode()
     manifest["llm"] = info
-    program._runners.clear()
-    program._placed.clear()
-    return program
 
 
 TARGET = Target(
     name="tpu", summary="TPU StableHLO executables (.tpu), run on PJRT (cpu here, tpu or gpu where present)",
     converter="stablehlo", runtime="xla", suffix=".tpu", runnable=TpuProgram, signature="main",
     build=build, load=load, describe=describe, cli_options=cli_options, compile=compile_cli,
-    cli_flags=("platforms", "kernels", "narrow_64bit", "mesh", "sharding", "quantize"),
-    local_options={"platforms": ("cpu",)}, from_llm=from_llm, serving=True, abstract_weights=True, stateful=True,
+    cli_arguments=(
+        ("--platforms", dict(default="tpu,cpu", help="tpu target: comma-separated PJRT platforms")),
+        ("--kernels", dict(default="auto", choices=["auto", "pallas", "xla"],
+                           help="tpu target: Pallas kernels for hot ops (auto: where shapes allow)")),
+        ("--narrow-64bit", dict(action="store_true", help="tpu target: int64/float64 become 32-bit")),
+        ("--mesh", dict(default=None, metavar="AXIS=N,...", help="tpu target: shard over a device mesh, e.g. data=1,model=8")),
+        ("--sharding", dict(default=None, choices=["tensor_parallel", "data_parallel", "replicated"],
+                            help="tpu target with --mesh: how weights and inputs are split (default tensor_parallel)")),
+    ),
+    recipes=("int8_weight_only", "bf16"), magic=lambda head, names: names is not None and "manifest.json" in names,
+    zipped=True, describe_lines=describe_lines,
+    local_options={"platforms": ("cpu",)}, llm_options=llm_options, serving=True, abstract_weights=True, stateful=True,
 )

@@ -1,4 +1,6 @@
-"""Composite (non-core) ATen ops lowered whole, as they appear in torch.export's graph.
+"""Non-core ATen ops (torch's "composite" ops) lowered whole, as they appear in torch.export's graph.
+
+(Not the litert converter's ``@composite`` builders: those are ops written in torch ops and traced.)
 
 When every op of an exported graph has a rule, capture skips the decomposition to core ATen,
 a full retrace that costs more than the export itself; the rules here cover the ops common
@@ -67,17 +69,17 @@ def conv_transpose_nd(ctx, x, w, bias=None, stride=1, padding=0, output_padding=
 
 @lowers(aten.linear.default)
 def linear(ctx, x, w, bias=None):
-    out = jnp.matmul(x, w.T, preferred_element_type=ops_nn._acc(x.dtype)).astype(x.dtype)
+    out = jnp.matmul(x, w.T, preferred_element_type=ops_nn.acc_dtype(x.dtype)).astype(x.dtype)
     return out if bias is None else out + bias
 
 
 @lowers(aten.batch_norm.default)
 def batch_norm(ctx, x, w, b, running_mean, running_var, training, momentum, eps, cudnn_enabled):
     if training or running_mean is None:
-        mean, var = ops_nn._batch_stats(x)
+        mean, var = ops_nn.batch_stats(x)
     else:
         mean, var = running_mean, running_var
-    return ops_nn._batch_norm(x, w, b, mean, var, eps)
+    return ops_nn.normalize_batch(x, w, b, mean, var, eps)
 
 
 @lowers(aten.layer_norm.default)
@@ -222,7 +224,7 @@ def expand_as(ctx, x, other):
 
 @lowers(aten.matmul.default)
 def matmul(ctx, a, b):
-    return jnp.matmul(a, b, preferred_element_type=ops_nn._acc(a.dtype)).astype(ctx.out_dtype())
+    return jnp.matmul(a, b, preferred_element_type=ops_nn.acc_dtype(a.dtype)).astype(ctx.out_dtype())
 
 
 @lowers(aten.index_copy.default)

@@ -35,6 +35,9 @@ import time
 MAX_LINE = 1 << 30  # a reply line (bounded by what the server sends: prompts are capped far below)
 
 
+CHARS_PER_POSITION = 32  # prompt characters per cache position: far more than any real text needs
+
+
 class TextError(Exception):
     """One text operation failed (the template refused the messages, a budget ran out, the worker
     crashed); the request that asked for it gets this message, nobody else."""
@@ -322,6 +325,23 @@ class TextWorkers:
         if status == "error":
             return "refused", f"the model's {what} failed on this request ({value})"
         return status, value
+
+    def run(self, op: str, *args):
+        """One operation from a plain thread (``generate``): waits for a free worker, raises TextError."""
+        with self._lock:
+            worker = self._idle.pop() if self._idle else None
+        if worker is None:
+            return asyncio.run(self.call(op, *args))
+        status, value = self._run(worker, op, list(args))
+        if status != "ok":
+            raise TextError(value)
+        return value
+
+    @staticmethod
+    def chars_for(cache_length: int) -> int:
+        """The most characters of prompt or template output a model with ``cache_length`` positions takes:
+        ``CHARS_PER_POSITION`` per position, plus room for a template's own text."""
+        return CHARS_PER_POSITION * cache_length + 4096
 
     async def call(self, op: str, *args):
         worker = await self._take()

@@ -1,0 +1,425 @@
+"""The scheduler: :class:`Engine` admits requests into the decode batch's slots, prefills their prompts
+within a per-step token budget, runs one decode step of every slot, and hands each slot's new token to
+its request. Its device calls are built in :mod:`.step`; the start of each step and the other processes'
+part are :mod:`.follow`'s."""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import logging
+import threading
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import InputError
+from ..llm.contract import DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, prefill_lengths
+from .follow import Following
+from .request import Request, SamplingParams, is_int
+from .step import (cache_shardings, jit_decode, jit_insert, jit_prefill, jit_set_row, jit_zeros, output_tree, put,
+                   state_rows)
+
+log = logging.getLogger("torchtpu_export")
+
+
+@dataclasses.dataclass
+class _Slot:
+    request: Request | None = None
+    caches: tuple | None = None  # the request's own cache while it is prefilled
+    filled: int = 0  # prompt tokens (all but the last) in that cache
+    decoding: bool = False
+    direct: bool = False  # prefilled in place, in the batch's cache (prefill_batch_<N>)
+
+
+class Engine(Following):
+    """Continuous batching over a ``.tpu`` LLM (``prefill_<N>`` and ``decode`` / ``decode_batch`` programs).
+
+    ``submit(prompt_ids, max_new_tokens, ...)`` returns a :class:`Request` at once; ``start()`` runs the
+    scheduler in a background thread (``stop()`` ends it), or call ``step()`` yourself. ``batched=False``
+    uses the one-slot ``decode`` program even where a ``decode_batch`` exists."""
+
+    def __init__(self, program, *, platform: str | None = None, batched: bool = True,
+                 prefill_budget: int | None = None):
+        import jax
+        self._jax = jax
+        sigs = program.signatures
+        self.lengths = prefill_lengths(sigs)
+        decode_sig = DECODE_BATCH if batched and DECODE_BATCH in sigs else DECODE
+        if decode_sig not in sigs or not self.lengths:
+            raise InputError(f"serving an LLM needs prefill_<N> and decode programs; this artifact has {sigs}",
+                             hint="export the model with tte.export_llm(..., target='tpu')")
+        self.program = program
+        self.runners = {sig: program.runner(sig, platform) for sig in [PREFILL.format(n) for n in self.lengths]}
+        self.decode_runner = program.runner(decode_sig, platform)
+        spec = {s.name: s for s in self.decode_runner.inputs}
+        missing = {"tokens", "input_pos", "mask"} - set(spec)
+        if missing:
+            raise InputError(f"program {decode_sig} has no {sorted(missing)} input: it is not an export_llm program")
+        self.cache_names = [n for n in spec if n.startswith("kv_cache_")]
+        self.slots = spec["tokens"].shape[0]
+        self.length = spec["mask"].shape[-1]
+        self.prefill_budget = prefill_budget or self.lengths[-1]
+        import torch.utils._pytree as pytree
+        outs = pytree.tree_unflatten(list(self.decode_runner.outputs), output_tree(program, decode_sig))
+        if not isinstance(outs, dict) or "logits" not in outs:
+            raise InputError(f"program {decode_sig} has no logits output: it is not an export_llm program")
+        self.vocab = outs["logits"].shape[-1]
+        weights = self.decode_runner.weights
+        self.device = next(iter(weights.values())).devices().pop() if weights else jax.devices()[0]
+        # where the engine's arrays live: one device, or for a sharded program its mesh (token ids and
+        # positions replicated, each cache split as the plan says: by KV head). A sharded program under
+        # several processes (jax.distributed) has one engine per process: process 0 takes the requests
+        from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+        mesh = self.decode_runner.mesh
+        self.processes = jax.process_count() if mesh is not None else 1
+        self.lead = self.processes == 1 or jax.process_index() == 0
+        self._small = SingleDeviceSharding(self.device) if mesh is None else NamedSharding(mesh, PartitionSpec())
+        batch_sh = cache_shardings(self.decode_runner, self.cache_names, self._small)
+        slot_sh = cache_shardings(self.runners[PREFILL.format(self.lengths[0])], self.cache_names, self._small)
+        self._slot_specs = [(tuple(spec[n].shape[1:]), np.dtype(spec[n].dtype)) for n in self.cache_names]
+        self._fns = {sig: self._prefill_fn(sig) for sig in self.runners}
+        # prefill of several slots at once, straight into the batch's cache (requests arriving together)
+        self.batch_lengths = [n for n in self.lengths if decode_sig == DECODE_BATCH and PREFILL_BATCH.format(n) in sigs]
+        for n in self.batch_lengths:
+            sig = PREFILL_BATCH.format(n)
+            self.runners[sig] = program.runner(sig, platform)
+            self._fns[sig] = self._prefill_fn(sig, slots=True)
+        self._set_row = jit_set_row()
+        self._decode = self._decode_fn(decode_sig)
+        self._insert = jit_insert()
+        self._zeros = jit_zeros(1, self._slot_specs, slot_sh)
+        self._state = self._put(state_rows(self.slots))
+        self._caches = jit_zeros(self.slots, self._slot_specs, batch_sh)()
+        self._slots = [_Slot() for _ in range(self.slots)]
+        self._waiting: collections.deque[Request] = collections.deque()  # the scheduler's (see _sync)
+        self._inbox: collections.deque[Request] = collections.deque()  # submitted since the last step
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._halted = False  # the lead said stop (several processes: they have all left their loops)
+        self.stats = {"decode_steps": 0, "tokens": 0, "prefill_tokens": 0, "requests": 0,
+                      "decode_bytes_to_device": 0, "decode_bytes_to_host": 0, "busy_slot_steps": 0}
+
+    # ---- the device functions -------------------------------------------------------------------
+
+    def _prefill_fn(self, sig: str, slots: bool = False):
+        return jit_prefill(self.runners[sig], output_tree(self.program, sig), self.length, self.cache_names, slots)
+
+    def _decode_fn(self, sig: str):
+        return jit_decode(self.decode_runner, output_tree(self.program, sig), self.length, self.cache_names,
+                          sig == DECODE_BATCH)
+
+    def _put(self, x):
+        """Host values (a tree of them) on the engine's devices, replicated; under several processes every
+        process passes the same values (the steps are the same everywhere)."""
+        return put(x, self._small)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
+               top_k: int | None = None, top_p: float | None = None, stop: Sequence[int] = (),
+               seed: int | None = None) -> Request:
+        """Queues a generation; raises InputError at once for a request that cannot run."""
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise InputError("a request needs at least one prompt token")
+        vocab = self.vocab
+        if any(not 0 <= t < vocab for t in ids):
+            raise InputError(f"prompt token ids must be in [0, {vocab})")
+        if is_int(top_k) and top_k > vocab:  # more than the vocabulary is all of it
+            top_k = vocab
+        params = SamplingParams(max_new_tokens, temperature, top_k, top_p, tuple(int(s) for s in stop), seed)
+        params.check(len(ids), self.length)
+        if not self.lead:
+            raise InputError(f"this engine is process {self._jax.process_index()} of {self.processes}: requests are "
+                             "taken by process 0", hint="submit on process 0; here call engine.follow()")
+        request = Request(ids, params)
+        with self._cv:
+            if self._stopping or self._halted:
+                raise InputError("the engine is stopping")
+            self._inbox.append(request)
+            self.stats["requests"] += 1
+            self._cv.notify_all()
+        return request
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, **params) -> list[int]:
+        """One request run to its end in this thread (no background thread needed)."""
+        request = self.submit(prompt_ids, max_new_tokens, **params)
+        while not request.done:
+            if self._thread is None:
+                self.step()
+            else:
+                return request.result()
+        return request.result()
+
+    # ---- the scheduler ------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._inbox) or bool(self._waiting) or any(s.request is not None for s in self._slots)
+
+    def step(self) -> bool:
+        """One scheduler step: admit and prefill within the budget, then one decode step of every slot.
+        Returns whether there was anything to do."""
+        jax = self._jax
+        if not self._sync():
+            return False
+        decoding = any(s.decoding for s in self._slots)
+        budget = self.prefill_budget if decoding else None  # nothing to delay: prefill what fits
+        budget = self._prefill_together(budget)
+        budget = self._prefill(budget)
+        self._admit(budget)
+        if not any(s.decoding for s in self._slots):
+            return self.busy
+        weights = self.decode_runner.weights
+        nxt, self._state, self._caches = self._decode(weights, self._state, self._caches)
+        tokens = np.asarray(jax.device_get(nxt))
+        self.stats["decode_steps"] += 1
+        self.stats["decode_bytes_to_host"] += tokens.nbytes
+        for i, slot in enumerate(self._slots):
+            if slot.decoding:
+                self.stats["busy_slot_steps"] += 1
+                self._deliver(i, slot, int(tokens[i]))
+        return True
+
+    def _deliver(self, i: int, slot: _Slot, token: int) -> None:
+        r = slot.request
+        if r.dropped:
+            self._free(i, "cancelled")
+        elif token in r.params.stop:
+            self._free(i, "stop")
+        else:
+            r.push(token)
+            self.stats["tokens"] += 1
+            if len(r.tokens) >= r.params.max_new_tokens:
+                self._free(i, "length")
+
+    def _free(self, i: int, reason: str) -> None:
+        slot = self._slots[i]
+        slot.request.finish(reason)
+        self._slots[i] = _Slot()
+
+    def _admit(self, budget) -> None:
+        """Waiting requests into free slots while the prefill budget lasts."""
+        for i, slot in enumerate(self._slots):
+            if budget is not None and budget <= 0:
+                return
+            if slot.request is not None:
+                continue
+            while self._waiting and self._waiting[0].dropped:
+                self._waiting.popleft().finish("cancelled")
+            if not self._waiting:
+                return
+            request = self._waiting.popleft()
+            self._slots[i] = _Slot(request, self._zeros(), 0, False)
+            budget = self._prefill(budget, only=i)
+
+    def _prefill(self, budget, only: int | None = None):
+        """Prefills the slots still filling (the oldest first), at most ``budget`` tokens (None: all)."""
+        for i, slot in enumerate(self._slots):
+            if slot.request is None or slot.decoding or slot.direct or (only is not None and i != only):
+                continue
+            r = slot.request
+            if r.dropped:
+                self._free(i, "cancelled")
+                continue
+            with self._alone([i]):
+                todo = r.prompt[:-1]
+                for take, n in self._chunks(len(todo) - slot.filled):
+                    if budget is not None and budget <= 0:
+                        return budget
+                    chunk = np.zeros((1, n), np.int32)
+                    chunk[0, :take] = todo[slot.filled:slot.filled + take]
+                    sig = PREFILL.format(n)
+                    slot.caches = self._fns[sig](self.runners[sig].weights, self._put(chunk),
+                                                 self._put(np.int32(slot.filled)), slot.caches)
+                    slot.filled += take
+                    self.stats["prefill_tokens"] += take
+                    if budget is not None:
+                        budget -= n
+                self._activate(i, slot)
+        return budget
+
+    @contextlib.contextmanager
+    def _alone(self, slots: list[int]):
+        """Work for the requests in ``slots`` only: if it fails, those requests end with the error and the
+        step goes on for the others, unless the failure took the batch's own arrays with it (a donated
+        call that ran), which ends the step for all (``_guarded_step``)."""
+        try:
+            yield
+        except Exception as e:
+            if any(getattr(x, "is_deleted", lambda: False)() for x in self._jax.tree.leaves((self._state, self._caches))):
+                raise
+            log.error("a request's prefill failed (%s: %s); the other requests go on", type(e).__name__, e)
+            for i in slots:
+                if self._slots[i].request is not None:
+                    self._slots[i].request.finish("error", e)
+                    self._slots[i] = _Slot()
+
+    def _prefill_together(self, budget):
+        """Several requests at once through ``prefill_batch_<N>``, straight into their slots' rows of the
+        batch's cache: waiting requests take free slots, and every slot not yet started or started this
+        way advances by one chunk per call. Rows taking no part start at position C (their writes are
+        dropped). Used when at least a quarter of the slots (and two) have a prompt to fill."""
+        if not self.batch_lengths:
+            return budget
+        free = [i for i, s in enumerate(self._slots) if s.request is None]
+        fresh = [s for s in self._slots if s.request is not None and not s.decoding and s.filled == 0
+                 and s.caches is None]
+        ongoing = any(s.direct and not s.decoding and s.request is not None for s in self._slots)
+        if not ongoing and len(fresh) + min(len(free), len(self._waiting)) < max(2, self.slots // 4):
+            return budget
+        for i in free:
+            while self._waiting and self._waiting[0].dropped:
+                self._waiting.popleft().finish("cancelled")
+            if not self._waiting:
+                break
+            self._slots[i] = _Slot(self._waiting.popleft(), None, 0, False, direct=True)
+        for slot in self._slots:
+            if slot.request is not None and not slot.decoding and slot.filled == 0 and slot.caches is None:
+                slot.direct = True
+        with self._alone([i for i, s in enumerate(self._slots) if s.direct and not s.decoding]):
+            budget = self._prefill_rows(budget)
+        for i, s in enumerate(self._slots):
+            if s.direct and not s.decoding and s.request is not None and s.filled == len(s.request.prompt) - 1:
+                with self._alone([i]):
+                    self._activate(i, s)
+        return budget
+
+    def _prefill_rows(self, budget):
+        """``_prefill_together``'s calls: one chunk of every row started in place per call, within ``budget``."""
+        while budget is None or budget > 0:
+            rows = [(i, s) for i, s in enumerate(self._slots) if s.direct and not s.decoding]
+            for i, s in rows:
+                if s.request.dropped:
+                    self._free(i, "cancelled")
+            rows = [(i, s) for i, s in rows if s.request is not None]
+            left = {i: len(s.request.prompt) - 1 - s.filled for i, s in rows}
+            if not any(left.values()):
+                break
+            # the longest length that the longest prompt fills, else the shortest that holds it: little padding
+            most = max(left.values())
+            n = max((k for k in self.batch_lengths if k <= most), default=self.batch_lengths[0])
+            tokens = np.zeros((self.slots, n), np.int32)
+            start = np.full(self.slots, self.length, np.int32)  # rows taking no part write nothing
+            for i, s in rows:
+                take = min(n, left[i])
+                if take:
+                    tokens[i, :take] = s.request.prompt[s.filled:s.filled + take]
+                    start[i] = s.filled
+            sig = PREFILL_BATCH.format(n)
+            self._caches = self._fns[sig](self.runners[sig].weights, self._put(tokens), self._put(start),
+                                          self._caches)
+            for i, s in rows:
+                s.filled += min(n, left[i])
+                self.stats["prefill_tokens"] += min(n, left[i])
+            self.stats["batched_prefill_calls"] = self.stats.get("batched_prefill_calls", 0) + 1
+            if budget is not None:
+                budget -= n * len(rows)
+        return budget
+
+    def _chunks(self, count: int):
+        """``(tokens, prefill length)`` chunks for ``count`` prompt tokens, padding least: each call costs its
+        length plus the shortest length again (a call reads all the weights once, however short)."""
+        plan = _plan(count, tuple(self.lengths))
+        done = 0
+        for n in plan:
+            take = min(n, count - done)
+            yield take, n
+            done += take
+
+    def _activate(self, i: int, slot: _Slot) -> None:
+        """Inserts a prefilled request into the batch: slot ``i``'s cache and state."""
+        r, p = slot.request, slot.request.params
+        seed = 0 if p.seed is None else int(p.seed)
+        row = (np.int32(r.prompt[-1]), np.int32(len(r.prompt) - 1),
+               np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32), np.float32(p.temperature),
+               np.int32(p.top_k or 0), np.float32(1.0 if p.top_p is None else p.top_p))
+        if slot.direct:  # its cache rows are in place already
+            self._state = self._set_row(self._state, self._put(np.int32(i)), self._put(row))
+        else:
+            self._state, self._caches = self._insert(self._state, self._caches, slot.caches,
+                                                     self._put(np.int32(i)), self._put(row))
+        slot.caches, slot.decoding = None, True
+
+    # ---- the background thread ----------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> "Engine":
+        if not self.lead:
+            raise InputError("start() takes requests, which process 0 does", hint="call engine.follow() here")
+        if self._thread is None:
+            if self._halted and self.processes > 1:
+                raise InputError("this engine has stopped, and so have the other processes' engines")
+            self._stopping = self._halted = False
+            self._thread = threading.Thread(target=self._loop, name="tte-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stops the scheduler (its requests end with an error); under several processes, every process's."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        elif self.lead and not self._halted:  # stepped by the caller (generate): say stop to the others
+            self._guarded_step()
+            self._reset(InputError("the engine stopped"))
+
+    # while idle under several processes, process 0 still steps this often: the others wait for its word
+    # in a collective, and none should wait long in one
+    idle_tick = 1.0
+
+    def _loop(self) -> None:
+        while not self._halted:
+            with self._cv:
+                self._cv.wait_for(lambda: self._stopping or self.busy,
+                                  self.idle_tick if self.processes > 1 else None)
+            self._guarded_step()
+        self._reset(InputError("the engine stopped"))
+
+    def _guarded_step(self) -> None:
+        try:
+            self.step()
+        except Exception as e:  # a failed step fails the requests in it, never the engine
+            log.error("engine step failed: %s: %s", type(e).__name__, e)
+            self._reset(e)
+
+    def _reset(self, error: BaseException) -> None:
+        for i, slot in enumerate(self._slots):
+            if slot.request is not None:
+                slot.request.finish("error", error)
+                self._slots[i] = _Slot()
+        if self._stopping or self._halted:
+            with self._cv:
+                left = list(self._waiting) + list(self._inbox)
+                self._waiting.clear()
+                self._inbox.clear()
+            for r in left:
+                r.finish("error", error)
+        self._state = self._put(state_rows(self.slots))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(count: int, lengths: tuple) -> tuple:
+    """The prefill lengths that cover ``count`` tokens at the least cost (see ``Engine._chunks``)."""
+    overhead = lengths[0]
+    cost, pick = [0] * (count + 1), [0] * (count + 1)
+    for c in range(1, count + 1):  # cost[c]: the cheapest cover of c tokens
+        cost[c] = -1
+        for n in lengths:
+            total = n + overhead + (cost[c - n] if n < c else 0)
+            if cost[c] < 0 or total < cost[c]:
+                cost[c], pick[c] = total, n
+    plan, c = [], count
+    while c > 0:
+        plan.append(pick[c])
+        c -= pick[c]
+    return tuple(plan)

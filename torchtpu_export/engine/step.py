@@ -1,0 +1,138 @@
+"""The engine's device work: the jitted calls of an LLM's exported programs (a prefill chunk, a decode
+step of every slot that samples on the device, a prefilled request's insert into the batch), the state
+rows they carry, and host values put on the engine's devices. Nothing here schedules: the scheduler
+(:mod:`.scheduler`) decides what to call and when."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def output_tree(program, sig: str):
+    """The pytree spec of signature ``sig``'s outputs (its call metadata's)."""
+    from .. import treespec
+    return treespec.loads(program.call_metadata(sig)["out_spec"])
+
+
+def program_call(runner, out_spec, length: int, cache_names: list[str], slots: bool):
+    """``call(weights, tokens, pos, caches) -> (logits, caches)`` over ``runner``'s exported program, traced
+    inside a jitted step: the attention mask from the positions (``slots``: ``pos`` is each row's first
+    position; else each query's position of the one sequence)."""
+    import torch.utils._pytree as pytree
+    names = [s.name for s in runner.inputs]
+    exported, n_out = runner.exported, len(runner.outputs)
+
+    def call(weights, tokens, pos, caches):
+        import jax.numpy as jnp
+        # [B, N]: each query's position (slots: input_pos is each row's first position)
+        rows = pos[:, None] + jnp.arange(tokens.shape[1], dtype=pos.dtype) if slots else pos[None]
+        visible = jnp.arange(length)[None, None, :] <= rows[:, :, None]
+        feed = {"tokens": tokens, "input_pos": pos, "mask": jnp.where(visible, 0.0, jnp.finfo(jnp.float32).min)
+                .astype(jnp.float32)[:, None], **dict(zip(cache_names, caches))}
+        outs = pytree.tree_unflatten(list(exported.call(weights, *[feed[n] for n in names]))[:n_out], out_spec)
+        return outs.get("logits"), tuple(outs[n] for n in cache_names)
+    return call
+
+
+def jit_prefill(runner, out_spec, length: int, cache_names: list[str], slots: bool = False):
+    """``prefill(weights, tokens, start, caches) -> caches``, the caches donated: one request's chunk from
+    position ``start`` (``prefill_<N>``), or with ``slots`` every row of the batch from its own start
+    (``prefill_batch_<N>``)."""
+    import jax
+    call = program_call(runner, out_spec, length, cache_names, slots)
+
+    def prefill(weights, tokens, start, caches):
+        import jax.numpy as jnp
+        pos = start if slots else start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        return call(weights, tokens, pos, caches)[1]
+    return jax.jit(prefill, donate_argnums=(3,))
+
+
+def jit_decode(runner, out_spec, length: int, cache_names: list[str], slots: bool):
+    """``decode(weights, state, caches) -> (tokens, state, caches)``, state and caches donated: one step
+    of every slot, each sampled on the device with its own key and parameters (:func:`state_rows`)."""
+    import jax
+    call = program_call(runner, out_spec, length, cache_names, slots)
+    last = length - 1
+
+    def decode(weights, state, caches):
+        import jax.numpy as jnp
+        tokens, pos, keys, temp, top_k, top_p = state
+        logits, caches = call(weights, tokens[:, None], pos, caches)
+        keys = jax.vmap(jax.random.split)(keys)  # [B, 2, 2]: the slot's next key, this step's key
+        logits = logits[:, -1].astype(jnp.float32)
+        nxt = jax.lax.cond(jnp.any(temp > 0),
+                           lambda: jax.vmap(sample)(logits, keys[:, 1], temp, top_k, top_p),
+                           lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        return nxt, (nxt, jnp.minimum(pos + 1, last), keys[:, 0], temp, top_k, top_p), caches
+    return jax.jit(decode, donate_argnums=(1, 2))
+
+
+def jit_set_row():
+    """:func:`set_row` jitted, the state donated."""
+    import jax
+    return jax.jit(set_row, donate_argnums=(0,))
+
+
+def jit_insert():
+    """:func:`insert_rows` jitted, the batch's state and caches donated."""
+    import jax
+    return jax.jit(insert_rows, donate_argnums=(0, 1))
+
+
+def jit_zeros(rows: int, specs: list, shardings: tuple):
+    """A jitted function making zero caches of ``rows`` rows (``specs``: each cache's row shape and dtype)
+    where ``shardings`` says."""
+    import jax
+    return jax.jit(lambda: tuple(jax.numpy.zeros((rows, *s), d) for s, d in specs), out_shardings=shardings)
+
+
+def put(x, sharding):
+    """Host values (a tree of them) on the devices of ``sharding``; under several processes every process
+    passes the same values (the steps are the same everywhere)."""
+    import jax
+    from ..runtimes.xla import place
+    return jax.tree.map(lambda v: place(np.asarray(v), sharding)[0], x)
+
+
+def cache_shardings(runner, cache_names: list[str], default) -> tuple:
+    """The sharding of each cache input of ``runner``'s program (its plan's), or ``default``."""
+    by_name = dict(zip([s.name for s in runner.inputs], runner.input_shardings or ()))
+    return tuple(by_name.get(n, default) for n in cache_names)
+
+
+def state_rows(slots: int):
+    """The decode state of ``slots`` idle slots: next token, position, key, temperature, top-k, top-p."""
+    return (np.zeros(slots, np.int32), np.zeros(slots, np.int32), np.zeros((slots, 2), np.uint32),
+            np.zeros(slots, np.float32), np.zeros(slots, np.int32), np.ones(slots, np.float32))
+
+
+def set_row(state, slot, row):
+    return tuple(s.at[slot].set(v) for s, v in zip(state, row))
+
+
+def insert_rows(state, caches, slot_caches, slot, row):
+    """A prefilled request into the batch: its state ``row`` and its own caches at slot ``slot``."""
+    import jax
+    state = tuple(s.at[slot].set(v) for s, v in zip(state, row))
+    caches = tuple(jax.lax.dynamic_update_slice_in_dim(c, s, slot, axis=0) for c, s in zip(caches, slot_caches))
+    return state, caches
+
+
+def sample(logits, key, temperature, top_k, top_p):
+    """The next token from ``logits [vocab]`` on the device: argmax at temperature 0, else a draw from
+    the tempered distribution restricted to the ``top_k`` most likely tokens (0: all) and the smallest
+    set whose probability reaches ``top_p``."""
+    import jax
+    import jax.numpy as jnp
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    order = jnp.argsort(-scaled)
+    ranked = scaled[order]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    ranked = jnp.where(jnp.arange(vocab) < k, ranked, -jnp.inf)
+    probs = jax.nn.softmax(ranked)
+    keep = (jnp.cumsum(probs) - probs) < top_p  # the smallest prefix reaching top_p (the first always kept)
+    filtered = jnp.full_like(scaled, -jnp.inf).at[order].set(jnp.where(keep, ranked, -jnp.inf))
+    drawn = jax.random.categorical(key, filtered).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, jnp.argmax(logits).astype(jnp.int32))
