@@ -60,7 +60,7 @@ def test_the_installed_package_is_the_one_that_runs(installed):
     out = subprocess.run([sys.executable, "-c", "import torchtpu_export, os; print(torchtpu_export.__file__)"],
                          cwd=work, env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert out.startswith(str(site)), out
-    assert (site / "torchtpu_export" / "web" / "page" / "index.html").is_file()
+    assert (site / "torchtpu_export" / "targets" / "litert" / "web" / "page" / "index.html").is_file()
     assert not (site / "torchtpu_export" / "zoo.py").exists() and not (site / "examples").exists()
 
 
