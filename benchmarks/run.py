@@ -29,6 +29,7 @@ BENCHMARKS = {
     "opinfo-peers": ("opinfo_peers", ["-o", "RESULTS-opinfo-peers.md"]),
     "llm": ("llm", ["--rounds", "3", "-o", "RESULTS-llm.md"]),
     "serving": ("serving", ["-o", "RESULTS-serving.md"]),
+    "structured": ("structured", ["-o", "RESULTS-structured.md"]),
     "abstract-llm": ("abstract_llm", ["--configs", "llama3-8b,llama3-70b", "-o", "RESULTS-abstract-llm.md"]),
     "serving-tpu": ("serving", ["--concurrency", "", "--topologies", "v5e,v6e", "-o", "RESULTS-serving-tpu.md"]),
 }

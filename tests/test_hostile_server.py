@@ -179,7 +179,7 @@ HOSTILE_BODIES = [
     {"prompt": "hello", "max_tokens": 3, "top_k": -5},
     {"prompt": "hello", "max_tokens": 3, "top_p": 0},
     {"prompt": "hello", "max_tokens": 3, "temperature": 1e308},
-    {"prompt": "hello", "max_tokens": 3, "n": 5},
+    {"prompt": "hello", "max_tokens": 3, "n": 10 ** 6},
     {"prompt": "hello", "max_tokens": 3, "stop": ["a"] * 10},
     {"prompt": "hello", "max_tokens": 3, "stream": "yes"},
     {"prompt": [10 ** 12], "max_tokens": 3},

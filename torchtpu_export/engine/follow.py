@@ -57,7 +57,7 @@ class Following:
         event = json.loads(multihost_utils.broadcast_one_to_all(buf)[:n].tobytes())
         requests = []
         for rid, prompt, params in event["new"]:  # this process's copies: nobody reads their tokens
-            r = Request(prompt, SamplingParams(**dict(params, stop=tuple(params["stop"]))))
+            r = Request(prompt, SamplingParams.from_json(params))
             r.id = rid
             requests.append(r)
         return requests, event["cancelled"], event["stop"]

@@ -17,9 +17,9 @@ import numpy as np
 from ..errors import InputError
 from ..llm.contract import DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, prefill_lengths
 from .follow import Following
-from .request import Request, SamplingParams, is_int
-from .step import (cache_shardings, jit_decode, jit_insert, jit_prefill, jit_set_row, jit_zeros, output_tree, put,
-                   state_rows)
+from .request import TOP_LOGPROBS, Request, SamplingParams, is_int
+from .step import (cache_shardings, jit_decode, jit_insert, jit_prefill, jit_set_row, jit_zeros, mask_words,
+                   output_tree, put, state_row, state_rows)
 
 log = logging.getLogger("torchtpu_export")
 
@@ -87,10 +87,12 @@ class Engine(Following):
             self.runners[sig] = program.runner(sig, platform)
             self._fns[sig] = self._prefill_fn(sig, slots=True)
         self._set_row = jit_set_row()
-        self._decode = self._decode_fn(decode_sig)
+        self._decode_sig = decode_sig
+        self._decodes = {0: self._decode_fn(decode_sig)}  # by the number of alternatives reported (0, 20)
         self._insert = jit_insert()
         self._zeros = jit_zeros(1, self._slot_specs, slot_sh)
-        self._state = self._put(state_rows(self.slots))
+        self._state = self._put(state_rows(self.slots, self.vocab))
+        self._everything = self._put(np.full((self.slots, mask_words(self.vocab)), -1, np.int32))  # no mask
         self._caches = jit_zeros(self.slots, self._slot_specs, batch_sh)()
         self._slots = [_Slot() for _ in range(self.slots)]
         self._waiting: collections.deque[Request] = collections.deque()  # the scheduler's (see _sync)
@@ -107,9 +109,9 @@ class Engine(Following):
     def _prefill_fn(self, sig: str, slots: bool = False):
         return jit_prefill(self.runners[sig], output_tree(self.program, sig), self.length, self.cache_names, slots)
 
-    def _decode_fn(self, sig: str):
+    def _decode_fn(self, sig: str, top: int = 0):
         return jit_decode(self.decode_runner, output_tree(self.program, sig), self.length, self.cache_names,
-                          sig == DECODE_BATCH)
+                          sig == DECODE_BATCH, top)
 
     def _put(self, x):
         """Host values (a tree of them) on the engine's devices, replicated; under several processes every
@@ -120,29 +122,61 @@ class Engine(Following):
 
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
                top_k: int | None = None, top_p: float | None = None, stop: Sequence[int] = (),
-               seed: int | None = None) -> Request:
-        """Queues a generation; raises InputError at once for a request that cannot run."""
+               seed: int | None = None, constraint=None, **processors) -> Request:
+        """Queues a generation; raises InputError at once for a request that cannot run. ``processors``:
+        the other fields of :class:`SamplingParams` (penalties, ``min_tokens``, ``logit_bias``,
+        ``logprobs``). ``constraint``: a grammar's matcher (``fill(mask row)``, ``consume(token)``,
+        ``stopped``, ``error``) that decides which tokens each step may sample. Without a ``seed`` a
+        sampling request draws one of its own."""
+        return self.submit_many(prompt_ids, 1, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                stop=stop, seed=seed, constraints=[constraint], **processors)[0]
+
+    def submit_many(self, prompt_ids: Sequence[int], n: int, max_new_tokens: int = 64, *, seed: int | None = None,
+                    constraints=None, **params) -> list[Request]:
+        """``n`` generations after one prompt (OpenAI's ``n``), each with its own seed (``seed + i`` when a
+        seed is given, else drawn): the prompt is prefilled once and its cache copied into each one's
+        slot (where slots are free at that step; a choice that finds none is prefilled on its own later)."""
         ids = [int(t) for t in prompt_ids]
         if not ids:
             raise InputError("a request needs at least one prompt token")
         vocab = self.vocab
         if any(not 0 <= t < vocab for t in ids):
             raise InputError(f"prompt token ids must be in [0, {vocab})")
+        if not is_int(n) or not 1 <= n <= self.slots * 16:
+            raise InputError(f"n must be an integer from 1 to {self.slots * 16}, got {n!r}")
+        top_k = params.get("top_k")
         if is_int(top_k) and top_k > vocab:  # more than the vocabulary is all of it
-            top_k = vocab
-        params = SamplingParams(max_new_tokens, temperature, top_k, top_p, tuple(int(s) for s in stop), seed)
-        params.check(len(ids), self.length)
+            params["top_k"] = vocab
+        params["stop"] = tuple(int(s) for s in params.get("stop", ()))
+        params["logit_bias"] = tuple((int(t), float(b)) for t, b in dict(params.get("logit_bias") or {}).items()) \
+            if isinstance(params.get("logit_bias"), dict) else tuple(params.get("logit_bias") or ())
+        constraints = [None] * n if constraints is None or constraints == [None] else list(constraints)
+        if len(constraints) != n:  # a matcher follows one reply: each choice needs its own
+            raise InputError(f"{len(constraints)} constraints for {n} choices")
+        if (n > 1 or any(c is not None for c in constraints)) and self.processes > 1:
+            raise InputError("several choices (n > 1) and structured outputs run on one process (not with "
+                             "serve --distributed)")
+        if seed is None and params.get("temperature"):
+            import secrets
+            seed = secrets.randbits(64)  # sampling without a seed: a draw of its own (none repeats another's)
+        requests = []
+        for i in range(n):
+            p = SamplingParams(max_new_tokens, seed=(int(seed) + i) % 2 ** 64 if is_int(seed) else seed, **params)
+            p.check(len(ids), self.length, vocab)
+            requests.append(Request(ids, p))
+            requests[-1].constraint = constraints[i]
         if not self.lead:
             raise InputError(f"this engine is process {self._jax.process_index()} of {self.processes}: requests are "
                              "taken by process 0", hint="submit on process 0; here call engine.follow()")
-        request = Request(ids, params)
+        leader, others = requests[0], requests[1:]
+        leader.siblings = others
         with self._cv:
             if self._stopping or self._halted:
                 raise InputError("the engine is stopping")
-            self._inbox.append(request)
-            self.stats["requests"] += 1
+            self._inbox.append(leader)
+            self.stats["requests"] += n
             self._cv.notify_all()
-        return request
+        return requests
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, **params) -> list[int]:
         """One request run to its end in this thread (no background thread needed)."""
@@ -174,31 +208,66 @@ class Engine(Following):
         if not any(s.decoding for s in self._slots):
             return self.busy
         weights = self.decode_runner.weights
-        nxt, self._state, self._caches = self._decode(weights, self._state, self._caches)
-        tokens = np.asarray(jax.device_get(nxt))
+        allowed = self._allowed()
+        asked = [s.request.params.logprobs for s in self._slots if s.decoding and s.request.params.logprobs is not None]
+        top = TOP_LOGPROBS if any(asked) else 0
+        if top not in self._decodes:
+            self._decodes[top] = self._decode_fn(self._decode_sig, top)
+        out, self._state, self._caches = self._decodes[top](weights, self._state, self._caches, allowed)
+        tokens = np.asarray(jax.device_get(out[0]))
+        logprobs = jax.device_get(out[1:]) if asked else None  # only when a request asked: B floats (+ top)
         self.stats["decode_steps"] += 1
-        self.stats["decode_bytes_to_host"] += tokens.nbytes
+        self.stats["decode_bytes_to_host"] += tokens.nbytes + (sum(a.nbytes for a in logprobs) if asked else 0)
         for i, slot in enumerate(self._slots):
             if slot.decoding:
                 self.stats["busy_slot_steps"] += 1
-                self._deliver(i, slot, int(tokens[i]))
+                k = slot.request.params.logprobs
+                lp = None if k is None else (float(logprobs[0][i]), [(int(t), float(v)) for t, v in
+                                                                  zip(logprobs[2][i][:k], logprobs[1][i][:k])])
+                self._deliver(i, slot, int(tokens[i]), lp)
         return True
 
-    def _deliver(self, i: int, slot: _Slot, token: int) -> None:
+    def _allowed(self):
+        """This step's allowed-token bitmask ``[B, words]`` on the device: every token, unless a decoding
+        slot has a grammar (its matcher fills its row) or has not reached ``min_tokens`` (its stop tokens
+        are masked); then one upload of ``B * V / 8`` bytes."""
+        rows = [(i, s.request) for i, s in enumerate(self._slots) if s.decoding and (
+            s.request.constraint is not None or len(s.request.tokens) < s.request.params.min_tokens)]
+        if not rows:
+            return self._everything
+        mask = np.full((self.slots, mask_words(self.vocab)), -1, np.int32)
+        for i, r in rows:
+            if r.constraint is not None:
+                r.constraint.fill(mask[i])
+            if len(r.tokens) < r.params.min_tokens:
+                for t in r.params.stop:
+                    if 0 <= t < self.vocab:
+                        mask[i, t // 32] &= ~np.int32(1 << (t % 32)) if t % 32 != 31 else np.int32(0x7FFFFFFF)
+            if not mask[i].any():  # nothing may follow: the grammar cannot go on (its error ends the request)
+                mask[i] = -1
+        self.stats["decode_bytes_to_device"] += mask.nbytes
+        return self._put(mask)
+
+    def _deliver(self, i: int, slot: _Slot, token: int, logprob=None) -> None:
         r = slot.request
+        c = r.constraint
         if r.dropped:
             self._free(i, "cancelled")
+        elif c is not None and (c.error or not c.consume(token)):
+            self._free(i, "error", InputError(f"the response format cannot go on: {c.error or 'token refused'}"))
         elif token in r.params.stop:
             self._free(i, "stop")
         else:
-            r.push(token)
+            r.push(token, logprob)
             self.stats["tokens"] += 1
             if len(r.tokens) >= r.params.max_new_tokens:
                 self._free(i, "length")
+            elif c is not None and c.stopped:  # the grammar is complete and nothing may follow
+                self._free(i, "stop")
 
-    def _free(self, i: int, reason: str) -> None:
+    def _free(self, i: int, reason: str, error: BaseException | None = None) -> None:
         slot = self._slots[i]
-        slot.request.finish(reason)
+        slot.request.finish(reason, error)
         self._slots[i] = _Slot()
 
     def _admit(self, budget) -> None:
@@ -274,7 +343,7 @@ class Engine(Following):
         for i in free:
             while self._waiting and self._waiting[0].dropped:
                 self._waiting.popleft().finish("cancelled")
-            if not self._waiting:
+            if not self._waiting or self._waiting[0].siblings:  # n > 1 shares a cache of its own: not in place
                 break
             self._slots[i] = _Slot(self._waiting.popleft(), None, 0, False, direct=True)
         for slot in self._slots:
@@ -332,16 +401,27 @@ class Engine(Following):
 
     def _activate(self, i: int, slot: _Slot) -> None:
         """Inserts a prefilled request into the batch: slot ``i``'s cache and state."""
-        r, p = slot.request, slot.request.params
-        seed = 0 if p.seed is None else int(p.seed)
-        row = (np.int32(r.prompt[-1]), np.int32(len(r.prompt) - 1),
-               np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32), np.float32(p.temperature),
-               np.int32(p.top_k or 0), np.float32(1.0 if p.top_p is None else p.top_p))
+        r = slot.request
+        row = state_row(r.params, r.prompt, 0 if r.params.seed is None else int(r.params.seed), self.vocab)
         if slot.direct:  # its cache rows are in place already
             self._state = self._set_row(self._state, self._put(np.int32(i)), self._put(row))
         else:
             self._state, self._caches = self._insert(self._state, self._caches, slot.caches,
                                                      self._put(np.int32(i)), self._put(row))
+            # the other choices of the same prompt (n > 1): the same cache, each in a free slot of its own
+            for sibling in list(r.siblings):
+                free = next((j for j, s in enumerate(self._slots) if s.request is None), None)
+                if free is None:
+                    break
+                r.siblings.remove(sibling)
+                self._slots[free] = _Slot(sibling, None, len(r.prompt) - 1, True)
+                srow = state_row(sibling.params, sibling.prompt, 0 if sibling.params.seed is None
+                                 else int(sibling.params.seed), self.vocab)
+                self._state, self._caches = self._insert(self._state, self._caches, slot.caches,
+                                                         self._put(np.int32(free)), self._put(srow))
+        if r.siblings:  # no free slot for these now: each is prefilled on its own, first in line
+            self._waiting.extendleft(reversed(r.siblings))
+            r.siblings = []
         slot.caches, slot.decoding = None, True
 
     # ---- the background thread ----------------------------------------------------------------
@@ -404,7 +484,7 @@ class Engine(Following):
                 self._inbox.clear()
             for r in left:
                 r.finish("error", error)
-        self._state = self._put(state_rows(self.slots))
+        self._state = self._put(state_rows(self.slots, self.vocab))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -47,24 +47,60 @@ def jit_prefill(runner, out_spec, length: int, cache_names: list[str], slots: bo
     return jax.jit(prefill, donate_argnums=(3,))
 
 
-def jit_decode(runner, out_spec, length: int, cache_names: list[str], slots: bool):
-    """``decode(weights, state, caches) -> (tokens, state, caches)``, state and caches donated: one step
-    of every slot, each sampled on the device with its own key and parameters (:func:`state_rows`)."""
+def jit_decode(runner, out_spec, length: int, cache_names: list[str], slots: bool, top: int = 0):
+    """``decode(weights, state, caches, allowed) -> ((tokens, logprobs, top values, top ids), state,
+    caches)``, state and caches donated: one step of every slot. Each slot's logits go through its
+    processors (:func:`process`: penalties, logit bias, and ``allowed``, a ``[B, ceil(V / 32)]`` int32
+    bitmask of the tokens a grammar or ``min_tokens`` lets through), then are sampled with its own key and
+    parameters (:func:`state_rows`). ``logprobs`` is each sampled token's log-probability under the model
+    (the raw logits' log-softmax); with ``top`` > 0 also the ``top`` most likely tokens and theirs."""
     import jax
     call = program_call(runner, out_spec, length, cache_names, slots)
     last = length - 1
 
-    def decode(weights, state, caches):
+    def decode(weights, state, caches, allowed):
         import jax.numpy as jnp
-        tokens, pos, keys, temp, top_k, top_p = state
+        tokens, pos, keys, temp, top_k, top_p, presence, frequency, repetition, counts, seen, bias = state
         logits, caches = call(weights, tokens[:, None], pos, caches)
         keys = jax.vmap(jax.random.split)(keys)  # [B, 2, 2]: the slot's next key, this step's key
-        logits = logits[:, -1].astype(jnp.float32)
+        raw = logits[:, -1].astype(jnp.float32)
+        x = process(raw, allowed, presence, frequency, repetition, counts, seen, bias)
         nxt = jax.lax.cond(jnp.any(temp > 0),
-                           lambda: jax.vmap(sample)(logits, keys[:, 1], temp, top_k, top_p),
-                           lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
-        return nxt, (nxt, jnp.minimum(pos + 1, last), keys[:, 0], temp, top_k, top_p), caches
+                           lambda: jax.vmap(sample)(x, keys[:, 1], temp, top_k, top_p),
+                           lambda: jnp.argmax(x, axis=-1).astype(jnp.int32))
+        rows = jnp.arange(nxt.shape[0])
+        logp = jax.nn.log_softmax(raw, axis=-1)
+        picked = logp[rows, nxt]
+        if top:
+            top_values, top_ids = jax.lax.top_k(logp, top)
+        else:
+            top_values, top_ids = jnp.zeros((nxt.shape[0], 0), jnp.float32), jnp.zeros((nxt.shape[0], 0), jnp.int32)
+        counts = counts.at[rows, nxt].add(1)
+        state = (nxt, jnp.minimum(pos + 1, last), keys[:, 0], temp, top_k, top_p, presence, frequency, repetition,
+                 counts, seen, bias)
+        return (nxt, picked, top_values, top_ids.astype(jnp.int32)), state, caches
     return jax.jit(decode, donate_argnums=(1, 2))
+
+
+def process(logits, allowed, presence, frequency, repetition, counts, seen, bias):
+    """The logits processors of every slot, on the device (``[B, V]``): the repetition penalty over the
+    tokens of the prompt and the reply (transformers' rule: divide, or multiply where negative), OpenAI's
+    presence and frequency penalties over the reply's tokens, the logit bias, then the allowed-token
+    bitmask (a disallowed token gets -inf)."""
+    import jax.numpy as jnp
+    vocab = logits.shape[-1]
+    hit = seen | (counts > 0)
+    rep = repetition[:, None]
+    x = jnp.where(hit, jnp.where(logits < 0, logits * rep, logits / rep), logits)
+    x = x - presence[:, None] * (counts > 0) - frequency[:, None] * counts.astype(jnp.float32) + bias
+    ids = jnp.arange(vocab)
+    bits = (allowed[:, ids // 32] >> (ids % 32).astype(jnp.int32)) & 1
+    return jnp.where(bits != 0, x, -jnp.inf)
+
+
+def mask_words(vocab: int) -> int:
+    """The int32 words of a ``vocab``-token bitmask."""
+    return (vocab + 31) // 32
 
 
 def jit_set_row():
@@ -100,10 +136,28 @@ def cache_shardings(runner, cache_names: list[str], default) -> tuple:
     return tuple(by_name.get(n, default) for n in cache_names)
 
 
-def state_rows(slots: int):
-    """The decode state of ``slots`` idle slots: next token, position, key, temperature, top-k, top-p."""
+def state_rows(slots: int, vocab: int):
+    """The decode state of ``slots`` idle slots: next token, position, key, temperature, top-k, top-p,
+    presence, frequency and repetition penalties, the reply's token counts ``[B, V]``, the prompt's tokens
+    ``[B, V]`` (bool) and the logit bias ``[B, V]``."""
     return (np.zeros(slots, np.int32), np.zeros(slots, np.int32), np.zeros((slots, 2), np.uint32),
-            np.zeros(slots, np.float32), np.zeros(slots, np.int32), np.ones(slots, np.float32))
+            np.zeros(slots, np.float32), np.zeros(slots, np.int32), np.ones(slots, np.float32),
+            np.zeros(slots, np.float32), np.zeros(slots, np.float32), np.ones(slots, np.float32),
+            np.zeros((slots, vocab), np.int32), np.zeros((slots, vocab), bool), np.zeros((slots, vocab), np.float32))
+
+
+def state_row(params, prompt, seed: int, vocab: int) -> tuple:
+    """One slot's decode state for a request entering the batch (see :func:`state_rows`)."""
+    seen = np.zeros(vocab, bool)
+    seen[np.asarray(prompt, np.int64)] = True
+    bias = np.zeros(vocab, np.float32)
+    for t, b in params.logit_bias:
+        bias[t] += b
+    return (np.int32(prompt[-1]), np.int32(len(prompt) - 1),
+            np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32), np.float32(params.temperature),
+            np.int32(params.top_k or 0), np.float32(1.0 if params.top_p is None else params.top_p),
+            np.float32(params.presence_penalty), np.float32(params.frequency_penalty),
+            np.float32(params.repetition_penalty), np.zeros(vocab, np.int32), seen, bias)
 
 
 def set_row(state, slot, row):

@@ -72,14 +72,19 @@ class _Codec:
         """:meth:`decode` of several requests' windows at once (one message per engine step, not one per token)."""
         return [self.decode(ids, split) for ids, split in windows]
 
-    def chat(self, messages: list) -> list[int]:
+    def pieces(self, ids: list[int]) -> list[str]:
+        """Each token's own text (logprobs name their tokens)."""
+        return [self.tok.decode([i], skip_special_tokens=False) for i in ids]
+
+    def chat(self, messages: list, tools: list | None = None) -> list[int]:
         if self.template is None:
             raise TextError("this model has no chat template: use /v1/completions")
         import jinja2
         out, size = [], 0
         try:
+            extra = {"tools": tools} if tools else {}
             for piece in self.template.generate(messages=messages, add_generation_prompt=True,
-                                                bos_token=self.bos or "", eos_token=self.eos or ""):
+                                                bos_token=self.bos or "", eos_token=self.eos or "", **extra):
                 size += len(piece)
                 if size > self.max_chars:
                     raise TextError(f"the chat template writes more than {self.max_chars:,} characters for "
@@ -164,7 +169,8 @@ def _worker_main() -> None:
         send(["error", _describe(e)])
         return
     send(["ok", None])
-    ops = {"encode": codec.encode, "decode": codec.decode, "decode_many": codec.decode_many, "chat": codec.chat}
+    ops = {"encode": codec.encode, "decode": codec.decode, "decode_many": codec.decode_many, "chat": codec.chat,
+           "pieces": codec.pieces}
     for line in stdin:
         try:
             op, args = json.loads(line)
@@ -188,7 +194,8 @@ def _describe(e: BaseException) -> str:
 
 # ---- the server's side ------------------------------------------------------------------------
 
-_WHAT = {"encode": "tokenizer", "decode": "tokenizer", "decode_many": "tokenizer", "chat": "chat template"}
+_WHAT = {"encode": "tokenizer", "decode": "tokenizer", "decode_many": "tokenizer", "chat": "chat template",
+         "pieces": "tokenizer"}
 
 
 class _Worker:
@@ -357,8 +364,11 @@ class TextWorkers:
     async def encode(self, text: str, special: bool = True) -> list[int]:
         return await self.call("encode", text, special)
 
-    async def chat(self, messages: list) -> list[int]:
-        return await self.call("chat", messages)
+    async def chat(self, messages: list, tools: list | None = None) -> list[int]:
+        return await self.call("chat", messages, tools)
+
+    async def pieces(self, ids: list[int]) -> list[str]:
+        return await self.call("pieces", list(ids))
 
     async def decode(self, ids: list[int], split: int) -> tuple[str, str]:
         """The text of ``ids[:split]`` and of ``ids``. The windows of every request waiting go to a worker in

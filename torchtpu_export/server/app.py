@@ -54,7 +54,7 @@ class Served:
         self.program = load(self.path)
         manifest = getattr(self.program, "manifest", None) or {}
         self.llm = manifest.get("llm") if isinstance(manifest, dict) else None
-        self.engine = self.text = self.model = None
+        self.engine = self.text = self.model = self.tokenizer_json = None
         self.stop_ids: tuple = ()
         if self.llm is not None:
             from ..engine import Engine
@@ -69,6 +69,7 @@ class Served:
             tok = self.llm.get("tokenizer")
             if tok:
                 from ..llm.textproc import TextWorkers
+                self.tokenizer_json = self.program.artifact.extras[tok].decode("utf-8", "replace")
                 self.text = TextWorkers(self.program.artifact.extras[tok], template=self.llm.get("chat_template"),
                                         bos_id=self.llm.get("bos_id"),
                                         eos_id=self.stop_ids[0] if self.stop_ids else None,
@@ -119,7 +120,8 @@ def serve(path, *, name: str | None = None, host: str = "127.0.0.1", port: int =
                            body_limit=served.limits.body, allow_origins=allow_origins)
         mount_health(app, served)
         if served.engine is not None:
-            OpenAIServer(served.name, served.engine, served.text, served.stop_ids, served.limits).mount(app)
+            OpenAIServer(served.name, served.engine, served.text, served.stop_ids, served.limits,
+                         tokenizer_json=served.tokenizer_json).mount(app)
         server = ModelServer(http_port=port, enable_grpc=False, workers=1)
         register_models(server, served.app_models(kserve))
         http = rest_server(server, app, host, port)
