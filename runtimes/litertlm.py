@@ -4,9 +4,22 @@ bundles on the CPU backend here (the same engine runs them on Android, iOS, desk
 LiteRT-LM aborts the process on some damaged bundles (its tokenizer is a Rust library that panics
 across a C API); the target's ``check`` refuses those before a bundle gets here. What LiteRT-LM
 still reports as an error (a chat template that fails to render, a step that fails) is the bundle's:
-one ArtifactError, exit 5."""
+one ArtifactError, exit 5.
+
+Structured outputs (``response_format``) run on LiteRT-LM's own constrained decoding: llguidance (the
+LL_GUIDANCE constraint provider) masks each step's tokens to a JSON schema or a regular expression. LiteRT-LM
+offers it in its conversation API only (a session takes no constraint), so a constrained raw prompt goes
+through a conversation whose template renders the prompt unchanged (:data:`RAW_TEMPLATE`): the same tokens
+the raw session prefills. LiteRT-LM fills llguidance's token table with the tokenizer's token *spellings*,
+not their bytes (google-ai-edge/LiteRT-LM#3510): with a byte-level BPE tokenizer a space is spelled ``Ġ``
+and a newline ``Ċ``, with SentencePiece a space is ``▁``; so a constrained reply never holds a space or a
+newline where the format requires one (the format then reaches a dead end and LiteRT-LM fails), and a
+free JSON string may take a token whose spelling passes as text but whose bytes are a control character.
+JSON replies are asked for compact (:data:`COMPACT_JSON`), which never needs a space."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import threading
@@ -14,6 +27,100 @@ import threading
 from torchtpu_export.errors import ArtifactError, InputError
 
 _LOCK = threading.Lock()
+
+MAX_FORMAT = 64 << 10  # characters of JSON schema or pattern one reply may be constrained by
+FORMS = ("{'type': 'json_schema', 'json_schema': {'schema': {...}}}, {'type': 'json_object'} or "
+         "{'type': 'regex', 'pattern': '...'}")
+# llguidance's JSON options: no free whitespace and no space after separators (LiteRT-LM's token table
+# cannot give one, see above); a schema's own "x-guidance" options win
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+# a conversation template that renders the (one) message's text as it is: a raw prompt through the
+# conversation API, which constrained decoding needs
+RAW_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+_LL_GUIDANCE_HINT = ("rerun with -vv for LiteRT-LM's log; LiteRT-LM gives llguidance the tokens' spellings (a "
+                     "space is Ġ or ▁, a newline Ċ), so keep spaces, newlines and non-ASCII text out of what the "
+                     "format requires (patterns, enums, property names)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResponseConstraint:
+    """A reply's format as LiteRT-LM takes it: ``kind`` ``"json_schema"`` (``text`` a JSON schema) or
+    ``"regex"`` (``text`` a pattern the whole reply matches)."""
+
+    kind: str
+    text: str
+
+    def litert(self, lm):
+        fmt = lm.ResponseFormat.Type.JSON_OBJECT if self.kind == "json_schema" else lm.ResponseFormat.Type.REGEX
+        return lm.ResponseFormat(fmt, self.text)
+
+
+def response_constraint(response_format) -> ResponseConstraint | None:
+    """``response_format`` in OpenAI's forms (``{"type": "json_schema", "json_schema": {"schema": {...}}}``,
+    ``{"type": "json_object"}``, ``{"type": "text"}``: none) or ``{"type": "regex", "pattern": "..."}``, checked
+    (with llguidance, where it is installed, as LiteRT-LM will compile it): one InputError for a bad one."""
+    if response_format is None or isinstance(response_format, ResponseConstraint):
+        return response_format
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = {"type": "object"}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InputError("response_format json_schema takes {'type': 'json_schema', 'json_schema': {'schema': "
+                             "{...}}}: the schema is a JSON object")
+    elif kind == "regex":
+        pattern = response_format.get("pattern")
+        if not isinstance(pattern, str) or not pattern:
+            raise InputError("response_format regex takes {'type': 'regex', 'pattern': '...'}: the pattern is a "
+                             "non-empty string")
+        if len(pattern) > MAX_FORMAT:
+            raise InputError(f"the response_format's pattern is {len(pattern):,} characters; at most "
+                             f"{MAX_FORMAT:,} are taken")
+        return _checked(ResponseConstraint("regex", pattern))
+    else:
+        what = f"a {type(response_format).__name__}" if not isinstance(response_format, dict) else \
+            "a dict without a type" if kind is None else f"type {kind!r}"[:80]
+        raise InputError(f"response_format is {what}; it takes {FORMS}")
+    options = schema.get("x-guidance")
+    schema = dict(schema, **{"x-guidance": dict(COMPACT_JSON, **options) if isinstance(options, dict) else
+                             COMPACT_JSON if options is None else options})
+    try:
+        text = json.dumps(schema, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise InputError(f"the response_format's JSON schema is not JSON ({type(e).__name__}: {str(e)[:120]})") \
+            from None
+    if len(text) > MAX_FORMAT:
+        raise InputError(f"the response_format's JSON schema is {len(text):,} characters; at most {MAX_FORMAT:,} "
+                         "are taken")
+    return _checked(ResponseConstraint("json_schema", text))
+
+
+def _checked(constraint: ResponseConstraint) -> ResponseConstraint:
+    """The constraint, once llguidance's Python package compiles it as LiteRT-LM's copy will (without the
+    package LiteRT-LM's compile is the check: its failure comes from ``generate``)."""
+    try:
+        from llguidance import LLMatcher
+    except ImportError:
+        return constraint
+    what = "JSON schema" if constraint.kind == "json_schema" else \
+        f"pattern {constraint.text!r}" if len(constraint.text) <= 60 else "pattern"
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(constraint.text) if constraint.kind == "json_schema" else \
+            LLMatcher.grammar_from_regex(constraint.text)
+        error = LLMatcher.validate_grammar(grammar)
+    except (ValueError, TypeError, RuntimeError) as e:
+        error = str(e)
+    if error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        why = next((line[len("error:"):].strip() for line in lines if line.startswith("error:")),
+                   lines[0] if lines else "")
+        from torchtpu_export.untrusted import printable
+        raise InputError(f"the response_format's {printable(what)} is not valid: {printable(why[:300])}")
+    return constraint
 
 
 def _litert_lm():
@@ -41,10 +148,13 @@ class LitertLmEngine:
                                 hint="the bundle is damaged or was not made for this LiteRT-LM") from e
 
     def generate(self, prompt: str, max_new_tokens: int = 64, *, chat: bool = False, top_k: int | None = 1,
-                 top_p: float | None = None, temperature: float | None = None, seed: int | None = None) -> str:
+                 top_p: float | None = None, temperature: float | None = None, seed: int | None = None,
+                 response_format=None) -> str:
         """The text LiteRT-LM generates after ``prompt`` (raw, or as a user message through the bundle's
-        chat template with ``chat=True``); greedy by default (top-k 1)."""
+        chat template with ``chat=True``); greedy by default (top-k 1). ``response_format`` (see
+        :func:`response_constraint`) constrains the reply through LiteRT-LM's constrained decoding."""
         lm = _litert_lm()
+        constraint = response_constraint(response_format)
         if max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be positive, got {max_new_tokens}")
         try:
@@ -53,16 +163,19 @@ class LitertLmEngine:
             raise InputError(f"the prompt is not valid text (character {e.start} cannot be written as UTF-8)") from None
         sampler = lm.SamplerConfig(top_k=top_k, top_p=top_p, temperature=temperature, seed=seed)
         try:
-            if chat:
-                with self.engine.create_conversation(sampler_config=sampler,
-                                                     max_output_tokens=max_new_tokens) as conv:
-                    reply = conv.send_message(prompt)
-                return "".join(part.get("text", "") for part in _parts(reply))
+            if chat or constraint is not None:
+                return self._converse(lm, prompt, sampler, max_new_tokens, chat, constraint)
             with self.engine.create_session(apply_prompt_template=False, sampler_config=sampler,
                                             max_output_tokens=max_new_tokens) as session:
                 session.run_prefill([prompt])
                 return "".join(session.run_decode().texts[:1])
         except RuntimeError as e:
+            if constraint is not None and self._works(lm, prompt, chat):  # the same call without the format works
+                what = "JSON schema" if constraint.kind == "json_schema" else "pattern"
+                raise InputError(f"LiteRT-LM could not generate to the response_format's {what} ({e}): its "
+                                 "llguidance could not compile it, or the reply came to a point where the format "
+                                 "requires a character that no token in LiteRT-LM's token table gives "
+                                 "(google-ai-edge/LiteRT-LM#3510)", hint=_LL_GUIDANCE_HINT) from None
             # the prompt was checked against the context before; a failure that another prompt would not
             # meet is the prompt's (the chat template's text made it too long, or the template refuses it)
             if chat and self._chat_works(lm):
@@ -72,6 +185,29 @@ class LitertLmEngine:
             what = "answer through the chat template of" if chat else "generate from"
             raise ArtifactError(f"LiteRT-LM could not {what} {self.path} ({e})",
                                 hint="the bundle is damaged; rerun with -vv for LiteRT-LM's own log") from None
+
+    def _converse(self, lm, prompt: str, sampler, max_new_tokens: int, chat: bool,
+                  constraint: ResponseConstraint | None = None) -> str:
+        """The reply through LiteRT-LM's conversation API: the bundle's chat template with ``chat``, else
+        :data:`RAW_TEMPLATE`; constrained to ``constraint`` by llguidance."""
+        options = dict(sampler_config=sampler, max_output_tokens=max_new_tokens)
+        if not chat:
+            from torchtpu_export.llm.text import parts_template
+            options["chat_template"] = parts_template(RAW_TEMPLATE)
+        if constraint is not None:
+            options["constrained_decoding_config"] = lm.ConstrainedDecodingConfig(
+                enable=True, provider=lm.LiteRtLmConstraintProviderType.LL_GUIDANCE)
+        with self.engine.create_conversation(**options) as conv:
+            reply = conv.send_message(prompt, **({"response_format": constraint.litert(lm)} if constraint else {}))
+        return "".join(part.get("text", "") for part in _parts(reply))
+
+    def _works(self, lm, prompt: str, chat: bool) -> bool:
+        """Whether one token of an unconstrained reply to ``prompt`` comes (through the conversation API)."""
+        try:
+            self._converse(lm, prompt, lm.SamplerConfig(top_k=1), 1, chat)
+            return True
+        except RuntimeError:
+            return False
 
     def _chat_works(self, lm) -> bool:
         try:

@@ -128,3 +128,21 @@ def test_one_generate_for_every_llm_artifact(exported, tmp_path):
     from torchtpu_export.errors import InputError
     with pytest.raises(InputError, match="token ids"):
         prog.generate([1, -3], 4)
+
+
+def test_generate_follows_a_response_format(exported):
+    """Constrained decoding on the tpu target: the grammar's mask applied in the decode step on the device."""
+    import json
+    import re
+    model, tok, prog = exported["qwen3"]
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 5},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["word", "n"], "additionalProperties": False}
+    reply = prog.generate("hello", 60, response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+    value = json.loads(reply.text)
+    assert set(value) == {"word", "n"} and 0 <= value["n"] <= 99 and reply.finish_reason == "stop"
+    reply = prog.generate("hello", 20, temperature=1.0, seed=4, response_format={"type": "regex", "pattern": "[a-c]{4}"})
+    assert re.fullmatch("[a-c]{4}", reply.text), reply
+    from torchtpu_export.errors import InputError
+    with pytest.raises(InputError, match="response_format must be"):
+        prog.generate("hello", 4, response_format={"type": "yaml"})

@@ -190,12 +190,24 @@ def _check_llm_options(source, prefill_lengths: Sequence[int], cache_length: int
                          hint="a prefill chunk must fit in the cache: lower --prefill-lengths or raise --cache-length")
     limit = getattr(config, "max_position_embeddings", None)
     if limit and cache_length > limit:
-        raise InputError(f"cache length {cache_length} is above the model's max_position_embeddings {limit}")
+        raise InputError(f"cache length {cache_length} is above the model's max_position_embeddings {limit}",
+                         hint=f"give cache_length (--cache-length) of at most {limit}, or leave it out: the default "
+                              f"is the smaller of {DEFAULT_CACHE_LENGTH} and the model's limit")
     return lengths
 
 
+DEFAULT_CACHE_LENGTH = 1024
+
+
+def default_cache_length(config) -> int:
+    """The smaller of 1024 positions and the model's own limit (``max_position_embeddings``)."""
+    text = getattr(config, "text_config", None) or config
+    limit = getattr(text, "max_position_embeddings", None) or getattr(config, "max_position_embeddings", None)
+    return min(DEFAULT_CACHE_LENGTH, limit) if isinstance(limit, int) and limit > 1 else DEFAULT_CACHE_LENGTH
+
+
 def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefill_lengths: Sequence[int] = (128,),
-               cache_length: int = 1024, quant_config=None, batch_size: int = 1, abstract_weights: bool = False,
+               cache_length: int | None = None, quant_config=None, batch_size: int = 1, abstract_weights: bool = False,
                **options):
     """Exports a causal LM's prefill (one signature per length, ``prefill_<N>``) and ``decode`` steps.
 
@@ -207,6 +219,9 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     sequences at once, each at its own position: the slots of the serving engine (:mod:`torchtpu_export.engine`).
     ``abstract_weights=True`` with a model folder: built from config.json alone, weights never read (tpu:
     the programs take abstract weights, bound at load with ``TpuProgram.bind_weights``).
+    ``cache_length``: the KV cache's positions (prompt and reply); by default the smaller of 1024 and the
+    model's ``max_position_embeddings``. A model with parts beside its text decoder (a vision tower, an
+    audio encoder) is refused, never exported without them.
     """
     import torch
 
@@ -216,6 +231,8 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     from .llm.step import CacheStep, grouped_attention_in
     from .quant import parse
     source = load_source(model_or_path, tokenizer, abstract_weights)
+    if cache_length is None:
+        cache_length = default_cache_length(source.model.config)
     lengths = _check_llm_options(source, prefill_lengths, cache_length)
     t = targets.get(target)
     program_target = t.program_target or target

@@ -91,7 +91,8 @@ def _convert_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-lengths", default=None, metavar="N,...",
                    help="LLM folders: prefill chunk lengths, one signature each (default 128)")
     p.add_argument("--cache-length", type=int, default=None, metavar="C",
-                   help="LLM folders: KV-cache positions, the most tokens of prompt and reply (default 1024)")
+                   help="LLM folders: KV-cache positions, the most tokens of prompt and reply (default: the smaller "
+                        "of 1024 and the model's max_position_embeddings)")
     p.add_argument("--tokenizer", default=None, help="LLM folders: the tokenizer's folder (default: the model's)")
     p.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help="LLM folders, tpu target: also a decode_batch program for B sequences at once "
@@ -191,11 +192,14 @@ def _convert_llm(args, target) -> int:
     if args.quantize:
         options["quant_config"] = args.quantize
     artifact = api.export_llm(args.model, args.tokenizer, target=target.name, prefill_lengths=lengths,
-                              cache_length=args.cache_length or 1024, batch_size=args.batch_size or 1,
+                              cache_length=args.cache_length, batch_size=args.batch_size or 1,
                               abstract_weights=args.abstract_weights, **options)
     artifact.save(output)
+    mask = next((s for s in artifact.inputs("decode") if s.name == "mask"), None)
+    cache = f"; cache {mask.shape[-1]} positions" + ("" if args.cache_length else " (the default: the smaller of 1024 "
+                                                     "and the model's limit)") if mask is not None else ""
     _out(args, f"wrote {output} ({_human(os.path.getsize(output))}) in {time.perf_counter() - t0:.1f} s "
-               f"[target {target.name}; signatures {', '.join(artifact.signatures)}]")
+               f"[target {target.name}; signatures {', '.join(artifact.signatures)}{cache}]")
     return 0
 
 
@@ -339,6 +343,12 @@ def _run_args(p):
     p.add_argument("--prompt", default=None, help="LLM artifacts (.tpu from export_llm, .litertlm): generate text after this prompt")
     p.add_argument("--max-new-tokens", type=int, default=64, help="with --prompt: the most tokens to generate")
     p.add_argument("--chat", action="store_true", help="with --prompt: send it as a user message (chat template)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", default=None, metavar="FILE",
+                     help="with --prompt: the reply is JSON that follows this JSON schema (constrained decoding: "
+                          "LiteRT-LM's for .litertlm, the decode step's grammar mask for .tpu)")
+    fmt.add_argument("--regex", default=None, metavar="PATTERN",
+                     help="with --prompt: the whole reply matches this regular expression")
     p.add_argument("--runtime", default=None, metavar="NAME",
                    help=".tflite: interpreter (default), compiled_model, or qnn_htp (a file compiled for a Qualcomm "
                         "NPU, on QNN's HTP simulator: x86-64 with onnxruntime-qnn)")
@@ -354,10 +364,11 @@ def _run(args) -> int:
     if args.output:
         from .fileio import check_writable
         check_writable(args.output, inputs=(args.artifact, *_input_files(args.inputs)))
+    response_format = _response_format(args)
     art = api.load(args.artifact)
     if args.prompt is not None:
         t0 = time.perf_counter()
-        reply = art.generate(args.prompt, args.max_new_tokens, chat=args.chat)
+        reply = art.generate(args.prompt, args.max_new_tokens, chat=args.chat, response_format=response_format)
         print(printable(str(reply), newlines=True))
         _out(args, f"generated in {time.perf_counter() - t0:.2f} s ({len(reply.ids)} tokens, {reply.finish_reason})")
         return 0
@@ -387,6 +398,32 @@ def _run(args) -> int:
         with atomic_open(args.output) as f:
             np.savez(f, **{s.name: np.asarray(o) for s, o in zip(art.outputs(args.signature), outs)})
     return 0
+
+
+def _response_format(args) -> dict | None:
+    """``run``'s --json-schema FILE (read within a size cap) or --regex PATTERN, as a response_format."""
+    if args.json_schema is None and args.regex is None:
+        return None
+    flag = "--json-schema" if args.json_schema is not None else "--regex"
+    if args.prompt is None:
+        raise InputError(f"{flag} goes with --prompt: it constrains the text an LLM generates")
+    if args.regex is not None:
+        return {"type": "regex", "pattern": args.regex}
+    from .runtimes.litertlm import MAX_FORMAT
+    from .untrusted import load_json
+    path = args.json_schema
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_FORMAT + 1)
+    except OSError as e:
+        raise InputError(f"cannot read the JSON schema {path}: {e.strerror or e}") from None
+    if len(data) > MAX_FORMAT:
+        raise InputError(f"the JSON schema {path} is more than {MAX_FORMAT:,} bytes (at most {MAX_FORMAT:,} are read)")
+    schema = load_json(data, f"the JSON schema {path}", max_bytes=MAX_FORMAT, error=InputError)
+    if not isinstance(schema, dict):
+        raise InputError(f"{path} is JSON but not a JSON schema (a schema is an object, {{...}})")
+    name = os.path.splitext(os.path.basename(path))[0]
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
 
 
 def _spec_text(spec) -> str:

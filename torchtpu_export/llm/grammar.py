@@ -54,6 +54,22 @@ def grammar_text(kind: str, value) -> str:
     raise InputError(f"unknown response format {kind!r}; choose one of {', '.join(KINDS)}")
 
 
+def format_of(response_format) -> tuple:
+    """``(kind, value)`` of a ``generate(response_format=...)``: OpenAI's ``{"type": "json_schema",
+    "json_schema": {"schema": {...}}}`` and ``{"type": "json_object"}``, or ``{"type": "regex", "pattern":
+    "..."}``."""
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "json_object":
+        return "json_object", None
+    if kind == "json_schema" and isinstance(response_format.get("json_schema"), dict) \
+            and isinstance(response_format["json_schema"].get("schema"), dict):
+        return "json_schema", response_format["json_schema"]["schema"]
+    if kind == "regex" and isinstance(response_format.get("pattern"), str):
+        return "regex", response_format["pattern"]
+    raise InputError("response_format must be {type: json_schema, json_schema: {schema: {...}}}, "
+                     "{type: json_object} or {type: regex, pattern: ...}")
+
+
 class Grammars:
     """The compiled grammars of one model's tokenizer (``tokenizer.json`` text), cached by their text: a
     schema sent again is not compiled again. ``matcher(kind, value)`` checks the grammar against the

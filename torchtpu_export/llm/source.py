@@ -45,12 +45,29 @@ def load_source(model_or_path, tokenizer=None, abstract: bool = False) -> LlmSou
     config = getattr(model, "config", None)
     if config is None:
         raise InputError(f"{name} has no transformers config: export_llm takes a transformers causal LM")
+    refuse_partial(name, {k: getattr(config, k, None) for k in PARTS}, type(model).__name__)
     stop_ids += token_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None),
                      f"{name}'s generation config")
     stop_ids += token_ids(getattr(config, "eos_token_id", None), f"{name}'s config")
     tok = LlmTokenizer.from_object(tokenizer, stop_ids) if tokenizer is not None else None
     model.eval()
     return LlmSource(model, tok, name)
+
+
+# what a model may hold beside its text decoder, which export_llm would drop (config key -> what it is)
+PARTS = {"vision_config": "a vision tower", "audio_config": "an audio encoder", "speech_config": "a speech encoder",
+         "vision_tower": "a vision tower", "encoder_config": "an encoder"}
+
+
+def refuse_partial(name: str, config: dict, family: str) -> None:
+    """A model with parts beside its text decoder (a vision tower, an audio encoder) is refused: the export
+    would carry its decoder alone, and a runtime given an image would fail or ignore it."""
+    found = [what for key, what in PARTS.items() if config.get(key) is not None]
+    if found:
+        raise InputError(f"{name} is a {family} with {' and '.join(dict.fromkeys(found))} beside its text decoder; "
+                         "export_llm exports text decoders only, and would drop it",
+                         hint="multimodal bundles are not supported yet: export the language model on its own "
+                              "(its text_config as a causal LM folder)")
 
 
 def _load_hf_folder(path: str, abstract: bool = False):
@@ -68,6 +85,9 @@ def _load_hf_folder(path: str, abstract: bool = False):
         raise InputError(f"{path} has no config.json: not a Hugging Face model folder",
                          hint="save the model there with model.save_pretrained(folder)")
     _check_raw_config(cfg_path, raw)
+    archs = raw.get("architectures")
+    refuse_partial(path, raw, archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str)
+                   else str(raw.get("model_type", "model")))
     ckpt = None if abstract else hf_folder.checkpoint(path, raw)
     if ckpt is None and not abstract:
         try:

@@ -119,12 +119,16 @@ class Runnable:
         raise NotImplementedError
 
     def generate(self, prompt, max_new_tokens: int = 64, *, chat: bool = False, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, stop=None, seed: int | None = None):
+                 top_k: int | None = None, top_p: float | None = None, stop=None, seed: int | None = None,
+                 response_format: dict | None = None):
         """An LLM artifact's reply to ``prompt`` (text, or token ids), as a ``llm.contract.Generation``
         (text and ids). ``chat=True`` sends a text prompt as a user message through the artifact's chat
         template; greedy at ``temperature=0``, else top-k / top-p sampling seeded by ``seed``; ``stop``:
-        token ids that end the reply (default: the artifact's stop tokens). Artifacts that hold no LLM
-        (not made by ``export_llm``) refuse."""
+        token ids that end the reply (default: the artifact's stop tokens); ``response_format``: the reply
+        follows a JSON schema (``{"type": "json_schema", "json_schema": {"schema": ...}}``), is a JSON
+        object (``{"type": "json_object"}``) or matches a regular expression (``{"type": "regex",
+        "pattern": ...}``), by constrained decoding. Artifacts that hold no LLM (not made by
+        ``export_llm``) refuse."""
         raise InputError(f"this {type(self).__name__} holds no LLM: generate applies to the artifacts "
                          "tte.export_llm makes (.tpu, .litertlm)")
 

@@ -105,13 +105,24 @@ class LitertLmBundle(Runnable):
         return self._engine
 
     def generate(self, prompt, max_new_tokens: int = 64, *, chat: bool = False, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, stop=None, seed: int | None = None):
+                 top_k: int | None = None, top_p: float | None = None, stop=None, seed: int | None = None,
+                 response_format: dict | None = None):
         """LiteRT-LM's reply to ``prompt`` (text, or token ids the bundle's tokenizer turns into text), as a
         ``Generation`` (text, and the reply's ids as the bundle's tokenizer reads that text): greedy at
         ``temperature=0``, else top-k / top-p sampling seeded by ``seed``. ``chat=True`` sends the prompt as
         a user message through the bundle's chat template. LiteRT-LM ends at the bundle's stop tokens;
-        ``stop`` cuts the reply at other token ids too."""
+        ``stop`` cuts the reply at other token ids too.
+
+        ``response_format`` constrains the reply with LiteRT-LM's constrained decoding (llguidance):
+        ``{"type": "json_schema", "json_schema": {"schema": {...}}}`` (JSON that follows the schema, written
+        compact), ``{"type": "json_object"}`` (any JSON object) or ``{"type": "regex", "pattern": "..."}``
+        (the whole reply matches). LiteRT-LM gives llguidance its tokens' spellings, not their bytes
+        (google-ai-edge/LiteRT-LM#3510): a format that requires a space or a newline cannot be met, and a
+        free JSON string may take a control character; ``pattern``, ``enum`` or ``maxLength`` on strings
+        keep them to what the format allows."""
         from ...llm.contract import Generation, prompt_ids
+        from ...runtimes.litertlm import response_constraint
+        constraint = response_constraint(response_format)  # a bad format is refused before the engine loads
         engine = self.engine()
         ids = prompt_ids(prompt)
         if ids is not None:
@@ -121,6 +132,8 @@ class LitertLmBundle(Runnable):
         self._checked.check_prompt(prompt)  # what LiteRT-LM's tokenizer would choke on, refused here
         sampling = dict(top_k=top_k or 1) if not temperature else \
             dict(top_k=top_k, top_p=top_p, temperature=temperature, seed=seed)
+        if constraint is not None:
+            sampling["response_format"] = constraint
         text = engine.generate(prompt, max_new_tokens, chat=chat, **sampling)
         out = engine.tokenize(text) if text else []
         cut = next((i for i, t in enumerate(out) if t in set(stop or ())), None)
@@ -132,6 +145,17 @@ class LitertLmBundle(Runnable):
     def __repr__(self) -> str:
         where = self.path or "in memory"
         return f"LitertLmBundle({where}, signatures={self.signatures})"
+
+
+# What a bundle carries for LiteRT-LM's structured outputs and tool calls:
+# - constrained decoding (response_format, llguidance) needs nothing of the model type or template: LiteRT-LM's
+#   LL_GUIDANCE provider takes the engine's tokenizer and the first stop token of a single id as llguidance's
+#   end of text (constraint_provider_factory.cc), which every stop token written here is;
+# - a tool call comes back as the reply's ``tool_calls`` only through the model type's data processor: the
+#   generic one returns the text as it is; Qwen 2.5's and Qwen 3's (``<tool_call>{json}</tool_call>``) parse
+#   it. The other model types LiteRT-LM knows (Gemma 3/4, FunctionGemma, LFM2) bring image/audio handling and
+#   their own call syntax, so only the Qwen families are typed here. (HF model_type -> LlmModelType field)
+TOOL_CALL_MODEL_TYPES = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen2": "qwen2p5", "qwen2_moe": "qwen2p5"}
 
 
 def pack(edge, tokenizer, metadata: dict, tmp: str, out) -> None:
@@ -153,10 +177,14 @@ def pack(edge, tokenizer, metadata: dict, tmp: str, out) -> None:
     if tokenizer.pad_id is not None:
         msg.pad_token.token_ids.ids.append(tokenizer.pad_id)
     msg.max_num_tokens = metadata["max_num_tokens"]
-    msg.llm_model_type.generic_model.SetInParent()
+    kind = TOOL_CALL_MODEL_TYPES.get(str(metadata.get("model_type")))
+    getattr(msg.llm_model_type, kind or "generic_model").SetInParent()
     if tokenizer.chat_template:
         from ...llm.text import parts_template
         msg.jinja_prompt_template = parts_template(tokenizer.chat_template)
+        # an app asks LiteRT-LM (ModelInfo) whether a bundle takes tools: it does where the template renders
+        # them and LiteRT-LM reads the tool calls back
+        msg.supports_function_calling = bool(kind) and "tools" in tokenizer.chat_template
     with open(meta_path, "wb") as f:
         f.write(msg.SerializeToString())
     info = [lb.Metadata(key=f"tte_{k}", value=str(v), dtype=lb.DType.STRING) for k, v in sorted(metadata.items())]

@@ -131,13 +131,16 @@ class TpuProgram(Runnable):
         return entry["stats"]
 
     def generate(self, prompt, max_new_tokens: int = 64, *, chat: bool = False, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, stop=None, seed: int | None = None):
+                 top_k: int | None = None, top_p: float | None = None, stop=None, seed: int | None = None,
+                 response_format: dict | None = None):
         """The reply of an LLM's programs (``tte.export_llm(..., target="tpu")``) to ``prompt`` (token ids, or
         text the artifact's tokenizer encodes), as a ``Generation`` (text and ids): the KV cache kept on
         the device and updated in place (donated), sampling on the device (greedy at ``temperature=0``, else
         top-k / top-p seeded by ``seed``). ``chat=True`` renders a text prompt as a user message through the
         artifact's chat template. Ends at a token in ``stop`` (default: the artifact's stop tokens).
-        Tokenizer and template run in a worker process under time and memory budgets (they are the file's)."""
+        ``response_format`` (see ``Runnable.generate``): constrained decoding with llguidance, the mask
+        applied in the decode step on the device. Tokenizer and template run in a worker process under
+        time and memory budgets (they are the file's)."""
         from ...llm.contract import Generation, prompt_ids
         llm = self.manifest.get("llm")
         if llm is None:
@@ -155,8 +158,18 @@ class TpuProgram(Runnable):
         from ...engine import Engine
         if getattr(self, "_generator", None) is None:
             self._generator = Engine(self, batched=False)
+        constraint = None
+        if response_format is not None:
+            from ...llm.grammar import Grammars, format_of
+            kind, value = format_of(response_format)
+            if not llm.get("tokenizer"):
+                raise InputError("response_format needs the model's tokenizer, which this .tpu does not carry")
+            if getattr(self, "_grammars", None) is None:
+                self._grammars = Grammars(self.artifact.extras[llm["tokenizer"]].decode("utf-8", "replace"),
+                                          self._generator.vocab, llm.get("stop_ids", ()))
+            constraint = self._grammars.matcher(kind, value)
         out = self._generator.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                       stop=stop, seed=seed)
+                                       stop=stop, seed=seed, constraint=constraint)
         reply = text.run("decode", out, 0)[1] if text is not None else None
         return Generation(reply, out, "length" if len(out) >= max_new_tokens else "stop")
 

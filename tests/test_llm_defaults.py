@@ -1,0 +1,35 @@
+"""export_llm's defaults fit the model, and a folder it cannot carry whole is refused: the cache length
+defaults to the smaller of 1024 and the model's max_position_embeddings (and the output says so), and a
+vision-language folder is never exported as its text decoder alone."""
+import json
+
+import pytest
+
+import hf_llms
+from conftest import run_cli
+
+pytestmark = pytest.mark.xdist_group("llm")
+
+
+def test_the_default_cache_length_fits_the_model(tmp_path):
+    folder = hf_llms.save_folder("llama", str(tmp_path / "llama"))  # max_position_embeddings 512
+    out = tmp_path / "llama.tpu"
+    r = run_cli(folder, "--target", "tpu", "--prefill-lengths", "16", "--platforms", "cpu", "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert "cache 512 positions (the default" in r.stdout + r.stderr
+    r = run_cli(folder, "--target", "tpu", "--prefill-lengths", "16", "--cache-length", "2048", "-o", out)
+    assert r.returncode == 2 and "max_position_embeddings 512" in r.stderr and "at most 512" in r.stderr, r.stderr
+
+
+def test_a_vision_language_folder_is_refused_not_truncated(tmp_path):
+    folder = tmp_path / "gemma3-vlm"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2},
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 1}}))
+    for target in ("litertlm", "tpu"):
+        r = run_cli(folder, "--target", target, "-o", tmp_path / f"out.{target}")
+        assert r.returncode == 2, r.stderr
+        assert "Gemma3ForConditionalGeneration with a vision tower" in r.stderr and "Traceback" not in r.stderr
+        assert not (tmp_path / f"out.{target}").exists()
