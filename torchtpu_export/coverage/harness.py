@@ -29,8 +29,8 @@ def op_module(entry, samples):
             outs, k = [], 0
             for spec, leaves in plans:
                 values = []
-                for is_input, how, const in leaves:
-                    if is_input:
+                for fed, how, const in leaves:
+                    if fed:
                         x = tensors[k]
                         k += 1
                         values.append(view_of(x, how) if how else x)
