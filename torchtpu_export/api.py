@@ -225,10 +225,10 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     """
     import torch
 
-    from .llm.contract import (DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, CacheLayout, cache_shardings,
+    from .llm.contract import (DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, cache_shardings,
                                slot_inputs, step_inputs)
     from .llm.source import load_source
-    from .llm.step import CacheStep, grouped_attention_in
+    from .llm.step import CacheStep, grouped_attention_in, probe_layout
     from .quant import parse
     source = load_source(model_or_path, tokenizer, abstract_weights)
     if cache_length is None:
@@ -240,7 +240,7 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     # serving in bf16 keeps the KV cache in bf16 too (half the HBM); LiteRT-LM's caches are float32
     serving = targets.get(program_target).serving
     bf16 = serving and recipe is not None and recipe.recipe == "bf16"
-    layout = CacheLayout.of(source.model.config, cache_length, "bfloat16" if bf16 else "float32")
+    layout = probe_layout(source.model, cache_length, "bfloat16" if bf16 else "float32")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or not 1 <= batch_size <= 4096:
         raise InputError(f"batch_size must be an integer from 1 to 4096, got {batch_size!r}")
     if batch_size > 1 and not serving:

@@ -21,11 +21,25 @@ PREFILL_BATCH = "prefill_batch_{}"  # tpu serving: N prompt tokens for each of B
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
+    """The KV cache of a model's steps: per layer a key and a value tensor ``[B, heads, C, dim]``. ``shapes``
+    (per layer, ``((key heads, key dim), (value heads, value dim))``) is what the model itself writes, found
+    by :func:`llm.step.probe_layout`: multi-query attention's one head, multi-head latent attention's
+    compressed latents (DeepSeek: the latent as "key", the rotary part as "value"), per-layer head counts.
+    Without it every layer has ``kv_heads`` heads of ``head_dim`` (the config's)."""
     layers: int
     kv_heads: int
     head_dim: int
     length: int  # C: positions the cache holds
     dtype: str = "float32"  # bfloat16 for tpu programs of the bf16 recipe
+    shapes: tuple = ()
+
+    def shape(self, name: str, batch: int = 1) -> tuple:
+        """The cache tensor ``name``'s shape (``kv_cache_k_<i>`` / ``kv_cache_v_<i>``)."""
+        if not self.shapes:
+            return (batch, self.kv_heads, self.length, self.head_dim)
+        kind, layer = name.split("_")[2], int(name.rsplit("_", 1)[1])
+        heads, dim = self.shapes[layer][0 if kind == "k" else 1]
+        return (batch, heads, self.length, dim)
 
     @classmethod
     def of(cls, config, length: int, dtype: str = "float32") -> "CacheLayout":
@@ -39,8 +53,7 @@ class CacheLayout:
         return [f"kv_cache_{kv}_{i}" for i in range(self.layers) for kv in "kv"]
 
     def empty(self, dtype=None, batch: int = 1) -> dict:
-        shape = (batch, self.kv_heads, self.length, self.head_dim)
-        return {n: torch.zeros(shape, dtype=dtype or getattr(torch, self.dtype)) for n in self.names()}
+        return {n: torch.zeros(self.shape(n, batch), dtype=dtype or getattr(torch, self.dtype)) for n in self.names()}
 
 
 def step_inputs(layout: CacheLayout, n: int) -> dict:
@@ -65,9 +78,10 @@ def cache_shardings(layout: CacheLayout, mesh) -> dict:
     n = axes.get("model", 1)
     if not isinstance(n, int) or n <= 1:
         return {}
-    if layout.kv_heads % n == 0:
+    shapes = {name: layout.shape(name) for name in layout.names()}
+    if all(s[1] % n == 0 for s in shapes.values()):
         return {name: [None, "model", None, None] for name in layout.names()}
-    if layout.head_dim % n == 0:  # more chips than KV heads (GQA): split each head's features instead
+    if all(s[3] % n == 0 for s in shapes.values()):  # more chips than KV heads (GQA): split each head's features
         return {name: [None, None, None, "model"] for name in layout.names()}
     return {}
 

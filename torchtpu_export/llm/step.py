@@ -40,6 +40,50 @@ class _StepCache:
         return 0
 
 
+class _Recorder:
+    """The ``Cache`` protocol that keeps nothing: it notes the shape of each layer's keys and values."""
+
+    is_compileable = True
+
+    def __init__(self):
+        self.shapes: dict = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.shapes[layer_idx] = ((key_states.shape[1], key_states.shape[3]),
+                                  (value_states.shape[1], value_states.shape[3]))
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def probe_layout(model, length: int, dtype: str = "float32") -> CacheLayout:
+    """The cache layout the model itself writes: one token through it (on the meta device when its weights
+    are abstract), each layer's keys and values noted as they reach the cache. Falls back to the config's
+    numbers (``CacheLayout.of``) when the model cannot run such a probe."""
+    guess = CacheLayout.of(model.config, length, dtype)
+    recorder = _Recorder()
+    params = inspect.signature(model.forward).parameters
+    kw = "cache" if "cache" in params else "past_key_values"
+    meta = any(p.is_meta for p in model.parameters())
+    device = torch.device("meta") if meta else None
+    types = getattr(model.config, "layer_types", None)
+    mask = torch.zeros(1, 1, 1, 1, device=device)
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+                  attention_mask={t: mask for t in set(types)} if types else mask,
+                  position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True, **{kw: recorder})
+    except Exception:  # noqa: BLE001 - a model the probe cannot drive: the config's numbers
+        return guess
+    if sorted(recorder.shapes) != list(range(guess.layers)):
+        return guess
+    shapes = tuple(recorder.shapes[i] for i in range(guess.layers))
+    if all(s == ((guess.kv_heads, guess.head_dim),) * 2 for s in shapes):
+        return guess
+    return CacheLayout(guess.layers, guess.kv_heads, guess.head_dim, length, dtype, shapes)
+
+
 class CacheStep(torch.nn.Module):
     """One step of ``N`` tokens: ``(tokens [1,N] int32, input_pos [N] int32, mask [1,1,N,C] f32, caches)``
     → ``{"logits" [1,N,V] (decode only), caches}``, the caches updated under their own names.
@@ -111,7 +155,7 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         if mask is not None:
             scores = scores + mask
         out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(query.dtype), value)
-    return out.reshape(b, heads, n, d).transpose(1, 2).contiguous(), None
+    return out.reshape(b, heads, n, value.shape[-1]).transpose(1, 2).contiguous(), None  # v's dim may differ (MLA)
 
 
 # (id(mask), rep, length) -> (mask, the mask for stacked query heads): made once per traced step and shared by

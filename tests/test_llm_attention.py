@@ -1,0 +1,57 @@
+"""Attention variants whose caches are not one head_dim and num_key_value_heads for every layer: the cache
+layout is what the model itself writes (``llm.step.probe_layout``), so DeepSeek's multi-head latent
+attention keeps its compressed latent cache (the latent and the rotary key, not decompressed heads) and
+Falcon's multi-query attention its one head; both targets give transformers' greedy tokens (the .tpu by
+generate, the bundle in LiteRT-LM's engine)."""
+import pytest
+import torch
+
+import hf_llms
+import torchtpu_export as tte
+
+pytestmark = pytest.mark.xdist_group("llm")
+
+PROMPT = "hello world, this is a tiny language model"
+STEPS = 32
+SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
+MLA = dict(intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+           first_k_dense_replace=2, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+           v_head_dim=12, num_key_value_heads=4, n_group=1, topk_group=1)
+FAMILIES = {  # name -> (model_type, config, the cache shapes (heads, dim) of layer 0's key and value)
+    "deepseek_v3": ("deepseek_v3", MLA, ((1, 16), (1, 8))),
+    "deepseek_v2": ("deepseek_v2", MLA, ((1, 16), (1, 8))),
+    "falcon_mqa": ("falcon", dict(multi_query=True), ((1, 16), (1, 16))),
+}
+
+
+def _model(family):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    kind, extra, _ = FAMILIES[family]
+    tok = hf_llms.tokenizer()
+    config = AutoConfig.for_model(kind, vocab_size=len(tok), bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                  **SMALL, **extra)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval(), tok
+
+
+def _greedy(model, ids):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+    out = out[0, len(ids):].tolist()
+    return out[:out.index(2)] if 2 in out else out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cache_layout_is_the_models_and_both_targets_give_transformers_tokens(family, tmp_path):
+    model, tok = _model(family)
+    ids = tok(PROMPT)["input_ids"]
+    want = _greedy(model, ids)
+    prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8, 32), cache_length=96, platforms=("cpu",))
+    spec = {s.name: list(s.shape) for s in prog.inputs("decode")}
+    k, v = FAMILIES[family][2]
+    assert spec["kv_cache_k_0"] == [1, k[0], 96, k[1]] and spec["kv_cache_v_0"] == [1, v[0], 96, v[1]], spec
+    assert prog.generate(ids, STEPS).ids == want
+    bundle = tte.export_llm(model, tok, target="litertlm", prefill_lengths=(8, 32), cache_length=96)
+    bundle.save(tmp_path / f"{family}.litertlm")
+    got = tte.load(tmp_path / f"{family}.litertlm").generate(PROMPT, STEPS)
+    assert got.text == tok.decode(want), family  # LiteRT-LM's engine, its own loop and sampler
