@@ -25,6 +25,28 @@ class Converter(Protocol):
         ...
 
 
+class OpRules(dict):
+    """Rules by op. A rule registered under an op's name (``"transformers.grouped_mm_fallback.default"``)
+    serves that op without its library imported at registration (the op exists once the model's library
+    defines it): lookups try the op itself, then its name."""
+
+    def _key(self, op):
+        return op if dict.__contains__(self, op) else str(op)
+
+    def __contains__(self, op) -> bool:
+        return dict.__contains__(self, op) or dict.__contains__(self, str(op))
+
+    def __getitem__(self, op):
+        return dict.__getitem__(self, self._key(op))
+
+    def get(self, op, default=None):
+        return dict.get(self, self._key(op), default)
+
+    def ops(self) -> list:
+        """The registered ops that are op objects (names of ops not defined yet left out)."""
+        return [op for op in self if not isinstance(op, str)]
+
+
 def converter(package: str) -> Converter:
     """A converter package (a target's ``converter``), imported on first use (each pulls in its toolchain)."""
     return importlib.import_module(f"{__name__}.{package}")

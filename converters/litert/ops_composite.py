@@ -1153,3 +1153,14 @@ def histc(x, bins=100, min=0, max=0):  # noqa: A002 (torch's argument names)
     pos = torch.floor((flat - lo) * bins / (hi - lo)).clamp(0, bins - 1)
     hits = (pos.unsqueeze(-1) == torch.arange(bins, dtype=x.dtype)) & inside.unsqueeze(-1)
     return hits.sum(0).to(x.dtype)
+
+
+# transformers' mixture-of-experts dispatch (its `grouped_mm` experts), registered by name: the op exists
+# once transformers' MoE integration is imported. TFLite has no grouped matmul: each row takes its
+# expert's weights (a gather) and one batched matmul runs them all. For a decode step that is the top-k
+# experts of one token, the only weights read; a prefill gathers a copy per routed row.
+@composite("transformers.grouped_mm_fallback.default")
+def grouped_mm(x, w, offs):
+    rows = torch.arange(x.shape[0], dtype=offs.dtype)
+    expert = (rows[:, None] >= offs[None, :]).to(torch.int32).sum(1).clamp(max=w.shape[0] - 1)
+    return torch.bmm(x[:, None, :], w[expert.to(torch.int64)])[:, 0]

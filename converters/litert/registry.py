@@ -29,7 +29,9 @@ from torchtpu_export.errors import UnsupportedOpError
 from .dims import all_static, canon, is_static, normalize, source_of
 from .ir import Graph, Op, Tensor
 
-BUILDERS: dict[object, Callable] = {}
+from .. import OpRules  # noqa: E402
+
+BUILDERS: OpRules = OpRules()  # op (or its name) -> rule
 
 # Ops with no builder, and why. Kept explicit so the coverage table can say so.
 NOT_SUPPORTED: dict[object, str] = {}

@@ -41,7 +41,7 @@ KERNEL_MODES = ("auto", "pallas", "xla")
 KEEP_WHOLE: list = [*ops_hot.KEEP_WHOLE]
 # the core ops torch's table would still rewrite that it has a rule for, and every non-core op it has a rule for
 KEEP_WHOLE += [op for op in rewritten_core_ops() if op in LOWERINGS]
-KEEP_WHOLE += [op for op in LOWERINGS if op not in core_aten_ops() and op not in KEEP_WHOLE]
+KEEP_WHOLE += [op for op in LOWERINGS.ops() if op not in core_aten_ops() and op not in KEEP_WHOLE]
 
 
 def lowerable(op) -> bool:

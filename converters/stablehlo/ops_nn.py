@@ -552,3 +552,16 @@ _LCE = _linear_cross_entropy_ops()
 if _LCE:
     lowers(_LCE[0])(_lce_chunked)
     lowers(_LCE[1])(_lce_chunked_none)
+
+
+# transformers' mixture-of-experts dispatch (`grouped_mm` experts, the default of its MoE models): the rows
+# of `x` sorted by expert, `offs` the cumulative row count per expert. Registered by name: the op exists
+# once transformers' MoE integration is imported, which the model's own import does.
+@lowers("transformers.grouped_mm_fallback.default")
+def grouped_mm(ctx, x, w, offs):
+    """``x [S, in]`` rows grouped by expert, ``w [E, in, out]``, ``offs [E]`` cumulative group ends ->
+    ``[S, out]``: one ragged matmul (``jax.lax.ragged_dot``, which XLA and the TPU compiler lower as a
+    grouped matmul: each expert's weights read once for its rows)."""
+    sizes = jnp.diff(offs.astype(jnp.int32), prepend=jnp.zeros((1,), jnp.int32))
+    out = lax.ragged_dot(x, w.astype(x.dtype), sizes, preferred_element_type=acc_dtype(x.dtype))
+    return out.astype(ctx.out_dtype())

@@ -19,7 +19,9 @@ import numpy as np
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-LOWERINGS: dict[object, dict[str | None, Callable]] = {}
+from .. import OpRules  # noqa: E402
+
+LOWERINGS: OpRules = OpRules()  # op (or its name) -> {platform or None: rule}
 
 
 class Ragged:
