@@ -36,7 +36,10 @@ FORMS = ("{'type': 'json_schema', 'json_schema': {'schema': {...}}}, {'type': 'j
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 # a conversation template that renders the (one) message's text as it is: a raw prompt through the
 # conversation API, which constrained decoding needs
-RAW_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+# the prompt as it is: each message's text (LiteRT-LM passes a content as a string or a list of text parts)
+RAW_TEMPLATE = ("{%- for message in messages -%}{%- if message['content'] is string -%}{{ message['content'] }}"
+                "{%- else -%}{%- for part in message['content'] -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+                "{%- endif -%}{%- endfor -%}{%- endif -%}{%- endfor -%}")
 _LL_GUIDANCE_HINT = ("rerun with -vv for LiteRT-LM's log; LiteRT-LM gives llguidance the tokens' spellings (a "
                      "space is Ġ or ▁, a newline Ċ), so keep spaces, newlines and non-ASCII text out of what the "
                      "format requires (patterns, enums, property names)")
@@ -192,8 +195,7 @@ class LitertLmEngine:
         :data:`RAW_TEMPLATE`; constrained to ``constraint`` by llguidance."""
         options = dict(sampler_config=sampler, max_output_tokens=max_new_tokens)
         if not chat:
-            from torchtpu_export.llm.text import parts_template
-            options["chat_template"] = parts_template(RAW_TEMPLATE)
+            options["chat_template"] = RAW_TEMPLATE
         if constraint is not None:
             options["constrained_decoding_config"] = lm.ConstrainedDecodingConfig(
                 enable=True, provider=lm.LiteRtLmConstraintProviderType.LL_GUIDANCE)

@@ -33,3 +33,21 @@ def test_a_vision_language_folder_is_refused_not_truncated(tmp_path):
         assert r.returncode == 2, r.stderr
         assert "Gemma3ForConditionalGeneration with a vision tower" in r.stderr and "Traceback" not in r.stderr
         assert not (tmp_path / f"out.{target}").exists()
+
+
+def test_export_checks_what_it_wrote_against_transformers(tmp_path, monkeypatch):
+    """The exported steps run a probe prompt before anything is written; a program that computes other
+    logits is an error (exit 6), never a file; --no-check skips it, saying so."""
+    folder = hf_llms.save_folder("qwen3", str(tmp_path / "qwen3"))
+    out = tmp_path / "q.tpu"
+    r = run_cli(folder, "--target", "tpu", "--prefill-lengths", "8", "--platforms", "cpu", "-o", out)
+    assert r.returncode == 0 and "checked against transformers on a probe prompt: max error" in r.stdout, r.stderr
+    r = run_cli(folder, "--target", "tpu", "--prefill-lengths", "8", "--platforms", "cpu", "--no-check", "-o", out)
+    assert r.returncode == 0 and "not checked against transformers: check=False" in r.stdout, r.stderr
+    import torchtpu_export as tte
+    from torchtpu_export.errors import NumericsError
+    from torchtpu_export.llm import host
+    real = host.next_token_logits
+    monkeypatch.setattr(host, "next_token_logits", lambda *a: real(*a) * 1.1)  # a program that is off by 10%
+    with pytest.raises(NumericsError, match="differ from transformers"):
+        tte.export_llm(folder, target="tpu", prefill_lengths=(8,), platforms=("cpu",))

@@ -208,7 +208,7 @@ def default_cache_length(config) -> int:
 
 def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefill_lengths: Sequence[int] = (128,),
                cache_length: int | None = None, quant_config=None, batch_size: int = 1, abstract_weights: bool = False,
-               **options):
+               check: bool = True, **options):
     """Exports a causal LM's prefill (one signature per length, ``prefill_<N>``) and ``decode`` steps.
 
     ``model_or_path``: a local Hugging Face folder (config.json, safetensors weights, tokenizer.json),
@@ -222,6 +222,11 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     ``cache_length``: the KV cache's positions (prompt and reply); by default the smaller of 1024 and the
     model's ``max_position_embeddings``. A model with parts beside its text decoder (a vision tower, an
     audio encoder) is refused, never exported without them.
+    ``check=True``: before anything is returned, the exported prefill and decode steps run a probe prompt
+    (here: the tpu target's cpu program, the litert interpreter) and their next-token logits are compared
+    with transformers' on the same weights; a float export that differs is a NumericsError (never an
+    artifact that generates other text); a quantized one is reported (top-1 agreement, KL). The result is
+    the artifact's ``llm_check``.
     """
     import torch
 
@@ -268,6 +273,54 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
         options.update(quant_config=quant_config, quant_report=False)
     with torch.no_grad(), grouped_attention_in(source.model):
         program = sigs.export(target=program_target, **options)
-    if t.from_llm is None:
-        return program
-    return t.from_llm(program, source, layout, lengths)
+    report = _check_llm(program, source.model, lengths, layout.length, quant_config is not None, options) \
+        if check else {"checked": False, "why": "check=False"}
+    artifact = program if t.from_llm is None else t.from_llm(program, source, layout, lengths)
+    artifact.llm_check = report
+    return artifact
+
+
+LLM_CHECK_TOLERANCE = 2e-3  # float export against transformers: max logit error over the logits' scale
+
+
+def _check_llm(program, model, lengths, cache_length: int, quantized: bool, options: dict) -> dict:
+    """The exported steps against transformers on a probe prompt: a prefill of ``lengths[0] + 3`` tokens (a
+    full chunk and a padded one), then decode steps, their next-token logits against the model's."""
+    import numpy as np
+    import torch
+
+    from .errors import NumericsError
+    from .llm.host import next_token_logits
+    if any(getattr(p, "is_meta", False) for p in model.parameters()):
+        return {"checked": False, "why": "abstract weights: no values to run"}
+    platforms = options.get("platforms")
+    if platforms is not None and "cpu" not in platforms:
+        return {"checked": False, "why": "no program for this machine (platforms without cpu)"}
+    if options.get("mesh"):
+        return {"checked": False, "why": "a sharded program (its mesh is not this machine's)"}
+    vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else \
+        model.config.vocab_size
+    n = min(lengths[0] + 3, cache_length - 2)
+    start = max(1, n - 4)
+    probe = [(7 * i + 3) % vocab for i in range(n + 4)]
+    t0 = __import__("time").perf_counter()
+    ours = np.asarray(next_token_logits(program, probe, start), np.float64)
+    with torch.no_grad():
+        ref = model(torch.tensor([probe])).logits[0, start:].double().numpy()
+    scale = float(np.abs(ref).max()) or 1.0
+    error = float(np.abs(ours - ref).max()) / scale
+    top1 = float(np.mean(ours.argmax(-1) == ref.argmax(-1)))
+    p_ref = np.exp(ref - ref.max(-1, keepdims=True))
+    p_ref /= p_ref.sum(-1, keepdims=True)
+    log_ours = ours - ours.max(-1, keepdims=True)
+    log_ours -= np.log(np.exp(log_ours).sum(-1, keepdims=True))
+    kl = float(np.mean((p_ref * (np.log(p_ref + 1e-30) - log_ours)).sum(-1)))
+    report = {"checked": True, "positions": len(ref), "max_error": error, "top1": top1, "kl": kl,
+              "seconds": round(__import__("time").perf_counter() - t0, 2)}
+    if not quantized and error > LLM_CHECK_TOLERANCE:
+        worst = int(np.abs(ours - ref).max(-1).argmax())
+        raise NumericsError(f"the exported steps' next-token logits differ from transformers' on a probe prompt: "
+                            f"max error {error:.2e} of the logits' scale (at decode position {start + worst}), top-1 "
+                            f"agreement {top1:.0%}",
+                            hint="report it with --debug; torchtpu-export debug finds the first op that differs")
+    return report

@@ -97,6 +97,8 @@ def _convert_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help="LLM folders, tpu target: also a decode_batch program for B sequences at once "
                         "(the serving engine's slots; default 1)")
+    p.add_argument("--no-check", action="store_true",
+                   help="LLM folders: skip the check of the exported steps against transformers on a probe prompt")
     p.add_argument("--abstract-weights", action="store_true",
                    help="LLM folders, tpu target: build from config.json alone and export without weight values "
                         "(compile and inspect a model larger than this machine; bind the checkpoint at load)")
@@ -124,7 +126,7 @@ def _convert(args) -> int:
     target = targets.get(args.target)
     if target.llm_only or os.path.isdir(args.model):
         return _convert_llm(args, target)
-    for flag in ("prefill_lengths", "cache_length", "tokenizer", "batch_size", "abstract_weights"):
+    for flag in ("prefill_lengths", "cache_length", "tokenizer", "batch_size", "abstract_weights", "no_check"):
         if getattr(args, flag) not in (None, False):
             raise InputError(f"--{flag.replace('_', '-')} applies to LLMs (a Hugging Face model folder), "
                              f"not {args.model}")
@@ -193,13 +195,17 @@ def _convert_llm(args, target) -> int:
         options["quant_config"] = args.quantize
     artifact = api.export_llm(args.model, args.tokenizer, target=target.name, prefill_lengths=lengths,
                               cache_length=args.cache_length, batch_size=args.batch_size or 1,
-                              abstract_weights=args.abstract_weights, **options)
+                              abstract_weights=args.abstract_weights, check=not args.no_check, **options)
     artifact.save(output)
     mask = next((s for s in artifact.inputs("decode") if s.name == "mask"), None)
     cache = f"; cache {mask.shape[-1]} positions" + ("" if args.cache_length else " (the default: the smaller of 1024 "
                                                      "and the model's limit)") if mask is not None else ""
     _out(args, f"wrote {output} ({_human(os.path.getsize(output))}) in {time.perf_counter() - t0:.1f} s "
                f"[target {target.name}; signatures {', '.join(artifact.signatures)}{cache}]")
+    c = artifact.llm_check
+    _out(args, f"checked against transformers on a probe prompt: max error {c['max_error']:.1e} of the logits' scale, "
+               f"top-1 {c['top1']:.0%}, KL {c['kl']:.1e} over {c['positions']} positions ({c['seconds']} s)"
+         if c.get("checked") else f"not checked against transformers: {c['why']}")
     return 0
 
 
