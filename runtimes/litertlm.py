@@ -29,8 +29,6 @@ from torchtpu_export.errors import ArtifactError, InputError
 _LOCK = threading.Lock()
 
 MAX_FORMAT = 64 << 10  # characters of JSON schema or pattern one reply may be constrained by
-FORMS = ("{'type': 'json_schema', 'json_schema': {'schema': {...}}}, {'type': 'json_object'} or "
-         "{'type': 'regex', 'pattern': '...'}")
 # llguidance's JSON options: no free whitespace and no space after separators (LiteRT-LM's token table
 # cannot give one, see above); a schema's own "x-guidance" options win
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -58,39 +56,18 @@ class ResponseConstraint:
         return lm.ResponseFormat(fmt, self.text)
 
 
-def response_constraint(response_format) -> ResponseConstraint | None:
-    """``response_format`` in OpenAI's forms (``{"type": "json_schema", "json_schema": {"schema": {...}}}``,
-    ``{"type": "json_object"}``, ``{"type": "text"}``: none) or ``{"type": "regex", "pattern": "..."}``, checked
-    (with llguidance, where it is installed, as LiteRT-LM will compile it): one InputError for a bad one."""
-    if response_format is None or isinstance(response_format, ResponseConstraint):
-        return response_format
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        schema = {"type": "object"}
-    elif kind == "json_schema":
-        spec = response_format.get("json_schema")
-        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise InputError("response_format json_schema takes {'type': 'json_schema', 'json_schema': {'schema': "
-                             "{...}}}: the schema is a JSON object")
-    elif kind == "regex":
-        pattern = response_format.get("pattern")
-        if not isinstance(pattern, str) or not pattern:
-            raise InputError("response_format regex takes {'type': 'regex', 'pattern': '...'}: the pattern is a "
-                             "non-empty string")
-        if len(pattern) > MAX_FORMAT:
-            raise InputError(f"the response_format's pattern is {len(pattern):,} characters; at most "
+def response_constraint(kind: str, value) -> ResponseConstraint:
+    """The constraint LiteRT-LM takes for a reply format (``llm.grammar.format_of``'s ``(kind, value)``:
+    ``"json_schema"`` and a schema, written compact, or ``"regex"`` and a pattern), checked (with
+    llguidance, where it is installed, as LiteRT-LM will compile it): one InputError for a bad one."""
+    if kind == "regex":
+        if len(value) > MAX_FORMAT:
+            raise InputError(f"the response_format's pattern is {len(value):,} characters; at most "
                              f"{MAX_FORMAT:,} are taken")
-        return _checked(ResponseConstraint("regex", pattern))
-    else:
-        what = f"a {type(response_format).__name__}" if not isinstance(response_format, dict) else \
-            "a dict without a type" if kind is None else f"type {kind!r}"[:80]
-        raise InputError(f"response_format is {what}; it takes {FORMS}")
-    options = schema.get("x-guidance")
-    schema = dict(schema, **{"x-guidance": dict(COMPACT_JSON, **options) if isinstance(options, dict) else
-                             COMPACT_JSON if options is None else options})
+        return _checked(ResponseConstraint("regex", value))
+    options = value.get("x-guidance")
+    schema = dict(value, **{"x-guidance": dict(COMPACT_JSON, **options) if isinstance(options, dict) else
+                            COMPACT_JSON if options is None else options})
     try:
         text = json.dumps(schema, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as e:
@@ -152,12 +129,11 @@ class LitertLmEngine:
 
     def generate(self, prompt: str, max_new_tokens: int = 64, *, chat: bool = False, top_k: int | None = 1,
                  top_p: float | None = None, temperature: float | None = None, seed: int | None = None,
-                 response_format=None) -> str:
+                 constraint: ResponseConstraint | None = None) -> str:
         """The text LiteRT-LM generates after ``prompt`` (raw, or as a user message through the bundle's
-        chat template with ``chat=True``); greedy by default (top-k 1). ``response_format`` (see
+        chat template with ``chat=True``); greedy by default (top-k 1). ``constraint`` (see
         :func:`response_constraint`) constrains the reply through LiteRT-LM's constrained decoding."""
         lm = _litert_lm()
-        constraint = response_constraint(response_format)
         if max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be positive, got {max_new_tokens}")
         try:

@@ -54,20 +54,38 @@ def grammar_text(kind: str, value) -> str:
     raise InputError(f"unknown response format {kind!r}; choose one of {', '.join(KINDS)}")
 
 
-def format_of(response_format) -> tuple:
-    """``(kind, value)`` of a ``generate(response_format=...)``: OpenAI's ``{"type": "json_schema",
-    "json_schema": {"schema": {...}}}`` and ``{"type": "json_object"}``, or ``{"type": "regex", "pattern":
-    "..."}``."""
+FORMS = ("{'type': 'json_schema', 'json_schema': {'schema': {...}}}, {'type': 'json_object'} or "
+         "{'type': 'regex', 'pattern': '...'}")
+
+
+def format_of(response_format) -> tuple | None:
+    """``generate(response_format=...)`` as ``(kind, value)``, for every LLM artifact: OpenAI's ``{"type":
+    "json_schema", "json_schema": {"schema": {...}}}`` (``("json_schema", schema)``; no schema: any JSON),
+    ``{"type": "json_object"}`` (a schema of any object), ``{"type": "text"}`` (None: no constraint), or
+    ``{"type": "regex", "pattern": "..."}`` (``("regex", pattern)``). One InputError for anything else."""
+    if response_format is None:
+        return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
     if kind == "json_object":
-        return "json_object", None
-    if kind == "json_schema" and isinstance(response_format.get("json_schema"), dict) \
-            and isinstance(response_format["json_schema"].get("schema"), dict):
-        return "json_schema", response_format["json_schema"]["schema"]
-    if kind == "regex" and isinstance(response_format.get("pattern"), str):
-        return "regex", response_format["pattern"]
-    raise InputError("response_format must be {type: json_schema, json_schema: {schema: {...}}}, "
-                     "{type: json_object} or {type: regex, pattern: ...}")
+        return "json_schema", {"type": "object"}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InputError("response_format json_schema takes {'type': 'json_schema', 'json_schema': {'schema': "
+                             "{...}}}: the schema is a JSON object")
+        return "json_schema", schema
+    if kind == "regex":
+        pattern = response_format.get("pattern")
+        if not isinstance(pattern, str) or not pattern:
+            raise InputError("response_format regex takes {'type': 'regex', 'pattern': '...'}: the pattern is a "
+                             "non-empty string")
+        return "regex", pattern
+    what = f"a {type(response_format).__name__}" if not isinstance(response_format, dict) else \
+        "a dict without a type" if kind is None else f"type {kind!r}"[:80]
+    raise InputError(f"response_format is {what}: response_format must be {FORMS}")
 
 
 class Grammars:

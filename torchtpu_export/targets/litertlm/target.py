@@ -121,8 +121,10 @@ class LitertLmBundle(Runnable):
         free JSON string may take a control character; ``pattern``, ``enum`` or ``maxLength`` on strings
         keep them to what the format allows."""
         from ...llm.contract import Generation, prompt_ids
+        from ...llm.grammar import format_of
         from ...runtimes.litertlm import response_constraint
-        constraint = response_constraint(response_format)  # a bad format is refused before the engine loads
+        fmt = format_of(response_format)
+        constraint = None if fmt is None else response_constraint(*fmt)  # refused before the engine loads
         engine = self.engine()
         ids = prompt_ids(prompt)
         if ids is not None:
@@ -133,7 +135,7 @@ class LitertLmBundle(Runnable):
         sampling = dict(top_k=top_k or 1) if not temperature else \
             dict(top_k=top_k, top_p=top_p, temperature=temperature, seed=seed)
         if constraint is not None:
-            sampling["response_format"] = constraint
+            sampling["constraint"] = constraint
         text = engine.generate(prompt, max_new_tokens, chat=chat, **sampling)
         out = engine.tokenize(text) if text else []
         cut = next((i for i, t in enumerate(out) if t in set(stop or ())), None)

@@ -159,15 +159,16 @@ class TpuProgram(Runnable):
         if getattr(self, "_generator", None) is None:
             self._generator = Engine(self, batched=False)
         constraint = None
-        if response_format is not None:
-            from ...llm.grammar import Grammars, format_of
-            kind, value = format_of(response_format)
+        from ...llm.grammar import format_of
+        fmt = format_of(response_format)
+        if fmt is not None:
+            from ...llm.grammar import Grammars
             if not llm.get("tokenizer"):
                 raise InputError("response_format needs the model's tokenizer, which this .tpu does not carry")
             if getattr(self, "_grammars", None) is None:
                 self._grammars = Grammars(self.artifact.extras[llm["tokenizer"]].decode("utf-8", "replace"),
                                           self._generator.vocab, llm.get("stop_ids", ()))
-            constraint = self._grammars.matcher(kind, value)
+            constraint = self._grammars.matcher(*fmt)
         out = self._generator.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                        stop=stop, seed=seed, constraint=constraint)
         reply = text.run("decode", out, 0)[1] if text is not None else None
