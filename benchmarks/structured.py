@@ -90,6 +90,7 @@ def main(argv=None) -> int:
     import torchtpu_export as tte
     from torchtpu_export.engine import Engine
     from torchtpu_export.llm.grammar import Grammars
+    import llguidance
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                          num_key_value_heads=4, vocab_size=args.vocab, max_position_embeddings=1024,
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
     lines = [f"# Structured outputs: mask cost per decode step ({now}, {platform.machine()}, {os.cpu_count()} cores)",
              "", f"`python -m benchmarks.structured --vocab {args.vocab} --slots {args.slots}`: a llama-30m-shaped "
              f"model with a {args.vocab:,}-token vocabulary, {args.slots} slots, CPU PJRT; llguidance "
-             f"{__import__('llguidance').get_version() if hasattr(__import__('llguidance'), 'get_version') else ''}, "
+             f"{llguidance.get_version()}, "
              f"tokenizer read in {tok_s:.2f} s.", "",
              "| grammar | mask per slot and step | steps timed |", "|---|---|---|"]
     lines += [f"| {kind} | {us:.0f} µs | {n} |" for kind, us, n in masks]

@@ -286,6 +286,8 @@ LLM_CHECK_TOLERANCE = 2e-3  # float export against transformers: max logit error
 def _check_llm(program, model, lengths, cache_length: int, quantized: bool, options: dict) -> dict:
     """The exported steps against transformers on a probe prompt: a prefill of ``lengths[0] + 3`` tokens (a
     full chunk and a padded one), then decode steps, their next-token logits against the model's."""
+    import time
+
     import numpy as np
     import torch
 
@@ -303,7 +305,7 @@ def _check_llm(program, model, lengths, cache_length: int, quantized: bool, opti
     n = min(lengths[0] + 3, cache_length - 2)
     start = max(1, n - 4)
     probe = [(7 * i + 3) % vocab for i in range(n + 4)]
-    t0 = __import__("time").perf_counter()
+    t0 = time.perf_counter()
     ours = np.asarray(next_token_logits(program, probe, start), np.float64)
     with torch.no_grad():
         ref = model(torch.tensor([probe])).logits[0, start:].double().numpy()
@@ -316,7 +318,7 @@ def _check_llm(program, model, lengths, cache_length: int, quantized: bool, opti
     log_ours -= np.log(np.exp(log_ours).sum(-1, keepdims=True))
     kl = float(np.mean((p_ref * (np.log(p_ref + 1e-30) - log_ours)).sum(-1)))
     report = {"checked": True, "positions": len(ref), "max_error": error, "top1": top1, "kl": kl,
-              "seconds": round(__import__("time").perf_counter() - t0, 2)}
+              "seconds": round(time.perf_counter() - t0, 2)}
     if not quantized and error > LLM_CHECK_TOLERANCE:
         worst = int(np.abs(ours - ref).max(-1).argmax())
         raise NumericsError(f"the exported steps' next-token logits differ from transformers' on a probe prompt: "

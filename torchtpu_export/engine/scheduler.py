@@ -240,9 +240,10 @@ class Engine(Following):
             if r.constraint is not None:
                 r.constraint.fill(mask[i])
             if len(r.tokens) < r.params.min_tokens:
+                bits = mask[i].view(np.uint32)
                 for t in r.params.stop:
                     if 0 <= t < self.vocab:
-                        mask[i, t // 32] &= ~np.int32(1 << (t % 32)) if t % 32 != 31 else np.int32(0x7FFFFFFF)
+                        bits[t // 32] &= ~np.uint32(1 << (t % 32))
             if not mask[i].any():  # nothing may follow: the grammar cannot go on (its error ends the request)
                 mask[i] = -1
         self.stats["decode_bytes_to_device"] += mask.nbytes
