@@ -7,8 +7,9 @@ Each case runs in a process of its own (its peak RSS is the export's): the confi
 ``tte.abstract_weights()`` (nothing allocated), ``export_llm(..., target="tpu", quant_config="bf16")``
 traces it with shapes only, and the decode step is compiled for the topology. Reported: parameters, the
 bf16 weight bytes the program expects, export seconds, peak RSS, and the compiler's per-chip HBM, fit
-and roofline. A case is ``TOPOLOGY`` (one program on one chip) or ``TOPOLOGY@model=N`` (tensor parallel
-over N chips of it).
+and roofline. A case is ``TOPOLOGY`` (one program on one chip), ``TOPOLOGY@model=N`` (tensor parallel
+over N chips of it; a mixture-of-experts model's experts split over the same chips) or
+``TOPOLOGY@expert=N`` (experts split over N chips, the rest of the model replicated).
 """
 from __future__ import annotations
 
@@ -28,24 +29,32 @@ CONFIGS = {  # Llama 3's published shapes (GQA, RoPE theta 500000, untied embedd
                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
     "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
+    # Qwen3-30B-A3B's published shapes: 48 layers, each a mixture of 128 experts, 8 routed per token
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False),
 }
 DEFAULT_CASES = {"llama3-8b": ["v6e:1x1", "v5e:2x4@model=8"],
-                 "llama3-70b": ["v6e:2x4@model=8", "v6e:4x4@data=2,model=8", "v5e:4x8@data=2,model=16"]}
+                 "llama3-70b": ["v6e:2x4@model=8", "v6e:4x4@data=2,model=8", "v5e:4x8@data=2,model=16"],
+                 "qwen3-30b-a3b": ["v6e:1x1", "v5e:2x4@expert=8", "v5e:2x4@model=8", "v6e:2x2@expert=4",
+                                   "v6e:2x4@expert=8"]}
 
 
 def one(name: str, case: str, cache: int, batch: int) -> dict:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     import torchtpu_export as tte
     from torchtpu_export import llm
     topology, _, shard = case.partition("@")  # v5e:4x8@data=2,model=16
     mesh = {k: int(v) for k, v in (part.split("=") for part in shard.split(","))} if shard else None
     t = time.perf_counter()
+    shape = dict(CONFIGS[name])
+    config = AutoConfig.for_model(shape.pop("model_type", "llama"), **shape, bos_token_id=1, eos_token_id=2)
     with tte.abstract_weights():
-        model = LlamaForCausalLM(LlamaConfig(**CONFIGS[name], bos_token_id=1, eos_token_id=2)).eval()
+        model = AutoModelForCausalLM.from_config(config).eval()
     params = sum(p.numel() for p in model.parameters())
-    options = dict(mesh=(("data", mesh.get("data", 1)), ("model", mesh.get("model", 1)))) if mesh else {}
+    options = dict(mesh=(("data", mesh.pop("data", 1)), *mesh.items())) if mesh else {}
     prog = tte.export_llm(model, None, target="tpu", prefill_lengths=(128,), cache_length=cache, batch_size=batch,
                           quant_config="bf16", platforms=("tpu",), **options)
     export_s = time.perf_counter() - t

@@ -86,6 +86,30 @@ def smollm(tok):  # SmolLM is a Llama with tied embeddings
 MODELS = {"llama": (llama, True), "qwen2": (qwen2, False), "qwen3": (qwen3, False), "gemma3": (gemma3, True),
           "phi3": (phi3, True), "mistral": (mistral, True), "smollm": (smollm, False)}
 
+# mixture-of-experts families (transformers' grouped_mm experts): 2 layers of 4 experts, 2 routed per token
+MOE_SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=512)
+MOE_FAMILIES = {
+    "qwen3_moe": dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, intermediate_size=128,
+                      head_dim=16),
+    "qwen2_moe": dict(moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+                      num_experts_per_tok=2, intermediate_size=128),
+    "mixtral": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(intermediate_size=64, num_experts=4, num_experts_per_tok=2),
+    "granitemoe": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+def moe(kind: str, seed: int = 0, **extra):
+    """``(model, tokenizer)``: a tiny model of a transformers family by its ``model_type`` (the shapes of
+    ``MOE_FAMILIES`` for the mixture-of-experts ones, ``extra`` on top), seeded."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    tok = tokenizer()
+    config = AutoConfig.for_model(kind, vocab_size=len(tok), bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                  **MOE_SMALL, **{**MOE_FAMILIES.get(kind, {}), **extra})
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval(), tok
+
 
 # TinyLlama-1.1B's shape (22 layers, hidden 2048, GQA 32:4): the ~1B model of the LLM benchmark
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,

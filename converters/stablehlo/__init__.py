@@ -166,6 +166,7 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
         for platform in platforms:
             ctx = LoweringContext(platform, narrow_64bit=narrow_64bit, kernels=kernels, float_dtype=float_dtype,
                                   sharded=bool(mesh_axes), mesh_axes=mesh_axes,
+                                  expert_axis=plan.get("expert_axis") if plan else None,
                                   kernel_topologies=kernel_topologies if platform == "tpu" else ())
             fn = to_jax_function(cap, ctx, renames, dequantize)
             with jax.enable_x64(uses_x64), _no_source_paths(), progress.stage(f"lower ({platform})"):
@@ -206,6 +207,8 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
             plan["weights"] = {renames[k]: v for k, v in plan["weights"].items()}
             plan["column_parallel"] = [renames[k] for k in plan["column_parallel"]]
             plan["row_parallel"] = [renames[k] for k in plan["row_parallel"]]
+            if "expert_parallel" in plan:
+                plan["expert_parallel"] = [renames[k] for k in plan["expert_parallel"]]
             manifest["programs"][prog]["sharding"] = plan
     artifact = tpu_format.TpuArtifact(manifest, programs, mlir, np_weights)
     for topology in precompile:

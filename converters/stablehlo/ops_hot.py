@@ -89,7 +89,7 @@ def dispatch(ctx, *candidates: Candidate):
                 call = c.call
                 if c.shards is not None:
                     entry["detail"] += f"; per shard: {c.shards.detail}"
-                    call = jax.shard_map(c.call, mesh=_mesh(ctx), in_specs=c.shards.in_specs,
+                    call = jax.shard_map(c.call, mesh=ctx.shard_mesh(), in_specs=c.shards.in_specs,
                                          out_specs=c.shards.out_specs, check_vma=False)
                 if c.cost:
                     entry["cost"] = c.cost
@@ -108,16 +108,6 @@ def dispatch(ctx, *candidates: Candidate):
 
 def _default(op):
     return LOWERINGS[op][None]
-
-
-def _mesh(ctx):
-    """The mesh a per-shard kernel maps over: the one the program is traced under where it is set
-    (``jax.set_mesh``: the same axes, with its devices' kind), else the export's abstract mesh."""
-    from jax.sharding import get_abstract_mesh
-    current = get_abstract_mesh()
-    same = not current.empty and tuple(current.axis_names) == tuple(ctx.mesh.axis_names) \
-        and tuple(current.axis_sizes) == tuple(ctx.mesh.axis_sizes)
-    return current if same else ctx.mesh
 
 
 def _local(x, shape) -> jax.ShapeDtypeStruct:

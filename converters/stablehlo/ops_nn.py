@@ -562,6 +562,40 @@ def grouped_mm(ctx, x, w, offs):
     """``x [S, in]`` rows grouped by expert, ``w [E, in, out]``, ``offs [E]`` cumulative group ends ->
     ``[S, out]``: one ragged matmul (``jax.lax.ragged_dot``, which XLA and the TPU compiler lower as a
     grouped matmul: each expert's weights read once for its rows)."""
-    sizes = jnp.diff(offs.astype(jnp.int32), prepend=jnp.zeros((1,), jnp.int32))
+    offs = offs.astype(jnp.int32)
+    axis = ctx.expert_axis
+    if axis and ctx.mesh_axes.get(axis, 1) > 1 and w.shape[0] % ctx.mesh_axes[axis] == 0:
+        return _expert_parallel_mm(ctx, x, w, offs, axis)
+    sizes = jnp.diff(offs, prepend=jnp.zeros((1,), jnp.int32))
     out = lax.ragged_dot(x, w.astype(x.dtype), sizes, preferred_element_type=acc_dtype(x.dtype))
     return out.astype(ctx.out_dtype())
+
+
+def _expert_parallel_mm(ctx, x, w, offs, axis: str):
+    """The grouped matmul with the experts split over a mesh axis (the sharding plan's): each chip takes
+    the rows of its own experts from the replicated rows (contiguous, as they are sorted by expert), one
+    ragged matmul over its experts' weights, and an all-reduce of the rows (each row is one chip's, the
+    others add zeros). XLA alone would all-gather every expert's weights to partition a ragged matmul."""
+    from jax.sharding import PartitionSpec as P
+    out_dtype = ctx.out_dtype()
+
+    def local(x, w, offs):
+        n = w.shape[0]  # this chip's experts: [first, first + n)
+        first = lax.axis_index(axis) * n
+        ends = lax.dynamic_slice(offs, (first,), (n,))
+        start = jnp.where(first > 0, offs[jnp.maximum(first - 1, 0)], 0)
+        rows = jnp.arange(x.shape[0])
+        if n == 1:  # one expert per chip: a plain matmul of the rows (the TPU compiler's ragged dot
+            # rejects a single group of few rows)
+            y = jnp.dot(x, w[0].astype(x.dtype), preferred_element_type=acc_dtype(x.dtype))
+            y = jnp.where(((rows >= start) & (rows < ends[-1]))[:, None], y, 0).astype(out_dtype)
+            return lax.psum(y, axis)
+        sizes = jnp.diff(ends, prepend=start[None])
+        y = lax.ragged_dot(jnp.roll(x, -start, axis=0), w.astype(x.dtype), sizes,
+                           preferred_element_type=acc_dtype(x.dtype))
+        y = jnp.where((rows < ends[-1] - start)[:, None], y, 0).astype(out_dtype)
+        return lax.psum(jnp.roll(y, start, axis=0), axis)
+
+    spec = P(axis, *([None] * (w.ndim - 1)))
+    return jax.shard_map(local, mesh=ctx.shard_mesh(), in_specs=(P(), spec, P()), out_specs=P(),
+                         check_vma=False)(x, w, offs)

@@ -87,7 +87,7 @@ class LoweringContext:
 
     def __init__(self, platform: str, *, narrow_64bit: bool = False, kernels: str = "auto",
                  float_dtype=None, sharded: bool = False, kernel_topologies: tuple[str, ...] = (),
-                 mesh_axes: dict | None = None):
+                 mesh_axes: dict | None = None, expert_axis: str | None = None):
         self.platform = platform
         # TPU topologies whose compiler must accept a Pallas kernel before it is used (libtpu)
         self.kernel_topologies = tuple(kernel_topologies)
@@ -99,6 +99,7 @@ class LoweringContext:
         if mesh_axes:
             from jax.sharding import AbstractMesh
             self.mesh = AbstractMesh(tuple(mesh_axes.values()), tuple(mesh_axes))
+        self.expert_axis = expert_axis  # the mesh axis experts are split over (the sharding plan's)
         self.kernels = kernels
         self.node: torch.fx.Node | None = None
         self.kernel_log: list[dict] = []  # per hot node: kernel chosen, or why not
@@ -106,6 +107,16 @@ class LoweringContext:
         self.quantized_weights: dict[str, tuple] = {}
         self._key = None
         self._draws = 0
+
+    def shard_mesh(self):
+        """The mesh a per-shard computation (``jax.shard_map``) maps over: the one the program is traced
+        under where it is set (``jax.set_mesh``: the same axes, with its devices' kind), else the
+        export's abstract mesh."""
+        from jax.sharding import get_abstract_mesh
+        current = get_abstract_mesh()
+        same = not current.empty and tuple(current.axis_names) == tuple(self.mesh.axis_names) \
+            and tuple(current.axis_sizes) == tuple(self.mesh.axis_sizes)
+        return current if same else self.mesh
 
     def start_random(self, key_data) -> None:
         """The program's PRNG key (``uint32[2]``, an input of the program) for this trace."""

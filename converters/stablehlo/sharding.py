@@ -5,7 +5,13 @@ column-parallel (its output features split over the ``model`` axis), and a linea
 input is already split that way is row-parallel (its input features split; XLA inserts the
 all-reduce). Splits propagate through elementwise ops, reshapes, attention and concatenation;
 norms, embeddings and convolutions stay replicated. Inputs are split over the ``data`` axis on
-their batch dim when it divides. The plan decides only where data lives: XLA's sharding
+their batch dim when it divides.
+
+Mixture-of-experts weights (transformers' ``grouped_mm`` experts, ``[experts, in, out]``) are split by
+expert: over the ``expert`` axis where the mesh has one, else over ``model`` (expert parallelism on the
+tensor-parallel chips, as vLLM's ``--enable-expert-parallel`` does). Each chip then computes its own
+experts' rows of the replicated tokens and one all-reduce sums the rows (the lowering's ``shard_map``):
+XLA alone would all-gather every expert's weights for a ragged matmul. The plan decides only where data lives: XLA's sharding
 propagation keeps the program exact whatever the plan, so a weight whose dims do not divide
 is simply replicated.
 """
@@ -62,6 +68,36 @@ def weight_of(node, captured: CapturedProgram) -> tuple[str, bool] | None:
         node = node.args[0]
     if node.op == "placeholder" and node.name in captured.weight_placeholders:
         return captured.weight_placeholders[node.name], transposed
+    return None
+
+
+GROUPED_MM = "transformers.grouped_mm_fallback.default"  # (rows by expert, weights [E, in, out], offsets)
+
+
+def expert_axis(mesh: Mapping[str, int], mode: str) -> str | None:
+    """The mesh axis a mixture-of-experts program splits its experts over, or None."""
+    if mode != "tensor_parallel":
+        return None
+    return next((a for a in ("expert", "model") if mesh.get(a, 1) > 1), None)
+
+
+def _weight_dim(node, dim: int, captured: CapturedProgram) -> tuple[str, int] | None:
+    """(weight name, its dim) that dim ``dim`` of ``node`` is, if ``node`` is a weight through
+    transposes and permutes."""
+    while node.op == "call_function":
+        if node.target is aten.permute.default:
+            dim = node.args[1][dim] % len(node.args[1])
+        elif node.target is aten.transpose.int:
+            rank = len(node.meta["val"].shape)
+            a, b = (d % rank for d in node.args[1:3])
+            dim = b if dim == a else a if dim == b else dim
+        elif node.target is aten.t.default:
+            dim = 1 - dim
+        else:
+            return None
+        node = node.args[0]
+    if node.op == "placeholder" and node.name in captured.weight_placeholders:
+        return captured.weight_placeholders[node.name], dim
     return None
 
 
@@ -123,6 +159,14 @@ def plan(captured: CapturedProgram, mesh: Mapping[str, int], mode: str,
                 continue
             if node.target in _FLOW:
                 split[node] = any(split.get(a) for a in node.all_input_nodes)
+    experts, axis = [], expert_axis(mesh, mode)
+    for node in captured.graph.nodes if axis else ():
+        if node.op == "call_function" and str(node.target) == GROUPED_MM:
+            found = _weight_dim(node.args[1], 0, captured)
+            if found and captured.weights[found[0]].shape[found[1]] % mesh[axis] == 0:
+                weights[found[0]] = [None] * captured.weights[found[0]].dim()
+                weights[found[0]][found[1]] = axis
+                experts.append(found[0])
     inputs = []
     for spec in captured.inputs:
         s = [None] * len(spec.shape)
@@ -142,8 +186,11 @@ def plan(captured: CapturedProgram, mesh: Mapping[str, int], mode: str,
                for n, o in zip(out_names, captured.outputs)]
     if mode == "data_parallel":
         column, row = [], []
-    return {"mode": mode, "mesh": dict(mesh), "weights": weights, "inputs": inputs, "outputs": outputs,
+    plan = {"mode": mode, "mesh": dict(mesh), "weights": weights, "inputs": inputs, "outputs": outputs,
             "column_parallel": column, "row_parallel": row}
+    if experts:
+        plan.update(expert_axis=axis, expert_parallel=experts)
+    return plan
 
 
 def _given_spec(spec, given: Sequence, mesh: Mapping[str, int], default: list) -> list:

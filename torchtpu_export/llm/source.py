@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import torch
 
@@ -50,6 +51,7 @@ def load_source(model_or_path, tokenizer=None, abstract: bool = False) -> LlmSou
     if why:
         raise InputError(f"{name} is a {config.model_type} model: {why}",
                          hint="this family is refused rather than exported to give other tokens")
+    refuse_recurrent(name, model)
     stop_ids += token_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None),
                      f"{name}'s generation config")
     stop_ids += token_ids(getattr(config, "eos_token_id", None), f"{name}'s config")
@@ -66,6 +68,26 @@ PARTS = {"vision_config": "a vision tower", "audio_config": "an audio encoder", 
 # families whose exported steps do not give transformers' tokens yet, and why (refused at export)
 NOT_YET = {"gpt_oss": "its attention sinks are not yet exported right (greedy tokens part from transformers' "
                       "after a dozen steps on both targets)"}
+
+
+# layers that carry a recurrent state beside (or instead of) a KV cache, by their transformers class names:
+# Mamba and Mamba-2 mixers (mamba, falcon_mamba, jamba, bamba, granitemoehybrid, falcon_h1, nemotron_h),
+# gated delta nets (qwen3_next), lightning attention (minimax), RG-LRU blocks (recurrent_gemma), RWKV
+RECURRENT = re.compile(r"Mamba|Mixer$|GatedDeltaNet|LinearAttention|LightningAttention|Rglru|RecurrentBlock|"
+                       r"^Rwkv(SelfAttention|Block)$")
+
+
+def refuse_recurrent(name: str, model: torch.nn.Module) -> None:
+    """A model with state-space or linear-attention layers is refused, naming the layer: the exported steps
+    carry a KV cache only, so their recurrent state would be lost between steps."""
+    found = list(dict.fromkeys(n for n in (type(m).__name__ for m in model.modules())
+                               if RECURRENT.search(n) and not n.endswith(("ForCausalLM", "Model"))))
+    if found:
+        family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise InputError(f"{name} is a {family} model with recurrent layers ({', '.join(found[:3])}): their state "
+                         "(a state-space or linear-attention state) is not carried between the exported steps yet",
+                         hint="this family is refused rather than exported to give other tokens; attention, "
+                              "mixture-of-experts and short-convolution (LFM2) layers are exported")
 
 
 def refuse_partial(name: str, config: dict, family: str) -> None:

@@ -303,7 +303,8 @@ def _manifest_schema():
                     | {"cost": MapOf(NUMBER)})
     sharding = Record({"mode": STR, "weights": MapOf(ListOf(axis)), "inputs": ListOf(ListOf(axis)),
                        "column_parallel": ListOf(NAME), "row_parallel": ListOf(NAME)},
-                      {"mesh": MapOf(Count()), "outputs": ListOf(ListOf(axis))})
+                      {"mesh": MapOf(Count()), "outputs": ListOf(ListOf(axis)), "expert_axis": NAME,
+                       "expert_parallel": ListOf(NAME)})
     program = Record({"files": MapOf(NAME), "weights": ListOf(NAME)},
                      {"stablehlo": MapOf(NAME), "uses_x64": BOOL, "narrow_64bit": BOOL,
                       "calling_convention_version": Opt(Count()), "kernels": ListOf(kernel),

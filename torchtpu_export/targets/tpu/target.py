@@ -292,7 +292,10 @@ def describe_lines(desc: dict, program: str | None) -> list[str]:
     if plan:
         sharded = {w: s for w, s in plan["weights"].items() if any(s)}
         lines.append(f"  sharding {plan['mode']}: {len(plan['column_parallel'])} column-parallel, "
-                     f"{len(plan['row_parallel'])} row-parallel, {len(plan['weights']) - len(sharded)} replicated")
+                     f"{len(plan['row_parallel'])} row-parallel, "
+                     + (f"{len(plan['expert_parallel'])} split by expert over {plan['expert_axis']!r}, "
+                        if plan.get("expert_parallel") else "")
+                     + f"{len(plan['weights']) - len(sharded)} replicated")
         lines += [f"  shard {w}: [{', '.join(a or '-' for a in s)}]" for w, s in sorted(sharded.items())]
         names = [i["name"] for i in prog.get("inputs", [])]
         lines += [f"  shard input {names[i] if i < len(names) else i}: [{', '.join(a or '-' for a in s)}]"
@@ -387,7 +390,9 @@ TARGET = Target(
         ("--kernels", dict(default="auto", choices=["auto", "pallas", "xla"],
                            help="tpu target: Pallas kernels for hot ops (auto: where shapes allow)")),
         ("--narrow-64bit", dict(action="store_true", help="tpu target: int64/float64 become 32-bit")),
-        ("--mesh", dict(default=None, metavar="AXIS=N,...", help="tpu target: shard over a device mesh, e.g. data=1,model=8")),
+        ("--mesh", dict(default=None, metavar="AXIS=N,...",
+                         help="tpu target: shard over a device mesh, e.g. data=1,model=8 (a mixture-of-experts "
+                              "model's experts go over 'expert' where the mesh has it, else over 'model')")),
         ("--sharding", dict(default=None, choices=["tensor_parallel", "data_parallel", "replicated"],
                             help="tpu target with --mesh: how weights and inputs are split (default tensor_parallel)")),
     ),
