@@ -146,3 +146,17 @@ def test_generate_follows_a_response_format(exported):
     from torchtpu_export.errors import InputError
     with pytest.raises(InputError, match="response_format must be"):
         prog.generate("hello", 4, response_format={"type": "yaml"})
+
+
+@pytest.mark.parametrize("arch", list(hf_llms.MODELS))
+def test_every_dense_family_gives_transformers_tokens_over_64_steps(arch):
+    """Each dense family of examples/hf_llms.py on the tpu target (its cpu program): TpuProgram.generate's
+    greedy tokens equal transformers' over 64 steps, the prompt longer than the shorter prefill chunk."""
+    model, tok = hf_llms.build(arch)
+    ids = tok(PROMPT)["input_ids"]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, pad_token_id=0)
+    want = want[0, len(ids):].tolist()
+    want = want[:want.index(2)] if 2 in want else want
+    prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8, 32), cache_length=128, platforms=("cpu",))
+    assert prog.generate(ids, 64).ids == want

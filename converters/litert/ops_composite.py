@@ -1156,11 +1156,22 @@ def histc(x, bins=100, min=0, max=0):  # noqa: A002 (torch's argument names)
 
 
 # transformers' mixture-of-experts dispatch (its `grouped_mm` experts), registered by name: the op exists
-# once transformers' MoE integration is imported. TFLite has no grouped matmul: each row takes its
-# expert's weights (a gather) and one batched matmul runs them all. For a decode step that is the top-k
-# experts of one token, the only weights read; a prefill gathers a copy per routed row.
+# once transformers' MoE integration is imported. TFLite has no grouped matmul; two forms, chosen by the
+# step's (static) row count:
+# - "gather": each row takes its expert's weights and one batched matmul runs them all. For a decode step
+#   (the top-k experts of one token) these are the only weights read; a prefill would copy them per row.
+# - "all": every row through every expert (one batched matmul over the experts, each weight read once),
+#   each row's own expert's result kept: experts / k times the useful work, no copy of weights.
+# The gather is kept while there are fewer rows than experts (benchmarks/moe.py measures both).
+GROUPED_MM_FORM = "auto"  # or "gather" / "all" (benchmarks/moe.py)
+
+
 @composite("transformers.grouped_mm_fallback.default")
 def grouped_mm(x, w, offs):
     rows = torch.arange(x.shape[0], dtype=offs.dtype)
-    expert = (rows[:, None] >= offs[None, :]).to(torch.int32).sum(1).clamp(max=w.shape[0] - 1)
-    return torch.bmm(x[:, None, :], w[expert.to(torch.int64)])[:, 0]
+    expert = (rows[:, None] >= offs[None, :]).to(torch.int32).sum(1).clamp(max=w.shape[0] - 1).to(torch.int64)
+    form = GROUPED_MM_FORM if GROUPED_MM_FORM != "auto" else ("all" if x.shape[0] >= w.shape[0] else "gather")
+    if form == "all":
+        every = torch.matmul(x[None], w)  # [experts, rows, out]
+        return every.gather(0, expert[None, :, None].expand(1, x.shape[0], w.shape[2]))[0]
+    return torch.bmm(x[:, None, :], w[expert])[:, 0]
