@@ -97,6 +97,8 @@ MOE_FAMILIES = {
     "mixtral": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
     "olmoe": dict(intermediate_size=64, num_experts=4, num_experts_per_tok=2),
     "granitemoe": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
+    # attention sinks, a router bias, expert biases and a clamped SwiGLU; sliding (8 positions) and full layers
+    "gpt_oss": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8),
 }
 
 

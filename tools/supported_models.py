@@ -37,16 +37,12 @@ CHECKS = {
         (("tpu", "litertlm"), "the model's own cache layout; greedy tokens = transformers', 32 tokens"),
     "tests/test_llm_moe.py::test_recurrent_families_are_refused_naming_the_layer":
         (("tpu", "litertlm"), "refused at export, naming the recurrent layer"),
-    "tests/test_llm_moe.py::test_a_family_not_exported_right_yet_is_refused":
-        (("tpu", "litertlm"), "refused at export (attention sinks)"),
     "tests/test_sharding.py::test_experts_split_over_chips_give_the_same_tokens_and_gather_no_weights":
         (("tpu",), "expert-parallel over 4 devices: same tokens; compiles for v5e:2x2"),
 }
 # tests without a family parameter: the family they cover
-FAMILY_OF = {"test_a_family_not_exported_right_yet_is_refused": "gpt_oss",
-             "test_experts_split_over_chips_give_the_same_tokens_and_gather_no_weights": "qwen3_moe"}
-KIND = {"test_recurrent_families_are_refused_naming_the_layer": "refused",
-        "test_a_family_not_exported_right_yet_is_refused": "refused"}
+FAMILY_OF = {"test_experts_split_over_chips_give_the_same_tokens_and_gather_no_weights": "qwen3_moe"}
+KIND = {"test_recurrent_families_are_refused_naming_the_layer": "refused"}
 
 
 def run_tests(xml_path: str) -> None:

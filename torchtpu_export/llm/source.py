@@ -66,8 +66,7 @@ PARTS = {"vision_config": "a vision tower", "audio_config": "an audio encoder", 
 
 
 # families whose exported steps do not give transformers' tokens yet, and why (refused at export)
-NOT_YET = {"gpt_oss": "its attention sinks are not yet exported right (greedy tokens part from transformers' "
-                      "after a dozen steps on both targets)"}
+NOT_YET: dict[str, str] = {}
 
 
 # layers that carry a recurrent state beside (or instead of) a KV cache, by their transformers class names:

@@ -135,11 +135,14 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     """transformers' attention (the ``AttentionInterface`` signature) with grouped-query heads computed per
     group: the queries of a group are stacked against their shared key/value head, so the cache is read
     as it is, never repeated to every query head (``repeat_kv`` copies the whole cache per layer and step).
-    Falls back to the model's own function for features it does not cover (attention sinks)."""
+    Attention sinks (gpt-oss's ``s_aux``: a learned logit per query head that takes part in the softmax and
+    attends to nothing) are one more column of the scores, dropped after the softmax, as transformers'
+    eager attention does."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None or dropout:
+    if dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
     if key.dtype != query.dtype:  # a bf16 cache under a float32 trace (the bf16 recipe makes it all bf16)
         key, value = key.to(query.dtype), value.to(query.dtype)
     b, heads, n, d = query.shape
@@ -148,13 +151,21 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     scale = scaling if scaling is not None else d ** -0.5
     q = query.reshape(b, groups, rep * n, d)  # head g * rep + r, as repeat_kv orders them
     mask = None if attention_mask is None else _group_mask(attention_mask, rep, length)
-    if softcap is None:  # one fused attention node: the converters read the cache as it is (no transpose)
+    if softcap is None and sinks is None:  # one fused attention node: the converters read the cache as it is
         out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
     else:
-        scores = torch.tanh(torch.matmul(q, key.transpose(2, 3)) * scale / softcap) * softcap
+        scores = torch.matmul(q, key.transpose(2, 3)) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if mask is not None:
             scores = scores + mask
-        out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(query.dtype), value)
+        if sinks is not None:  # per query head, in the stacked order (head g * rep + r, each n rows)
+            column = sinks.to(scores.dtype).reshape(1, groups, rep, 1, 1).expand(b, groups, rep, n, 1)
+            scores = torch.cat([scores, column.reshape(b, groups, rep * n, 1)], dim=-1)
+        probs = torch.softmax(scores.float(), dim=-1)
+        if sinks is not None:
+            probs = probs[..., :-1]
+        out = torch.matmul(probs.to(query.dtype), value)
     return out.reshape(b, heads, n, value.shape[-1]).transpose(1, 2).contiguous(), None  # v's dim may differ (MLA)
 
 
