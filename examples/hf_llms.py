@@ -108,7 +108,7 @@ def moe(kind: str, seed: int = 0, **extra):
     from transformers import AutoConfig, AutoModelForCausalLM
     tok = tokenizer()
     config = AutoConfig.for_model(kind, vocab_size=len(tok), bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                                  **MOE_SMALL, **{**MOE_FAMILIES.get(kind, {}), **extra})
+                                  **{**MOE_SMALL, **MOE_FAMILIES.get(kind, {}), **extra})
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval(), tok
 

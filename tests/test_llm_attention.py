@@ -12,7 +12,7 @@ import torchtpu_export as tte
 pytestmark = pytest.mark.xdist_group("llm")
 
 PROMPT = "hello world, this is a tiny language model"
-STEPS = 32
+STEPS = 64
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
 MLA = dict(intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
            first_k_dense_replace=2, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,

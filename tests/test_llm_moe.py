@@ -16,7 +16,7 @@ from torchtpu_export.llm import host_generate
 pytestmark = pytest.mark.xdist_group("llm")
 
 PROMPT = "hello world, this is a tiny language model"
-STEPS = 32
+STEPS = 64
 FAMILIES = hf_llms.MOE_FAMILIES
 
 
