@@ -9,7 +9,8 @@ routed experts together (1024): the same parameters per token. Each is exported 
 ``tte.export_llm(..., target="litertlm")`` (one 128-token prefill, cache 512) and timed by LiteRT-LM's own
 benchmark (``litert_lm.Benchmark``, CPU backend, 2 threads; best of interleaved rounds). The MoE is exported
 three times: the expert matmul as the converter chooses by row count (``auto``: a gather of each row's expert
-weights for decode, every row through every expert for prefill), and with each form forced.
+weights for decode, every row through every expert for prefill), and with each form forced; then both models
+once per weight recipe (``dynamic_int8``, ``int4_blockwise``: the experts int8 under both).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ MODELS = {  # name -> (model_type, config beyond SHAPE)
     "dense 1024": ("qwen3", dict(intermediate_size=1024)),
 }
 PREFILL, CACHE, DECODE = 128, 512, 256
+RECIPES = ("dynamic_int8", "int4_blockwise")  # each model once more per recipe (the converter's own form)
 
 
 def build(kind: str, extra: dict):
@@ -56,26 +58,30 @@ def main(argv=None) -> int:
     paths, params = {}, {}
     for name, (kind, extra) in MODELS.items():
         model, tok, params[name] = build(kind, extra)
-        for form in (("auto", "gather", "all") if kind.endswith("moe") else ("auto",)):
+        moe = kind.endswith("moe")
+        for form, recipe in [(f, None) for f in (("auto", "gather", "all") if moe else ("auto",))] + \
+                [("auto", r) for r in RECIPES]:
             ops_composite.GROUPED_MM_FORM = form
-            key = f"{name} ({form})" if kind.endswith("moe") else name
-            out = os.path.join(args.work, key.replace(" ", "_").replace("(", "").replace(")", "") + ".litertlm")
+            key = name + (f" ({form})" if moe and not recipe else "") + (f", {recipe}" if recipe else "")
+            out = os.path.join(args.work, key.replace(" ", "_").replace("(", "").replace(")", "").replace(",", "")
+                               + ".litertlm")
             tte.export_llm(model, tok, target="litertlm", prefill_lengths=(PREFILL,), cache_length=CACHE,
-                           check=False).save(out)
+                           quant_config=recipe, check=False).save(out)
             paths[key] = out
             print(f"exported {key}: {os.path.getsize(out) / 2**20:.1f} MB", flush=True)
     ops_composite.GROUPED_MM_FORM = "auto"
     tps = speed(paths, PREFILL, DECODE, args.rounds)
-    dense = tps.get("dense 1024")
+    dense = {key: tps.get(key) for key in paths if key.startswith("dense")}
     lines = [f"# Mixture-of-experts in LiteRT-LM ({datetime.date.today()}, {platform.machine()} "
              f"{os.cpu_count()} cores)", "", f"`python -m benchmarks.moe --rounds {args.rounds}`: LiteRT-LM's "
              f"benchmark, CPU backend, 2 threads, a {PREFILL}-token prefill and {DECODE} decoded tokens, best of "
              f"{args.rounds} interleaved rounds; float32.", "",
-             "| bundle | parameters (all / per token) | MB | prefill tok/s | decode tok/s | decode vs dense |",
+             "| bundle | parameters (all / per token) | MB | prefill tok/s | decode tok/s | decode vs dense (same recipe) |",
              "|---|---|---:|---:|---:|---:|"]
     for key, path in paths.items():
-        name = key.split(" (")[0]
+        name = key.split(" (")[0].split(",")[0]
         kind, extra = MODELS[name]
+        same = dense.get("dense 1024" + (key[key.index(","):] if "," in key else ""))
         active = params[name] if not kind.endswith("moe") else \
             params[name] - SHAPE["num_hidden_layers"] * 3 * SHAPE["hidden_size"] * extra["moe_intermediate_size"] \
             * (extra["num_experts"] - extra["num_experts_per_tok"])
@@ -83,7 +89,7 @@ def main(argv=None) -> int:
         if got is None:
             lines.append(f"| {key} | | | LiteRT-LM fails | | |")
             continue
-        ratio = f"{got[1] / dense[1]:.2f}x" if dense else ""
+        ratio = f"{got[1] / same[1]:.2f}x" if same else ""
         lines.append(f"| {key} | {params[name] / 1e6:.1f}M / {active / 1e6:.1f}M | "
                      f"{os.path.getsize(path) / 2**20:.0f} | {got[0]:.0f} | {got[1]:.0f} | {ratio} |")
     text = "\n".join(lines) + "\n"

@@ -33,6 +33,7 @@ BENCHMARKS = {
     "abstract-llm": ("abstract_llm", ["--configs", "llama3-8b,llama3-70b", "-o", "RESULTS-abstract-llm.md"]),
     "abstract-moe": ("abstract_llm", ["--configs", "qwen3-30b-a3b", "-o", "RESULTS-abstract-moe.md"]),
     "moe": ("moe", ["--rounds", "3", "-o", "RESULTS-moe.md"]),
+    "families": ("families", ["-o", "RESULTS-families.md"]),
     "serving-tpu": ("serving", ["--concurrency", "", "--topologies", "v5e,v6e", "-o", "RESULTS-serving-tpu.md"]),
 }
 

@@ -62,3 +62,40 @@ def test_recurrent_families_are_refused_naming_the_layer(family, layer):
     for target in ("tpu", "litertlm"):
         with pytest.raises(InputError, match=f"{family} model with recurrent layers \\(.*{layer}"):
             tte.export_llm(model, tok, target=target, prefill_lengths=(8,), cache_length=64)
+
+
+@pytest.mark.parametrize("recipe", ["dynamic_int8", "int4_blockwise"])
+def test_quantized_recipes_store_the_experts_in_int8(recipe, tmp_path):
+    """Both weight recipes quantize the experts (int8, one scale per expert and output column; LiteRT's int4
+    kernels are FULLY_CONNECTED's): the decode step gathers its experts' int8 values (no float copy of the
+    table), the bundle is under half the float one, and it still follows the float model, in LiteRT-LM too."""
+    import numpy as np
+    from ai_edge_litert import schema_py_generated as schema
+
+    from torchtpu_export import llm
+    model, tok = hf_llms.moe("qwen3_moe", moe_intermediate_size=128)
+    ids = tok(PROMPT)["input_ids"]
+    with torch.no_grad():
+        seq = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0].tolist()
+    sizes = {}
+    for q in (None, recipe):
+        bundle = tte.export_llm(model, tok, target="litertlm", prefill_lengths=(8,), cache_length=64, quant_config=q)
+        bundle.save(tmp_path / f"{q}.litertlm")
+        sizes[q] = (tmp_path / f"{q}.litertlm").stat().st_size
+    assert sizes[recipe] < 0.5 * sizes[None], sizes
+    m = schema.ModelT.InitFromPackedBuf(bytes(bundle.edge.model_content()), 0)
+    names = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
+    decode = next(g for g in m.subgraphs if g.name == b"decode")
+    gathered = [decode.tensors[op.inputs[0]] for op in decode.operators
+                if names[m.operatorCodes[op.opcodeIndex].builtinCode] == "GATHER"
+                and len(decode.tensors[op.inputs[0]].shape) == 3 and decode.tensors[op.inputs[0]].shape[1] > 1]
+    assert len(gathered) == 4 and all(t.type == schema.TensorType.INT8 for t in gathered)  # 2 layers x 2 projections
+    assert not any(names[m.operatorCodes[op.opcodeIndex].builtinCode] == "DEQUANTIZE"
+                   and len(decode.tensors[op.inputs[0]].shape) == 3 for op in decode.operators)
+    got = llm.next_token_logits(bundle.edge, seq, len(ids) - 1)[:-1]
+    with torch.no_grad():
+        ref = model(torch.tensor([seq])).logits[0, len(ids) - 1:-1].numpy()
+    assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= 0.75
+    text = tte.load(tmp_path / f"{recipe}.litertlm").generate(PROMPT, 8).text
+    assert isinstance(text, str)

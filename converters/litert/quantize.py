@@ -7,6 +7,10 @@
   float, and LiteRT's hybrid kernels quantize them on the fly, per run and asymmetrically
   (``asymmetric_quantize_inputs``). DEPTHWISE_CONV_2D and TRANSPOSE_CONV weights and GATHER
   tables are int8 too, read through a DEQUANTIZE (no hybrid kernel, or one slower than float on XNNPACK).
+  Mixture-of-experts tables that a step gathers a few experts of stay int8 in memory: one scale per expert
+  and output column, the gathered experts cast to float and the scales applied to the matmul's columns.
+- ``int4_blockwise``: FULLY_CONNECTED weights and embedding tables int4 in blocks; mixture-of-experts
+  weights (batched matmuls and gathered experts, which LiteRT's int4 kernels do not take) int8 as above.
 - ``int8``: weights and activations int8, after TFLite's quantization spec: activations per
   tensor and asymmetric, their scales from the float graph run on the user's calibration
   samples; weights symmetric per output channel; biases int32 at input scale x weight scale;
@@ -544,15 +548,81 @@ def _weight_only(op: Op) -> tuple[int, int] | None:
     return None
 
 
-def _dynamic_int8(g: Graph) -> None:
+def _expert_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``w [experts, in, out]`` as int8 with one scale per expert and output column: (values, scales
+    ``[experts, 1, out]``)."""
+    w = np.asarray(w, np.float32)
+    amax = np.max(np.abs(w), axis=1, keepdims=True)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale
+
+
+def _expert_gathers(g: Graph) -> set[int]:
+    """Mixture-of-experts tables read a few experts at a time (a GATHER of whole experts ``[experts, in,
+    out]`` feeding a BATCH_MATMUL: the litert target's decode form) become int8, one scale per expert
+    and output column, dequantized where used: the gathered int8 experts cast to float, the gathered
+    scales multiplying the matmul's columns. The table stays int8 in memory (a DEQUANTIZE of the
+    constant would hold it all in float) and a step reads only its experts' int8 values. Returns the ids of
+    the scale tables it made (float, to stay so)."""
+    users: dict[int, list] = {}
+    for op in g.ops:
+        for t in op.inputs:
+            if t is not None:
+                users.setdefault(id(t), []).append(op)
+    rewrite: dict[int, Op] = {}  # id of a BATCH_MATMUL -> the GATHER that feeds its right-hand side
+    for op in g.ops:
+        if op.code != "GATHER" or op.options.get("axis", 0) != 0 or op.options.get("batchDims", 0):
+            continue
+        table, out = op.inputs[0], op.outputs[0]
+        mm = users.get(id(out), [])
+        if not (table.is_const and table.dtype == F32 and table.rank == 3 and table.size >= MIN_ELEMENTS
+                and op.inputs[1].rank == 1 and len(mm) == 1 and mm[0].code == "BATCH_MATMUL"
+                and mm[0].inputs[1] is out and not mm[0].options.get("adjY")):
+            continue
+        rewrite[id(mm[0])] = op
+    if not rewrite:
+        return set()
+    gathers = {id(op) for op in rewrite.values()}
+    made: dict[int, tuple] = {}
+    ops: list[Op] = []
+    for op in g.ops:
+        if id(op) in gathers:
+            continue  # emitted with its matmul
+        gather = rewrite.get(id(op))
+        if gather is None:
+            ops.append(op)
+            continue
+        table, idx = gather.inputs
+        if id(table) not in made:
+            q, scale = derived("expert-int8", table.data, None, lambda: _expert_int8(table.data))
+            made[id(table)] = (Tensor(f"{table.name}/int8", table.shape, I8, q),
+                               Tensor(f"{table.name}/scales", scale.shape, F32, scale))
+        q_t, scale_t = made[id(table)]
+        rows = (idx.shape[0],)
+        picked = Tensor(f"{gather.outputs[0].name}/int8", rows + table.shape[1:], I8)
+        as_float = Tensor(f"{gather.outputs[0].name}/float", rows + table.shape[1:], F32)
+        scales = Tensor(f"{gather.outputs[0].name}/scales", rows + scale_t.shape[1:], F32)
+        result = op.outputs[0]
+        raw = Tensor(f"{result.name}/unscaled", result.shape, F32)
+        ops += [Op("GATHER", [q_t, idx], [picked], {"axis": 0}), Op("CAST", [picked], [as_float]),
+                Op("BATCH_MATMUL", [op.inputs[0], as_float], [raw], dict(op.options)),
+                Op("GATHER", [scale_t, idx], [scales], {"axis": 0}), Op("MUL", [raw, scales], [result])]
+    g.ops = ops
+    return {id(scale_t) for _, scale_t in made.values()}
+
+
+def _dynamic_int8(g: Graph, only=None, keep: set[int] = frozenset()) -> None:
     done: dict[tuple, Tensor] = {}
     dequantized: dict[tuple, Tensor] = {}
     ops: list[Op] = []
     for op in g.ops:
+        if only is not None and not only(op):
+            ops.append(op)
+            continue
         hybrid = _hybrid_weight(op)
         where = hybrid or _weight_only(op)
         w = op.inputs[where[0]] if where is not None and where[0] < len(op.inputs) else None
-        if w is None or not w.is_const or w.dtype != F32 or w.size < MIN_ELEMENTS:
+        if w is None or not w.is_const or w.dtype != F32 or w.size < MIN_ELEMENTS or id(w) in keep:
             ops.append(op)
             continue
         i, axis = where
@@ -638,8 +708,18 @@ def quantize_weights(g: Graph) -> Graph:
     if q is not None and q.recipe == "fp16":
         _fp16(g)
     elif q is not None and q.recipe == "dynamic_int8":
-        _dynamic_int8(g)
+        _dynamic_int8(g, keep=_expert_gathers(g))
     elif q is not None and q.recipe == "int4_blockwise":
+        # LiteRT's blockwise int4 kernels are FULLY_CONNECTED's: mixture-of-experts weights (batched matmuls,
+        # gathered experts) go int8
+        _expert_gathers(g)
+        _dynamic_int8(g, only=_expert_matmul)
         _int4_blockwise(g, q.block_size)
     return g
+
+
+def _expert_matmul(op: Op) -> bool:
+    """A batched matmul over constant experts ``[experts, in, out]`` (the litert target's prefill form)."""
+    return op.code == "BATCH_MATMUL" and op.inputs[1] is not None and op.inputs[1].is_const \
+        and op.inputs[1].rank == 3
 

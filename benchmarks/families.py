@@ -1,0 +1,117 @@
+"""A held-out sweep of transformers causal-LM families that the tests do not name, on both targets.
+
+    python -m benchmarks.families [-o benchmarks/RESULTS-families.md] [--families starcoder2,olmo2]
+
+Each family is built as a new user would: ``AutoConfig.for_model(model_type, <small shapes>)``, seeded random
+weights, the local tokenizer of ``examples/hf_llms.py``; then ``tte.export_llm`` to ``tpu`` (its cpu
+program, ``TpuProgram.generate``) and to ``litertlm`` (the bundle's own graph driven as LiteRT-LM drives it,
+``llm.host_generate``), 24 greedy tokens each, against transformers' ``generate(do_sample=False)``. One
+process per family (a crash is a row, not the end of the sweep). A family whose tiny config transformers
+itself cannot build or generate from is listed apart, not counted.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# model types the tests do not name (tests name llama, qwen2, qwen3, gemma3, phi3, mistral, smollm, the
+# mixture-of-experts families of examples/hf_llms.py, deepseek_v2/v3, falcon and the refused recurrent ones)
+HELD_OUT = ["starcoder2", "olmo", "olmo2", "olmo3", "cohere", "cohere2", "glm", "glm4", "stablelm", "gpt_neox",
+            "gptj", "gpt2", "opt", "bloom", "granite", "nemotron", "exaone4", "helium", "arcee", "persimmon", "phi",
+            "codegen", "gpt_bigcode", "ministral", "seed_oss", "smollm3", "hunyuan_v1_dense", "hunyuan_v1_moe",
+            "dots1", "ernie4_5", "ernie4_5_moe", "apertus", "lfm2", "glm4_moe", "phimoe", "jetmoe", "dbrx",
+            "qwen2_5_vl_text", "gemma", "gemma2", "llama4_text", "bitnet", "doge", "flex_olmo"]
+SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, max_position_embeddings=512)
+STEPS = 24
+
+ONE = r"""
+import json, sys, torch
+from examples import hf_llms
+import torchtpu_export as tte
+from torchtpu_export.llm import host_generate
+kind, small, steps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+from transformers import AutoConfig, AutoModelForCausalLM
+tok = hf_llms.tokenizer()
+res = {"family": kind}
+try:
+    config = AutoConfig.for_model(kind, vocab_size=len(tok), bos_token_id=1, eos_token_id=2, pad_token_id=0, **small)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = tok("hello world, this is a tiny language model")["input_ids"]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)[0, len(ids):].tolist()
+except Exception as e:
+    res["unbuildable"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    print("RESULT " + json.dumps(res)); sys.exit(0)
+for target in ("tpu", "litertlm"):
+    try:
+        art = tte.export_llm(model, tok, target=target, prefill_lengths=(8, 32), cache_length=96, check=False,
+                             **({"platforms": ("cpu",)} if target == "tpu" else {}))
+        got = art.generate(ids, steps, stop=()).ids if target == "tpu" else host_generate(art.edge, ids, steps)
+        res[target] = "same tokens" if got == want else \
+            f"other tokens from step {next(i for i, (a, b) in enumerate(zip(got + [None] * steps, want)) if a != b)}"
+    except Exception as e:
+        res[target] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+print("RESULT " + json.dumps(res))
+"""
+
+
+def one(kind: str) -> dict:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", TF_CPP_MIN_LOG_LEVEL="3")
+    try:
+        proc = subprocess.run([sys.executable, "-c", ONE, kind, json.dumps(SMALL), str(STEPS)], capture_output=True,
+                              text=True, cwd=REPO, env=env, timeout=900)
+    except subprocess.TimeoutExpired:
+        return {"family": kind, "tpu": "timed out", "litertlm": "timed out"}
+    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if found:
+        return json.loads(found[-1][len("RESULT "):])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+    return {"family": kind, "tpu": f"crashed: {tail}", "litertlm": f"crashed: {tail}"}
+
+
+def report(rows: list[dict], argv: list[str]) -> str:
+    built = [r for r in rows if "unbuildable" not in r]
+    both = sum(r.get("tpu") == "same tokens" and r.get("litertlm") == "same tokens" for r in built)
+    lines = [f"# Held-out families ({datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores)", "",
+             f"`python -m benchmarks.families {' '.join(argv)}`".replace(" `", "`"), "",
+             f"{both} of {len(built)} families give transformers' {STEPS} greedy tokens on both targets "
+             f"({sum(r.get('tpu') == 'same tokens' for r in built)} on tpu, "
+             f"{sum(r.get('litertlm') == 'same tokens' for r in built)} on litertlm); {len(rows) - len(built)} "
+             "tiny configs transformers itself cannot build or generate from are listed apart.", "",
+             "| family | tpu | litertlm |", "|---|---|---|"]
+    for r in built:
+        lines.append(f"| {r['family']} | {r.get('tpu', '')} | {r.get('litertlm', '')} |")
+    if len(built) < len(rows):
+        lines += ["", "Not counted (transformers fails on the tiny config):", ""]
+        lines += [f"- {r['family']}: {r['unbuildable']}" for r in rows if "unbuildable" in r]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", default=",".join(HELD_OUT))
+    ap.add_argument("-o", "--output", default=None)
+    args = ap.parse_args(argv)
+    rows = []
+    for kind in args.families.split(","):
+        rows.append(one(kind))
+        print(json.dumps(rows[-1]), flush=True)
+    text = report(rows, sys.argv[1:] if argv is None else argv)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
