@@ -97,6 +97,7 @@ def table(rows: list[dict], args) -> str:
 
 
 def main() -> int:
+    from benchmarks import publish
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default="llama3-8b")
     p.add_argument("--cases", default=None, help="comma-separated cases for every config (default: per config)")
@@ -123,11 +124,7 @@ def main() -> int:
                 rows.append(json.loads(found[-1][len("RESULT "):]))
             print(rows[-1], flush=True)
     text = table(rows, args)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
-    return 0
+    return publish(text, args.output)
 
 
 if __name__ == "__main__":

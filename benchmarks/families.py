@@ -108,6 +108,7 @@ def report(rows: list[dict], argv: list[str]) -> str:
 
 
 def main(argv=None) -> int:
+    from benchmarks import publish
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default=",".join(HELD_OUT))
     ap.add_argument("-o", "--output", default=None)
@@ -117,11 +118,7 @@ def main(argv=None) -> int:
         rows.append(one(kind))
         print(json.dumps(rows[-1]), flush=True)
     text = report(rows, sys.argv[1:] if argv is None else argv)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
-    return 0
+    return publish(text, args.output)
 
 
 if __name__ == "__main__":

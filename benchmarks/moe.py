@@ -46,6 +46,7 @@ def build(kind: str, extra: dict):
 
 
 def main(argv=None) -> int:
+    from benchmarks import publish
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "tte-bench-moe"))
@@ -93,11 +94,7 @@ def main(argv=None) -> int:
         lines.append(f"| {key} | {params[name] / 1e6:.1f}M / {active / 1e6:.1f}M | "
                      f"{os.path.getsize(path) / 2**20:.0f} | {got[0]:.0f} | {got[1]:.0f} | {ratio} |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
-    return 0
+    return publish(text, args.output)
 
 
 if __name__ == "__main__":

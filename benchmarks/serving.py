@@ -324,6 +324,7 @@ def table(results: list[dict], args) -> str:
 
 
 def main() -> int:
+    from benchmarks import publish
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default="llama-30m")
     p.add_argument("--concurrency", default="1,4,16")
@@ -346,11 +347,7 @@ def main() -> int:
                for t in tpu_table(name, [int(b) for b in args.tpu_batches.split(",")], topologies, args.tpu_cache,
                                   "bf16")]
         text += "\n" + tpu_text(rows, names[0], tpu, topologies, args)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
-    return 0
+    return publish(text, args.output)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,7 @@ def mask_cost(grammars, kind: str, value, steps: int = 400) -> tuple[float, int]
 
 
 def main(argv=None) -> int:
+    from benchmarks import publish
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--slots", type=int, default=8)
@@ -138,11 +139,7 @@ def main(argv=None) -> int:
               f"slots' masks {args.slots * mean_mask / 1e3 / (plain * 1e3) * 100:.1f}%; the constrained step "
               f"measured {(constrained / plain - 1) * 100:+.1f}% against the plain one."]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
-    return 0
+    return publish(text, args.output)
 
 
 if __name__ == "__main__":
