@@ -102,13 +102,39 @@ MOE_FAMILIES = {
 }
 
 
+# hybrid and recurrent families (a state-space, linear-attention or short-convolution layer and an attention
+# layer, or recurrent layers alone): 2 layers, small state heads, chunked scans of 8
+HYBRID_FAMILIES = {
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"], num_local_experts=4, num_experts_per_tok=2,
+                             mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8,
+                             shared_intermediate_size=64, intermediate_size=64),
+    "falcon_h1": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_ssm=128, mamba_d_state=16, mamba_chunk_size=8,
+                      head_dim=16, intermediate_size=128),
+    "jamba": dict(num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+                  expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8,
+                  intermediate_size=128),
+    "nemotron_h": dict(layers_block_type=["mamba", "attention"], mamba_num_heads=8, mamba_head_dim=16,
+                       ssm_state_size=16, chunk_size=8, n_groups=1, head_dim=16, intermediate_size=128),
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=4,
+                       linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, head_dim=16,
+                       intermediate_size=128),
+    "lfm2": dict(layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3, intermediate_size=128,
+                 initializer_range=0.1),  # at 0.02 its greedy reply is one token repeated
+    "mamba": dict(state_size=8, conv_kernel=4, expand=2, time_step_rank=8, initializer_range=0.3,
+                  rescale_prenorm_residual=False),
+    "mamba2": dict(num_heads=8, head_dim=16, state_size=16, chunk_size=8, n_groups=1),
+}
+
+
 def moe(kind: str, seed: int = 0, **extra):
     """``(model, tokenizer)``: a tiny model of a transformers family by its ``model_type`` (the shapes of
-    ``MOE_FAMILIES`` for the mixture-of-experts ones, ``extra`` on top), seeded."""
+    ``MOE_FAMILIES`` or ``HYBRID_FAMILIES`` for theirs, ``extra`` on top), seeded."""
     from transformers import AutoConfig, AutoModelForCausalLM
     tok = tokenizer()
     config = AutoConfig.for_model(kind, vocab_size=len(tok), bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                                  **{**MOE_SMALL, **MOE_FAMILIES.get(kind, {}), **extra})
+                                  **{**MOE_SMALL, **MOE_FAMILIES.get(kind, {}), **HYBRID_FAMILIES.get(kind, {}),
+                                     **extra})
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval(), tok
 

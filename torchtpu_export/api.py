@@ -232,7 +232,7 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
 
     from .llm.contract import (DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, cache_shardings,
                                slot_inputs, step_inputs)
-    from .llm.source import load_source
+    from .llm.source import load_source, recurrent_layers, refuse_recurrent
     from .llm.step import CacheStep, grouped_attention_in, probe_layout
     from .quant import parse
     source = load_source(model_or_path, tokenizer, abstract_weights)
@@ -240,12 +240,20 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
         cache_length = default_cache_length(source.model.config)
     lengths = _check_llm_options(source, prefill_lengths, cache_length)
     t = targets.get(target)
+    if not t.recurrent_state:
+        refuse_recurrent(source.name, source.model, target, t.recurrent_state_why or
+                         "their states are not carried between this target's steps")
     program_target = t.program_target or target
     recipe = parse(quant_config, program_target, targets.get(program_target).recipes)
     # serving in bf16 keeps the KV cache in bf16 too (half the HBM); LiteRT-LM's caches are float32
     serving = targets.get(program_target).serving
     bf16 = serving and recipe is not None and recipe.recipe == "bf16"
     layout = probe_layout(source.model, cache_length, "bfloat16" if bf16 else "float32")
+    if not layout.states and recurrent_layers(source.model):
+        refuse_recurrent(source.name, source.model, target, "their states are kept outside transformers' cache "
+                         "protocol (get/update_conv_state, get/update_recurrent_state), which the steps carry")
+    if layout.states and 1 not in lengths:  # recurrent states: prompts are never padded (llm.contract)
+        lengths = [1, *lengths]
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or not 1 <= batch_size <= 4096:
         raise InputError(f"batch_size must be an integer from 1 to 4096, got {batch_size!r}")
     if batch_size > 1 and not serving:
@@ -273,7 +281,8 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
         options.update(quant_config=quant_config, quant_report=False)
     with torch.no_grad(), grouped_attention_in(source.model):
         program = sigs.export(target=program_target, **options)
-    report = _check_llm(program, source.model, lengths, layout.length, quant_config is not None, options) \
+    report = _check_llm(program, source.model, lengths, layout.length, quant_config is not None, options,
+                        bool(layout.states)) \
         if check else {"checked": False, "why": "check=False"}
     artifact = program if t.from_llm is None else t.from_llm(program, source, layout, lengths)
     artifact.llm_check = report
@@ -283,9 +292,11 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
 LLM_CHECK_TOLERANCE = 2e-3  # float export against transformers: max logit error over the logits' scale
 
 
-def _check_llm(program, model, lengths, cache_length: int, quantized: bool, options: dict) -> dict:
-    """The exported steps against transformers on a probe prompt: a prefill of ``lengths[0] + 3`` tokens (a
-    full chunk and a padded one), then decode steps, their next-token logits against the model's."""
+def _check_llm(program, model, lengths, cache_length: int, quantized: bool, options: dict,
+               recurrent: bool = False) -> dict:
+    """The exported steps against transformers on a probe prompt: a prefill of about a chunk's tokens (a full
+    chunk and a padded one; with recurrent states, two full chunks, the second continuing the first's state,
+    and one of 1 token), then decode steps, their next-token logits against the model's."""
     import time
 
     import numpy as np
@@ -302,7 +313,8 @@ def _check_llm(program, model, lengths, cache_length: int, quantized: bool, opti
         return {"checked": False, "why": "a sharded program (its mesh is not this machine's)"}
     vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else \
         model.config.vocab_size
-    n = min(lengths[0] + 3, cache_length - 2)
+    first = next((k for k in lengths if k > 1), lengths[0])  # a recurrent model's prefill_1 is not a chunk
+    n = min(2 * first + 5 if recurrent else first + 3, cache_length - 2)
     start = max(1, n - 4)
     probe = [(7 * i + 3) % vocab for i in range(n + 4)]
     t0 = time.perf_counter()

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InputError
-from ..llm.contract import DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, prefill_lengths
+from ..llm.contract import DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, has_state, prefill_chunks, prefill_lengths
 from .follow import Following
 from .request import TOP_LOGPROBS, Request, SamplingParams, is_int
 from .step import (cache_shardings, jit_decode, jit_insert, jit_prefill, jit_set_row, jit_zeros, mask_words,
@@ -58,6 +58,9 @@ class Engine(Following):
         if missing:
             raise InputError(f"program {decode_sig} has no {sorted(missing)} input: it is not an export_llm program")
         self.cache_names = [n for n in spec if n.startswith("kv_cache_")]
+        # recurrent states (Mamba, linear attention): a padding token would move them, so a prompt is cut into
+        # chunks it fills exactly, and never prefilled in the batch's rows (whose other rows would step too)
+        self.exact = has_state(self.cache_names)
         self.slots = spec["tokens"].shape[0]
         self.length = spec["mask"].shape[-1]
         self.prefill_budget = prefill_budget or self.lengths[-1]
@@ -81,7 +84,8 @@ class Engine(Following):
         self._slot_specs = [(tuple(spec[n].shape[1:]), np.dtype(spec[n].dtype)) for n in self.cache_names]
         self._fns = {sig: self._prefill_fn(sig) for sig in self.runners}
         # prefill of several slots at once, straight into the batch's cache (requests arriving together)
-        self.batch_lengths = [n for n in self.lengths if decode_sig == DECODE_BATCH and PREFILL_BATCH.format(n) in sigs]
+        self.batch_lengths = [n for n in self.lengths if decode_sig == DECODE_BATCH and PREFILL_BATCH.format(n) in sigs
+                              and not self.exact]
         for n in self.batch_lengths:
             sig = PREFILL_BATCH.format(n)
             self.runners[sig] = program.runner(sig, platform)
@@ -392,7 +396,11 @@ class Engine(Following):
 
     def _chunks(self, count: int):
         """``(tokens, prefill length)`` chunks for ``count`` prompt tokens, padding least: each call costs its
-        length plus the shortest length again (a call reads all the weights once, however short)."""
+        length plus the shortest length again (a call reads all the weights once, however short). A model
+        with recurrent states takes chunks it fills exactly."""
+        if self.exact:
+            yield from ((take, n) for _, take, n in prefill_chunks(count, self.lengths, exact=True))
+            return
         plan = _plan(count, tuple(self.lengths))
         done = 0
         for n in plan:

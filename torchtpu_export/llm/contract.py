@@ -1,7 +1,7 @@
 """The contract between an LLM's exported programs and whoever runs them (LiteRT-LM, the serving engine, the
 host loop): signature names, the cache layout (``kv_cache_k_<i>`` / ``kv_cache_v_<i>``, ``[B, kv_heads, C,
-head_dim]``), a step's inputs, and how a prompt is cut into prefill chunks. Targets and the engine read it;
-it imports no target."""
+head_dim]``; a recurrent layer's states ``kv_cache_conv_<i>`` / ``kv_cache_ssm_<i>``), a step's inputs, and how
+a prompt is cut into prefill chunks. Targets and the engine read it; it imports no target."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,21 +25,36 @@ class CacheLayout:
     (per layer, ``((key heads, key dim), (value heads, value dim))``) is what the model itself writes, found
     by :func:`llm.step.probe_layout`: multi-query attention's one head, multi-head latent attention's
     compressed latents (DeepSeek: the latent as "key", the rotary part as "value"), per-layer head counts.
-    Without it every layer has ``kv_heads`` heads of ``head_dim`` (the config's)."""
+    Without it every layer has ``kv_heads`` heads of ``head_dim`` (the config's).
+
+    A layer with a recurrent state (a Mamba mixer, a gated delta net, LFM2's short convolution) has no KV
+    cache (``shapes[i]`` is None) and carries its states instead: ``states`` holds ``(name, shape, dtype)``
+    per state tensor (``shape`` without the batch), a convolution's last inputs (``kv_cache_conv_<i>``) and
+    a state-space or linear-attention state (``kv_cache_ssm_<i>``), as the model itself keeps them. A step
+    reads and replaces them; a sequence starts from zeros, and its prompt is never padded
+    (:func:`prefill_chunks` with ``exact``): a padding token would move the state."""
     layers: int
     kv_heads: int
     head_dim: int
     length: int  # C: positions the cache holds
     dtype: str = "float32"  # bfloat16 for tpu programs of the bf16 recipe
     shapes: tuple = ()
+    states: tuple = ()
 
     def shape(self, name: str, batch: int = 1) -> tuple:
-        """The cache tensor ``name``'s shape (``kv_cache_k_<i>`` / ``kv_cache_v_<i>``)."""
+        """The cache tensor ``name``'s shape (``kv_cache_k_<i>`` / ``kv_cache_v_<i>``, or a state)."""
+        for state, shape, _ in self.states:
+            if state == name:
+                return (batch, *shape)
         if not self.shapes:
             return (batch, self.kv_heads, self.length, self.head_dim)
         kind, layer = name.split("_")[2], int(name.rsplit("_", 1)[1])
         heads, dim = self.shapes[layer][0 if kind == "k" else 1]
         return (batch, heads, self.length, dim)
+
+    def attention_layers(self) -> list[int]:
+        """The layers with a KV cache."""
+        return [i for i in range(self.layers) if not self.shapes or self.shapes[i] is not None]
 
     @classmethod
     def of(cls, config, length: int, dtype: str = "float32") -> "CacheLayout":
@@ -50,10 +65,26 @@ class CacheLayout:
         return cls(text.num_hidden_layers, kv, head_dim, length, dtype)
 
     def names(self) -> list[str]:
-        return [f"kv_cache_{kv}_{i}" for i in range(self.layers) for kv in "kv"]
+        return [f"kv_cache_{kv}_{i}" for i in self.attention_layers() for kv in "kv"] + [n for n, _, _ in self.states]
 
     def empty(self, dtype=None, batch: int = 1) -> dict:
-        return {n: torch.zeros(self.shape(n, batch), dtype=dtype or getattr(torch, self.dtype)) for n in self.names()}
+        kinds = {n: d for n, _, d in self.states}
+        return {n: torch.zeros(self.shape(n, batch), dtype=getattr(torch, kinds[n]) if n in kinds else
+                               dtype or getattr(torch, self.dtype)) for n in self.names()}
+
+
+STATE_PREFIXES = ("kv_cache_conv", "kv_cache_ssm")
+
+
+def state_name(kind: str, layer: int, index: int = 0) -> str:
+    """A recurrent state's tensor name: ``kv_cache_conv_<layer>`` (``kv_cache_conv<index>_<layer>`` for a
+    layer's further states), ``kv_cache_ssm_<layer>``."""
+    return f"kv_cache_{kind}{index or ''}_{layer}"
+
+
+def has_state(names) -> bool:
+    """Whether a step's cache tensors (by name) include recurrent states: its prompts are never padded."""
+    return any(n.startswith(STATE_PREFIXES) for n in names)
 
 
 def step_inputs(layout: CacheLayout, n: int) -> dict:
@@ -78,11 +109,12 @@ def cache_shardings(layout: CacheLayout, mesh) -> dict:
     n = axes.get("model", 1)
     if not isinstance(n, int) or n <= 1:
         return {}
-    shapes = {name: layout.shape(name) for name in layout.names()}
+    kv = [name for name in layout.names() if not has_state([name])]  # recurrent states stay whole on each chip
+    shapes = {name: layout.shape(name) for name in kv}
     if all(s[1] % n == 0 for s in shapes.values()):
-        return {name: [None, "model", None, None] for name in layout.names()}
+        return {name: [None, "model", None, None] for name in kv}
     if all(s[3] % n == 0 for s in shapes.values()):  # more chips than KV heads (GQA): split each head's features
-        return {name: [None, None, None, "model"] for name in layout.names()}
+        return {name: [None, None, None, "model"] for name in kv}
     return {}
 
 
@@ -91,13 +123,18 @@ def prefill_lengths(signatures) -> list[int]:
     return sorted(int(m.group(1)) for m in (re.fullmatch(r"prefill_(\d+)", s) for s in signatures) if m)
 
 
-def prefill_chunks(count: int, lengths: Sequence[int]):
+def prefill_chunks(count: int, lengths: Sequence[int], exact: bool = False):
     """``(start, tokens, prefill length)`` for ``count`` prompt tokens: each chunk the shortest exported
-    length that holds the rest, else the longest (a short chunk is padded by the step)."""
+    length that holds the rest, else the longest (a short chunk is padded by the step). With ``exact``
+    (a model with recurrent states) no chunk is padded: each is the longest length the rest fills
+    (``lengths`` then holds 1)."""
+    if exact and 1 not in lengths:
+        raise InputError("a model with recurrent states needs a prefill of 1 token (prefill_1): its prompts "
+                         "are never padded", hint="export it again with tte.export_llm")
     done = 0
     while done < count:
         left = count - done
-        n = next((k for k in lengths if k >= left), lengths[-1])
+        n = max(k for k in lengths if k <= left) if exact else next((k for k in lengths if k >= left), lengths[-1])
         yield done, min(n, left), n
         done += min(n, left)
 

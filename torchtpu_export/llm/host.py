@@ -5,14 +5,15 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..errors import InputError
-from .contract import DECODE, PREFILL, prefill_chunks, prefill_lengths
+from .contract import DECODE, PREFILL, has_state, prefill_chunks, prefill_lengths
 
 
 class HostLoop:
     """Drives a program with ``prefill_<N>`` and ``decode`` signatures (any target's runnable, or a
     ``.tflite`` made elsewhere with the same contract) from the host the way LiteRT-LM drives a bundle:
-    prompt chunks padded with zeros, cache writes from each chunk's first position, the last prompt
-    token decoded. A reference loop for checks and measurements: the cache goes through the host."""
+    prompt chunks padded with zeros (never for a model with recurrent states), cache writes from each chunk's
+    first position, the last prompt token decoded. A reference loop for checks and measurements: the cache
+    goes through the host."""
 
     def __init__(self, program):
         import numpy as np
@@ -41,7 +42,7 @@ class HostLoop:
 
     def prefill(self, ids: Sequence[int]) -> None:
         """Fills the cache with ``ids``, in the largest chunks that help."""
-        for start, take, n in prefill_chunks(len(ids), self.lengths):
+        for start, take, n in prefill_chunks(len(ids), self.lengths, exact=has_state(self.caches)):
             self._step(PREFILL.format(n), ids[start:start + take])
 
     def decode(self, token: int):

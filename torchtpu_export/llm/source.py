@@ -51,7 +51,6 @@ def load_source(model_or_path, tokenizer=None, abstract: bool = False) -> LlmSou
     if why:
         raise InputError(f"{name} is a {config.model_type} model: {why}",
                          hint="this family is refused rather than exported to give other tokens")
-    refuse_recurrent(name, model)
     stop_ids += token_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None),
                      f"{name}'s generation config")
     stop_ids += token_ids(getattr(config, "eos_token_id", None), f"{name}'s config")
@@ -71,22 +70,27 @@ NOT_YET: dict[str, str] = {}
 
 # layers that carry a recurrent state beside (or instead of) a KV cache, by their transformers class names:
 # Mamba and Mamba-2 mixers (mamba, falcon_mamba, jamba, bamba, granitemoehybrid, falcon_h1, nemotron_h),
-# gated delta nets (qwen3_next), lightning attention (minimax), RG-LRU blocks (recurrent_gemma), RWKV
+# gated delta nets (qwen3_next), lightning attention (minimax), RG-LRU blocks (recurrent_gemma), RWKV,
+# short convolutions (lfm2)
 RECURRENT = re.compile(r"Mamba|Mixer$|GatedDeltaNet|LinearAttention|LightningAttention|Rglru|RecurrentBlock|"
-                       r"^Rwkv(SelfAttention|Block)$")
+                       r"^Rwkv(SelfAttention|Block)$|ShortConv$")
 
 
-def refuse_recurrent(name: str, model: torch.nn.Module) -> None:
-    """A model with state-space or linear-attention layers is refused, naming the layer: the exported steps
-    carry a KV cache only, so their recurrent state would be lost between steps."""
-    found = list(dict.fromkeys(n for n in (type(m).__name__ for m in model.modules())
-                               if RECURRENT.search(n) and not n.endswith(("ForCausalLM", "Model"))))
+def recurrent_layers(model: torch.nn.Module) -> list[str]:
+    """The class names of a model's state-space, linear-attention and short-convolution layers."""
+    return list(dict.fromkeys(n for n in (type(m).__name__ for m in model.modules())
+                              if RECURRENT.search(n) and not n.endswith(("ForCausalLM", "Model"))))
+
+
+def refuse_recurrent(name: str, model: torch.nn.Module, target: str, why: str) -> None:
+    """A model with state-space, linear-attention or short-convolution layers is refused for a target whose
+    artifacts do not carry their states between steps, naming the layer and ``why``."""
+    found = recurrent_layers(model)
     if found:
         family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-        raise InputError(f"{name} is a {family} model with recurrent layers ({', '.join(found[:3])}): their state "
-                         "(a state-space or linear-attention state) is not carried between the exported steps yet",
-                         hint="this family is refused rather than exported to give other tokens; attention, "
-                              "mixture-of-experts and short-convolution (LFM2) layers are exported")
+        raise InputError(f"{name} is a {family} model with recurrent layers ({', '.join(found[:3])}): {why}",
+                         hint=f"this family is refused for {target} rather than exported to give other tokens; "
+                              "target='tpu' carries recurrent states")
 
 
 def refuse_partial(name: str, config: dict, family: str) -> None:

@@ -6,21 +6,32 @@ slot 0). The attention mask is an input; sliding-window layers mask further by p
 from __future__ import annotations
 
 import inspect
+import re
 
 import torch
 
-from .contract import CacheLayout
+from ..errors import InputError
+from .contract import CacheLayout, state_name
 
 
 class _StepCache:
     """The transformers ``Cache`` protocol over the step's cache tensors: ``update`` writes a layer's new
-    keys and values contiguously from ``start`` and gives the whole cache to attend over."""
+    keys and values contiguously from ``start`` and gives the whole cache to attend over.
+
+    A recurrent layer's states (transformers' linear-attention protocol: ``get_conv_state`` /
+    ``update_conv_state``, ``get_recurrent_state`` / ``update_recurrent_state``) are always there: a
+    sequence's first step finds zeros, which is what a fresh state is (a convolution's zero left context, a
+    scan's zero initial state), so prefill chunks and decode steps alike continue from the state they get.
+    The model updates some in place: each is a copy of the step's input, given back as the output."""
 
     is_compileable = True
 
-    def __init__(self, caches: dict, layers: int, input_pos, slots: bool):
-        self.k = [caches[f"kv_cache_k_{i}"] for i in range(layers)]
-        self.v = [caches[f"kv_cache_v_{i}"] for i in range(layers)]
+    def __init__(self, caches: dict, layout: CacheLayout, input_pos, slots: bool, sequential=frozenset()):
+        kv = set(layout.attention_layers())
+        self.sequential = sequential
+        self.k = [caches[f"kv_cache_k_{i}"] if i in kv else None for i in range(layout.layers)]
+        self.v = [caches[f"kv_cache_v_{i}"] if i in kv else None for i in range(layout.layers)]
+        self.states = {name: caches[name].clone() for name, _, _ in layout.states}
         self.pos, self.slots = input_pos.to(torch.int64), slots
 
     def _write(self, cache, new):
@@ -39,14 +50,68 @@ class _StepCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
+    # the linear-attention protocol (transformers' ``Cache``): recurrent layers' states
+    def _state(self, kind: str, layer_idx: int, state_idx: int):
+        name = state_name(kind, layer_idx, state_idx)
+        if name not in self.states:
+            raise InputError(f"layer {layer_idx} keeps a {kind} state the cache probe did not see")
+        return name
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return self.states[self._state("conv", layer_idx, state_idx)]
+
+    def update_conv_state(self, conv_states, layer_idx: int, state_idx: int = 0, **kwargs):
+        """The step's inputs after the kept ones (the convolution's left context); the last of them kept."""
+        name = self._state("conv", layer_idx, state_idx)
+        kept = self.states[name]
+        full = torch.cat([kept.to(conv_states.dtype), conv_states], dim=-1)
+        self.states[name] = full[..., -kept.shape[-1]:].to(kept.dtype)
+        return full
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return self.states[self._state("ssm", layer_idx, state_idx)]
+
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
+        name = self._state("ssm", layer_idx, state_idx)
+        last = recurrent_states if isinstance(recurrent_states, torch.Tensor) else recurrent_states[-1]
+        self.states[name] = last.to(self.states[name].dtype)
+        return self.states[name]
+
+    def get_recurrent_states_to_keep(self, layer_idx=None) -> int:
+        """0 (the chunked scan, from the state given), but for layers whose chunked scan starts from zeros
+        whatever the state (``SEQUENTIAL_SCAN``): every token of theirs through the recurrent form."""
+        return 1 << 30 if layer_idx in self.sequential else 0
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        pass
+
+    def has_previous_state(self, layer_idx=None, state_idx=None) -> bool:
+        return True
+
+
+# mixers whose multi-token scan in transformers ignores the state it is given (Mamba's
+# ``mamba_selective_scan`` starts from zeros: right for a prompt's first chunk only)
+SEQUENTIAL_SCAN = re.compile(r"^(Mamba|FalconMamba)Mixer$")
+
+
+def sequential_layers(model) -> frozenset:
+    """The layer indices of ``model``'s ``SEQUENTIAL_SCAN`` mixers."""
+    return frozenset(m.layer_idx for m in model.modules()
+                     if SEQUENTIAL_SCAN.match(type(m).__name__) and isinstance(getattr(m, "layer_idx", None), int))
+
 
 class _Recorder:
-    """The ``Cache`` protocol that keeps nothing: it notes the shape of each layer's keys and values."""
+    """The ``Cache`` protocol that keeps nothing: it notes the shape of each layer's keys and values, and of
+    each recurrent state a layer keeps (its shape without the batch, its dtype)."""
 
     is_compileable = True
 
     def __init__(self):
         self.shapes: dict = {}
+        self.states: dict = {}  # (kind, layer, index) -> (shape, dtype)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.shapes[layer_idx] = ((key_states.shape[1], key_states.shape[3]),
@@ -55,6 +120,34 @@ class _Recorder:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return None
+
+    def update_conv_state(self, conv_states, layer_idx: int, state_idx: int = 0, conv_kernel_size=None, **kwargs):
+        width = conv_kernel_size or conv_states.shape[-1]
+        self.states[("conv", layer_idx, state_idx)] = ((*conv_states.shape[1:-1], width), conv_states.dtype)
+        return conv_states
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return None
+
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
+        last = recurrent_states if isinstance(recurrent_states, torch.Tensor) else recurrent_states[-1]
+        self.states[("ssm", layer_idx, state_idx)] = (tuple(last.shape[1:]), last.dtype)
+        return last
+
+    def get_recurrent_states_to_keep(self, layer_idx=None) -> int:
+        return 0
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        pass
+
+    def has_previous_state(self, layer_idx=None, state_idx=None) -> bool:
+        return False
 
 
 def probe_layout(model, length: int, dtype: str = "float32") -> CacheLayout:
@@ -67,21 +160,48 @@ def probe_layout(model, length: int, dtype: str = "float32") -> CacheLayout:
     kw = "cache" if "cache" in params else "past_key_values"
     meta = any(p.is_meta for p in model.parameters())
     device = torch.device("meta") if meta else None
-    types = getattr(model.config, "layer_types", None)
     mask = torch.zeros(1, 1, 1, 1, device=device)
     try:
         with torch.no_grad():
             model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-                  attention_mask={t: mask for t in set(types)} if types else mask,
+                  attention_mask=layer_masks(model.config, mask),
                   position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True, **{kw: recorder})
-    except Exception:  # noqa: BLE001 - a model the probe cannot drive: the config's numbers
+    except Exception as e:  # noqa: BLE001 - a model the probe cannot drive: the config's numbers
+        if recorder.states:  # a recurrent model's states cannot be guessed from its config
+            raise InputError(f"the cache probe of this {type(model).__name__} failed ({type(e).__name__}: {e}): "
+                             "its recurrent layers' states are not known") from None
         return guess
-    if sorted(recorder.shapes) != list(range(guess.layers)):
+    states = tuple((state_name(kind, layer, index), tuple(shape), str(dt).removeprefix("torch."))
+                   for (kind, layer, index), (shape, dt) in sorted(recorder.states.items(), key=lambda kv: kv[0][1:]))
+    layers = {layer for _, layer, _ in recorder.states} | set(recorder.shapes)
+    if sorted(layers) != list(range(guess.layers)):
         return guess
-    shapes = tuple(recorder.shapes[i] for i in range(guess.layers))
-    if all(s == ((guess.kv_heads, guess.head_dim),) * 2 for s in shapes):
+    shapes = tuple(recorder.shapes.get(i) for i in range(guess.layers))
+    if not states and all(s == ((guess.kv_heads, guess.head_dim),) * 2 for s in shapes):
         return guess
-    return CacheLayout(guess.layers, guess.kv_heads, guess.head_dim, length, dtype, shapes)
+    return CacheLayout(guess.layers, guess.kv_heads, guess.head_dim, length, dtype, shapes, states)
+
+
+# layer types (``config.layer_types``) whose layers do not attend (linear attention, Mamba, short
+# convolutions, a feed-forward layer alone): they take no mask, as a step's tokens are never padding
+UNMASKED_TYPES = ("linear_attention", "conv", "mamba", "mlp", "moe")
+
+
+def layer_masks(config, mask, sliding=None):
+    """The attention mask the model takes: ``mask`` as it is, or for a model with several layer types (its
+    config's ``layer_types``) one per type: ``sliding`` for sliding-window layers, None for layers that do
+    not attend (recurrent layers, which would read a 2-D padding mask), and None for a model none of whose
+    layers attends (Mamba)."""
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return mask if sliding is None else sliding  # sliding_window without layer types: every layer slides
+    if all(t in UNMASKED_TYPES for t in types):
+        return None
+    # the types a model's forward looks up may be other than its layer types (falcon_h1's "hybrid" layers
+    # take the "full_attention" and "linear_attention" masks)
+    named = set(types) | {"full_attention", "linear_attention"}
+    return {t: (sliding if t == "sliding_attention" and sliding is not None else
+                None if t in UNMASKED_TYPES else mask) for t in named}
 
 
 class CacheStep(torch.nn.Module):
@@ -97,9 +217,9 @@ class CacheStep(torch.nn.Module):
         self.model, self.layout, self.logits, self.slots = model, layout, logits, slots
         config = model.config
         self.window = getattr(config, "sliding_window", None)
-        self.layer_types = getattr(config, "layer_types", None)
         params = inspect.signature(model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.sequential = sequential_layers(model) if layout.states else frozenset()
 
     def _masks(self, mask, positions):
         """The full-attention mask as given, and, where the config has sliding-window layers, theirs
@@ -109,13 +229,10 @@ class CacheStep(torch.nn.Module):
             kv_pos = torch.arange(self.layout.length, dtype=torch.int64)
             far = (positions.to(torch.int64)[:, :, None] - kv_pos) >= self.window
             sliding = torch.where(far[:, None], torch.finfo(mask.dtype).min, mask)
-        if self.layer_types:  # models that take one mask per layer type
-            return {t: (sliding if t == "sliding_attention" and sliding is not None else mask)
-                    for t in set(self.layer_types)}
-        return mask if sliding is None else sliding  # sliding_window without layer types: every layer slides
+        return layer_masks(self.model.config, mask, sliding)
 
     def forward(self, tokens, input_pos, mask, **caches):
-        cache = _StepCache(caches, self.layout.layers, input_pos, self.slots)
+        cache = _StepCache(caches, self.layout, input_pos, self.slots, self.sequential)
         n = tokens.shape[1]
         positions = input_pos[:, None] + torch.arange(n, dtype=input_pos.dtype) if self.slots else input_pos[None]
         _GROUP_MASKS.clear()  # each trace of a step makes its own
@@ -125,8 +242,9 @@ class CacheStep(torch.nn.Module):
         finally:
             _GROUP_MASKS.clear()
         result = {"logits": out.logits} if self.logits else {}
-        for i in range(self.layout.layers):
+        for i in self.layout.attention_layers():
             result[f"kv_cache_k_{i}"], result[f"kv_cache_v_{i}"] = cache.k[i], cache.v[i]
+        result.update(cache.states)
         return result
 
 

@@ -63,6 +63,10 @@ class Target:
     # artifact needs (the tpu target's manifest: donated caches, tokenizer, chat template)
     llm_options: Callable | None = None
     llm_only: bool = False
+    # its LLM artifacts carry recurrent layers' states (Mamba, linear attention, short convolutions) from
+    # step to step; export_llm refuses such a model for the other targets, naming the layer
+    recurrent_state: bool = False
+    recurrent_state_why: str = ""  # why not, said when such a model is refused
     # datacenter serving: export_llm may add batched programs (the engine's slots), and the KV cache
     # follows a bf16 recipe (on-device runtimes keep float32 caches)
     serving: bool = False

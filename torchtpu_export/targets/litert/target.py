@@ -650,4 +650,5 @@ TARGET = Target(
     recipes=("fp16", "dynamic_int8", "int8", "int4_blockwise"), magic=lambda head, names: head[4:8] == b"TFL3",
     gpu_check=gpu_compatibility, compile=compile_cli,
     npu_check=npu_report,
+    recurrent_state=True,  # the signatures take and give the states; the caller never pads a prompt (llm.contract)
 )

@@ -321,7 +321,8 @@ def _manifest_schema():
                    "llm": Record({"cache_length": Count(), "prefill_lengths": ListOf(Count())},
                                  {"tokenizer": NAME, "chat_template": Opt(STR), "bos_id": Opt(Count()),
                                   "pad_id": Opt(Count()), "stop_ids": ListOf(Count()), "slots": Count(),
-                                  "name": STR})})
+                                  "name": STR, "recurrent_states": Record({"tensors": Count(),
+                                                                           "bytes_per_sequence": Count()})})})
 
 
 def donated(spec: dict) -> tuple[int, ...]:

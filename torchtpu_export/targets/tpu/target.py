@@ -277,6 +277,10 @@ def describe_lines(desc: dict, program: str | None) -> list[str]:
                          f"{', '.join(map(str, llm['prefill_lengths']))}, {llm.get('slots', 1)} decode slot(s), "
                          + (f"tokenizer (stop ids {llm.get('stop_ids', [])}, chat template "
                             f"{'yes' if llm.get('chat_template') else 'no'})" if llm.get("tokenizer") else "no tokenizer"))
+        states = (llm or {}).get("recurrent_states")
+        if states:
+            lines.append(f"recurrent states: {states['tensors']} tensors beside the KV cache, "
+                         f"{states['bytes_per_sequence']} bytes per sequence (prompts cut into exact chunks)")
         return lines
     prog = desc["programs"][program]
     for k in prog.get("kernels") or []:
@@ -373,6 +377,10 @@ def _carry_llm(artifact, llm: dict) -> None:
     source, layout = llm["source"], llm["layout"]
     info = {"name": source.name, "cache_length": layout.length, "prefill_lengths": llm["prefill_lengths"],
             "slots": next(i["shape"][0] for i in batch["inputs"] if i["name"] == "tokens") if batch else 1}
+    if layout.states:  # recurrent layers' states beside the KV cache (llm.contract)
+        import numpy as np
+        info["recurrent_states"] = {"tensors": len(layout.states), "bytes_per_sequence": sum(
+            int(np.prod(shape)) * np.dtype(dtype).itemsize for _, shape, dtype in layout.states)}
     tok = source.tokenizer
     if tok is not None:
         info.update(tokenizer=LLM_TOKENIZER, chat_template=tok.chat_template, bos_id=tok.bos_id, pad_id=tok.pad_id,
@@ -399,4 +407,5 @@ TARGET = Target(
     recipes=("int8_weight_only", "bf16"), magic=lambda head, names: names is not None and "manifest.json" in names,
     zipped=True, describe_lines=describe_lines,
     local_options={"platforms": ("cpu",)}, llm_options=llm_options, serving=True, abstract_weights=True, stateful=True,
+    recurrent_state=True,
 )

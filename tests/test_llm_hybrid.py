@@ -1,0 +1,100 @@
+"""Hybrid and recurrent decoders (Mamba and Mamba-2 mixers, gated delta nets, LFM2's short convolutions,
+beside attention layers or alone): each recurrent layer's states, as the model keeps them through
+transformers' cache protocol, are program state beside the KV cache (``kv_cache_conv_<i>``,
+``kv_cache_ssm_<i>``), and prompts are cut into chunks they fill exactly (a padding token would move the
+state). Every family gives transformers' greedy tokens from `TpuProgram.generate` over 64 steps and from
+the litert target's `.tflite` driven as LiteRT-LM drives a bundle; the serving engine keeps each slot's
+state apart; the TPU compiler takes the program; a family whose layers keep their state another way is
+refused at export, naming the layer."""
+import pytest
+import torch
+
+import hf_llms
+import torchtpu_export as tte
+from torchtpu_export.errors import InputError
+from torchtpu_export.llm import host_generate
+
+pytestmark = pytest.mark.xdist_group("llm")
+
+PROMPT = "hello world, this is a tiny language model"
+STEPS = 64
+FAMILIES = hf_llms.HYBRID_FAMILIES
+
+
+def _greedy(model, ids, steps=STEPS):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False, pad_token_id=0)
+    want = out[0, len(ids):].tolist()
+    return want[:want.index(2)] if 2 in want else want
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hybrid_families_carry_their_states_and_give_transformers_tokens(family):
+    model, tok = hf_llms.moe(family)
+    ids = tok(PROMPT)["input_ids"]
+    want = _greedy(model, ids)
+    assert len(set(want)) > 2, want  # a reply that tells states kept from states lost
+    prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8, 32), cache_length=96, platforms=("cpu",))
+    assert prog.llm_check["checked"] and prog.llm_check["max_error"] < 1e-3
+    names = [s.name for s in prog.inputs("decode")]
+    assert any(n.startswith("kv_cache_ssm_") or n.startswith("kv_cache_conv_") for n in names), names
+    assert prog.manifest["llm"]["prefill_lengths"] == [1, 8, 32]  # a remainder of 1..7 tokens goes 1 at a time
+    assert prog.generate(ids, STEPS).ids == want
+    edge = tte.export_llm(model, tok, target="litert", prefill_lengths=(8, 32), cache_length=96)
+    assert host_generate(edge, ids, len(want)) == want
+
+
+def test_slots_keep_their_own_states_and_the_tpu_compiler_takes_the_program():
+    """Two requests at once in a 2-slot program: each slot's states are its own (a prompt prefilled on its
+    own, inserted into the batch); a slot freed and taken again starts from zeros."""
+    from torchtpu_export.engine import Engine
+    model, tok = hf_llms.moe("granitemoehybrid")
+    prompts = [tok(p)["input_ids"] for p in (PROMPT, "a different prompt, longer than the first one by far", "x")]
+    wants = [_greedy(model, ids, 24) for ids in prompts]
+    prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8,), cache_length=96, batch_size=2,
+                          platforms=("tpu", "cpu"))
+    engine = Engine(prog)
+    assert engine.slots == 2 and engine.exact and not engine.batch_lengths
+    requests = [engine.submit(ids, 24, stop=(2,)) for ids in prompts]
+    while engine.busy:
+        engine.step()
+    assert [r.tokens for r in requests] == wants
+    stats = prog.compiled_stats("v5e", signature_name="decode_batch")
+    assert stats["fits"]
+
+
+@pytest.mark.parametrize("family,layer", [("recurrent_gemma", "RecurrentGemmaRglru"), ("rwkv", "RwkvSelfAttention"),
+                                          ("minimax", "MiniMaxLightningAttention")])
+def test_layers_that_keep_their_state_elsewhere_are_refused_naming_the_layer(family, layer):
+    """RG-LRU blocks, RWKV and lightning attention keep their state outside transformers' cache protocol:
+    refused at export (not a capture error, not a program that gives other tokens)."""
+    extra = {"block_types": ["recurrent", "attention"], "lru_width": 64, "attention_window_size": 16} \
+        if family == "recurrent_gemma" else {}
+    model, tok = hf_llms.moe(family, **extra)
+    with pytest.raises(InputError, match=f"{family} model with recurrent layers \\(.*{layer}.*cache protocol"):
+        tte.export_llm(model, tok, target="tpu", prefill_lengths=(8,), cache_length=64, platforms=("cpu",))
+    with pytest.raises(InputError, match=f"{family} model with recurrent layers \\(.*{layer}"):
+        tte.export_llm(model, tok, target="litertlm", prefill_lengths=(8,), cache_length=64)
+
+
+def test_the_cli_exports_a_hybrid_folder_to_tpu_and_refuses_it_for_litert_lm(tmp_path):
+    """A Hugging Face folder of a hybrid model through the CLI: the .tpu carries its states (``inspect``
+    says so) and gives transformers' tokens once loaded; the .litertlm is refused with one message, exit
+    2, no file written."""
+    from conftest import run_cli_many
+    model, tok = hf_llms.moe("falcon_h1")
+    folder = tmp_path / "falcon_h1"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    ids = tok(PROMPT)["input_ids"]
+    want = _greedy(model, ids, 32)
+    out = tmp_path / "m.tpu"
+    export, inspect, refused = run_cli_many([
+        [folder, "--target", "tpu", "--platforms", "cpu", "--prefill-lengths", "8", "--cache-length", "64", "-o", out],
+        ["inspect", out],
+        [folder, "--target", "litertlm", "--prefill-lengths", "8", "--cache-length", "64", "-o", tmp_path / "m.litertlm"]])
+    assert export.returncode == 0, export.stderr
+    assert "recurrent states: 4 tensors" in inspect.stdout and "prefill lengths 1, 8" in inspect.stdout, inspect.stdout
+    assert refused.returncode == 2 and "recurrent layers (FalconH1Mixer)" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "m.litertlm").exists()
+    assert tte.load(out).generate(ids, 32).ids == want
