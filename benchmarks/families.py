@@ -21,12 +21,15 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # model types the tests do not name (tests name llama, qwen2, qwen3, gemma3, phi3, mistral, smollm, the
-# mixture-of-experts families of examples/hf_llms.py, deepseek_v2/v3, falcon and the refused recurrent ones)
+# mixture-of-experts and hybrid families of examples/hf_llms.py, deepseek_v2/v3, falcon and the refused recurrent
+# ones)
 HELD_OUT = ["starcoder2", "olmo", "olmo2", "olmo3", "cohere", "cohere2", "glm", "glm4", "stablelm", "gpt_neox",
             "gptj", "gpt2", "opt", "bloom", "granite", "nemotron", "exaone4", "helium", "arcee", "persimmon", "phi",
             "codegen", "gpt_bigcode", "ministral", "seed_oss", "smollm3", "hunyuan_v1_dense", "hunyuan_v1_moe",
-            "dots1", "ernie4_5", "ernie4_5_moe", "apertus", "lfm2", "glm4_moe", "phimoe", "jetmoe", "dbrx",
+            "dots1", "ernie4_5", "ernie4_5_moe", "apertus", "glm4_moe", "phimoe", "jetmoe", "dbrx",
             "gemma", "gemma2", "llama4_text", "bitnet", "doge", "flex_olmo"]
+# hybrid and recurrent families the tests do not name (``--families`` picks them; LiteRT-LM bundles refuse them)
+HELD_OUT_HYBRID = ["bamba", "zamba2", "falcon_mamba", "olmo_hybrid", "lfm2_moe"]
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, max_position_embeddings=512)
 # what a family's tiny config needs besides SMALL for transformers itself to build and run it (its defaults
@@ -38,7 +41,16 @@ OVERRIDES = {"gptj": dict(rotary_dim=8), "codegen": dict(rotary_dim=8), "helium"
                            n_group=1, topk_group=1, first_k_dense_replace=1),
              "dbrx": dict(d_model=64, n_heads=4, n_layers=2,
                           attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
-                          ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2))}
+                          ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)),
+             "bamba": dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                           mamba_chunk_size=8),
+             "zamba2": dict(mamba_headdim=16, mamba_d_state=16, n_mamba_heads=8, chunk_size=8,
+                            layers_block_type=["mamba", "hybrid"], attention_head_dim=16),
+             "falcon_mamba": dict(state_size=8, conv_kernel=4, expand=2, time_step_rank=8),
+             "olmo_hybrid": dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+             "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=32, num_dense_layers=0)}
 STEPS = 24
 
 ONE = r"""

@@ -19,6 +19,9 @@ pytestmark = pytest.mark.xdist_group("llm")
 PROMPT = "hello world, this is a tiny language model"
 STEPS = 64
 FAMILIES = hf_llms.HYBRID_FAMILIES
+# the litert target's .tflite for one family of each kind of state (Mamba-2, gated delta net, short
+# convolution, Mamba's sequential scan): the same steps through the other converter
+LITERT = ("granitemoehybrid", "qwen3_next", "lfm2", "mamba")
 
 
 def _greedy(model, ids, steps=STEPS):
@@ -40,8 +43,9 @@ def test_hybrid_families_carry_their_states_and_give_transformers_tokens(family)
     assert any(n.startswith("kv_cache_ssm_") or n.startswith("kv_cache_conv_") for n in names), names
     assert prog.manifest["llm"]["prefill_lengths"] == [1, 8, 32]  # a remainder of 1..7 tokens goes 1 at a time
     assert prog.generate(ids, STEPS).ids == want
-    edge = tte.export_llm(model, tok, target="litert", prefill_lengths=(8, 32), cache_length=96)
-    assert host_generate(edge, ids, len(want)) == want
+    if family in LITERT:
+        edge = tte.export_llm(model, tok, target="litert", prefill_lengths=(8, 32), cache_length=96)
+        assert host_generate(edge, ids, len(want)) == want
 
 
 def test_slots_keep_their_own_states_and_the_tpu_compiler_takes_the_program():

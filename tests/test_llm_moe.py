@@ -54,7 +54,9 @@ def test_a_family_not_exported_right_yet_is_refused(monkeypatch):
 
 @pytest.mark.parametrize("family,layer", [("granitemoehybrid", "GraniteMoeHybridMambaLayer"),
                                           ("falcon_h1", "FalconH1Mixer"), ("qwen3_next", "Qwen3NextGatedDeltaNet"),
-                                          ("jamba", "JambaMambaMixer"), ("lfm2", "Lfm2ShortConv")])
+                                          ("jamba", "JambaMambaMixer"), ("lfm2", "Lfm2ShortConv"),
+                                          ("nemotron_h", "NemotronHMamba2Mixer"), ("mamba", "MambaMixer"),
+                                          ("mamba2", "Mamba2Mixer")])
 def test_recurrent_families_are_refused_for_litert_lm_naming_the_layer(family, layer):
     """State-space, linear-attention and short-convolution layers keep a state that LiteRT-LM's runtime does
     not carry as the steps need it (test_llm_hybrid.py: the tpu and litert targets do): refused at export,

@@ -72,7 +72,7 @@ NOT_YET: dict[str, str] = {}
 # Mamba and Mamba-2 mixers (mamba, falcon_mamba, jamba, bamba, granitemoehybrid, falcon_h1, nemotron_h),
 # gated delta nets (qwen3_next), lightning attention (minimax), RG-LRU blocks (recurrent_gemma), RWKV,
 # short convolutions (lfm2)
-RECURRENT = re.compile(r"Mamba|Mixer$|GatedDeltaNet|LinearAttention|LightningAttention|Rglru|RecurrentBlock|"
+RECURRENT = re.compile(r"Mamba\w*(Mixer|Layer)$|Mixer$|GatedDeltaNet|LinearAttention|LightningAttention|Rglru|RecurrentBlock|"
                        r"^Rwkv(SelfAttention|Block)$|ShortConv$")
 
 
@@ -90,7 +90,8 @@ def refuse_recurrent(name: str, model: torch.nn.Module, target: str, why: str) -
         family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
         raise InputError(f"{name} is a {family} model with recurrent layers ({', '.join(found[:3])}): {why}",
                          hint=f"this family is refused for {target} rather than exported to give other tokens; "
-                              "target='tpu' carries recurrent states")
+                              "target='tpu' carries recurrent states (and target='litert', whose .tflite steps "
+                              "take them as inputs, driven without padding)")
 
 
 def refuse_partial(name: str, config: dict, family: str) -> None:

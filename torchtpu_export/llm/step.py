@@ -14,7 +14,26 @@ from ..errors import InputError
 from .contract import CacheLayout, state_name
 
 
-class _StepCache:
+class _CacheProtocol:
+    """What transformers' layers ask of any cache beside their own reads and writes: no past kept for
+    cropping, no token count (positions are given), no intermediate scan states."""
+
+    is_compileable = True
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_recurrent_states_to_keep(self, layer_idx=None) -> int:
+        return 0
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        pass
+
+
+class _StepCache(_CacheProtocol):
     """The transformers ``Cache`` protocol over the step's cache tensors: ``update`` writes a layer's new
     keys and values contiguously from ``start`` and gives the whole cache to attend over.
 
@@ -23,8 +42,6 @@ class _StepCache:
     sequence's first step finds zeros, which is what a fresh state is (a convolution's zero left context, a
     scan's zero initial state), so prefill chunks and decode steps alike continue from the state they get.
     The model updates some in place: each is a copy of the step's input, given back as the output."""
-
-    is_compileable = True
 
     def __init__(self, caches: dict, layout: CacheLayout, input_pos, slots: bool, sequential=frozenset()):
         kv = set(layout.attention_layers())
@@ -46,9 +63,6 @@ class _StepCache:
         self.k[layer_idx] = self._write(self.k[layer_idx], key_states)
         self.v[layer_idx] = self._write(self.v[layer_idx], value_states)
         return self.k[layer_idx], self.v[layer_idx]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
 
     # the linear-attention protocol (transformers' ``Cache``): recurrent layers' states
     def _state(self, kind: str, layer_idx: int, state_idx: int):
@@ -82,12 +96,6 @@ class _StepCache:
         whatever the state (``SEQUENTIAL_SCAN``): every token of theirs through the recurrent form."""
         return 1 << 30 if layer_idx in self.sequential else 0
 
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return False
-
-    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
-        pass
-
     def has_previous_state(self, layer_idx=None, state_idx=None) -> bool:
         return True
 
@@ -103,11 +111,9 @@ def sequential_layers(model) -> frozenset:
                      if SEQUENTIAL_SCAN.match(type(m).__name__) and isinstance(getattr(m, "layer_idx", None), int))
 
 
-class _Recorder:
+class _Recorder(_CacheProtocol):
     """The ``Cache`` protocol that keeps nothing: it notes the shape of each layer's keys and values, and of
     each recurrent state a layer keeps (its shape without the batch, its dtype)."""
-
-    is_compileable = True
 
     def __init__(self):
         self.shapes: dict = {}
@@ -117,9 +123,6 @@ class _Recorder:
         self.shapes[layer_idx] = ((key_states.shape[1], key_states.shape[3]),
                                   (value_states.shape[1], value_states.shape[3]))
         return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
         return None
@@ -136,15 +139,6 @@ class _Recorder:
         last = recurrent_states if isinstance(recurrent_states, torch.Tensor) else recurrent_states[-1]
         self.states[("ssm", layer_idx, state_idx)] = (tuple(last.shape[1:]), last.dtype)
         return last
-
-    def get_recurrent_states_to_keep(self, layer_idx=None) -> int:
-        return 0
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return False
-
-    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
-        pass
 
     def has_previous_state(self, layer_idx=None, state_idx=None) -> bool:
         return False
