@@ -808,9 +808,10 @@ TARGET = Target(
     build=build, load=load, describe=describe, cli_options=cli_options, debuggable=False,
     recipes=LITERT.recipes, magic=lambda head, names: head == b"LITERTLM",
     program_target="litert", from_llm=from_llm, llm_only=True,
-    # LiteRT-LM's executor (runtime/executor/llm_litert_compiled_model_executor.cc) carries from step to step
-    # only the tensors named kv_cache_k_<i> / kv_cache_v_<i>, and pads a prompt's last chunk with tokens at
-    # position 0 that a recurrent state would take in (litert_compiled_model_executor_utils.cc)
-    recurrent_state_why="LiteRT-LM carries only attention KV caches (kv_cache_k_/kv_cache_v_) between steps and "
-                        "pads prompt chunks, which would move a recurrent state",
+    # LiteRT-LM's executor carries a state between steps by its name (kv_cache_k_/v_, and kv_cache_c_ for a
+    # convolution's state) or by the bundle's executor metadata (TYPE_LINEAR_ATTENTION), but pads a prompt's
+    # last chunk with token 0 at position 0 (PrefillInternal, GetOptimizedPrefillWorkGroups): a bundle's
+    # steps would have to find the real tokens themselves and keep the state after the last of them
+    recurrent_state_why="LiteRT-LM pads a prompt's last chunk (token 0 at position 0), which would move a "
+                        "recurrent state, and the exported steps do not skip padding yet",
 )
