@@ -9,7 +9,7 @@ import torch
 import hf_llms
 import torchtpu_export as tte
 
-pytestmark = pytest.mark.xdist_group("llm")
+pytestmark = pytest.mark.xdist_group("llm_attention")  # a group of its own: nothing shared with test_llm's folders
 
 PROMPT = "hello world, this is a tiny language model"
 STEPS = 64

@@ -8,7 +8,7 @@ import pytest
 import hf_llms
 from conftest import run_cli
 
-pytestmark = pytest.mark.xdist_group("llm")
+pytestmark = pytest.mark.xdist_group("llm_defaults")  # a group of its own: nothing shared with test_llm's folders
 
 
 def test_the_default_cache_length_fits_the_model(tmp_path):

@@ -13,7 +13,7 @@ import torchtpu_export as tte
 from torchtpu_export.errors import InputError
 from torchtpu_export.llm import host_generate
 
-pytestmark = pytest.mark.xdist_group("llm")
+pytestmark = pytest.mark.xdist_group("llm_moe")  # a group of its own: nothing shared with test_llm's folders
 
 PROMPT = "hello world, this is a tiny language model"
 STEPS = 64

@@ -90,6 +90,72 @@ def test_engine_cancel_frees_the_slot_and_bad_requests_raise(llm):
         engine.submit([], 2)
 
 
+# ---- prefix caching ---------------------------------------------------------------------------------
+
+def _prompts(seed, prefix, tails):
+    rng = np.random.default_rng(seed)
+    system = rng.integers(3, 300, prefix).tolist()
+    return [system + rng.integers(3, 300, k).tolist() for k in tails]
+
+
+def test_prefix_cache_hits_give_the_tokens_of_misses(llm):
+    """Prompts sharing a 40-token start (two full pages of 16 and a part), one after another and four at once
+    (the batch's own prefill, then the pool): with the prefix cache every request gets transformers' greedy
+    tokens, the repeats prefill only what follows the cached pages, and a prompt differing in its first token
+    matches nothing (the pages are a hash chain from position 0)."""
+    model, _, _, path = llm
+    prompts = _prompts(1, 40, (3, 9, 17, 1, 30, 6))
+    prompts.append([prompts[0][0] + 1] + prompts[0][1:])  # the same tokens after a different first one
+    prompts.append(list(prompts[1]))  # a prompt served before, whole
+    wants = [greedy(model, p, 12) for p in prompts]
+    cold = Engine(tte.load(path), prefix_cache=False)
+    assert [cold.generate(p, 12, stop=[2]) for p in prompts] == wants
+    engine = Engine(tte.load(path))
+    assert engine.page_size == 16 and engine._prefix.pages == 4 * (96 // 16)
+    first = engine.generate(prompts[0], 12, stop=[2])
+    assert first == wants[0] and engine.stats["prefix_hit_tokens"] == 0 and engine.stats["prefix_pages_stored"] == 2
+    together = [engine.submit(p, 12, stop=[2]) for p in prompts[1:5]]
+    while engine.busy:
+        engine.step()
+    assert [r.result() for r in together] == wants[1:5]
+    assert engine.stats["prefix_hit_tokens"] == 4 * 32
+    for i, (p, want) in enumerate(zip(prompts[5:], wants[5:]), 5):
+        before = dict(engine.stats)
+        assert engine.generate(p, 12, stop=[2]) == want
+        hit = engine.stats["prefix_hit_tokens"] - before["prefix_hit_tokens"]
+        assert engine.stats["prefill_tokens"] - before["prefill_tokens"] == len(p) - 1 - hit
+        assert hit == {5: 32, 6: 0, 7: 48}[i]  # 7: all 48 prompt positions before its last token
+    assert cold.stats["prefill_tokens"] > engine.stats["prefill_tokens"] + 200
+
+
+def test_a_small_page_pool_evicts_and_loses_no_request_or_token(llm):
+    """Twelve requests of six different 35-token starts, four slots, a pool of 3 pages (one and a half
+    prompts' worth): pages are evicted least recently used first, some requests still hit, and every request
+    gets the tokens it gets without the cache."""
+    model, _, _, path = llm
+    prompts = [p for seed in range(6) for p in _prompts(10 + seed, 35, (4, 11))]
+    wants = [greedy(model, p, 8) for p in prompts]
+    engine = Engine(tte.load(path), prefix_pages=3)
+    requests = []
+    for i in range(0, len(prompts), 3):  # arrivals in waves, the engine busy in between
+        requests += [engine.submit(p, 8, stop=[2]) for p in prompts[i:i + 3]]
+        for _ in range(4):
+            engine.step()
+    while engine.busy:
+        engine.step()
+    assert [r.result() for r in requests] == wants
+    assert engine.stats["prefix_evictions"] > 0 and engine.stats["prefix_hit_tokens"] > 0
+    assert len(engine._prefix) <= 3
+    with pytest.raises(InputError, match="prefix_pages must be a positive integer"):
+        Engine(tte.load(path), prefix_pages=0)
+    from torchtpu_export.server import Served
+    served = Served(path, prefix_cache=False, text_workers=1)  # serve --no-prefix-cache
+    try:
+        assert served.engine._prefix is None
+    finally:
+        served.close()
+
+
 # ---- the server -------------------------------------------------------------------------------------
 
 def _free_port() -> int:

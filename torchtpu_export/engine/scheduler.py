@@ -17,9 +17,10 @@ import numpy as np
 from ..errors import InputError
 from ..llm.contract import DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, has_state, prefill_chunks, prefill_lengths
 from .follow import Following
+from .prefix import PrefixCache, page_keys
 from .request import TOP_LOGPROBS, Request, SamplingParams, is_int
-from .step import (cache_shardings, jit_decode, jit_insert, jit_prefill, jit_set_row, jit_zeros, mask_words,
-                   output_tree, put, state_row, state_rows)
+from .step import (cache_shardings, jit_decode, jit_insert, jit_page_load, jit_page_store, jit_prefill, jit_set_row,
+                   jit_zeros, mask_words, output_tree, put, state_row, state_rows)
 
 log = logging.getLogger("torchtpu_export")
 
@@ -38,10 +39,17 @@ class Engine(Following):
 
     ``submit(prompt_ids, max_new_tokens, ...)`` returns a :class:`Request` at once; ``start()`` runs the
     scheduler in a background thread (``stop()`` ends it), or call ``step()`` yourself. ``batched=False``
-    uses the one-slot ``decode`` program even where a ``decode_batch`` exists."""
+    uses the one-slot ``decode`` program even where a ``decode_batch`` exists.
+
+    ``prefix_cache`` (on by default): the KV cache of each prefilled prompt's full pages (``page_size``
+    positions) stays on the device, in a pool of ``prefix_pages`` pages (default: as many positions as the
+    batch's cache), and a later prompt that starts with the same pages gets them copied in and prefills only
+    the rest (:mod:`.prefix`). Not for models with recurrent states (a state is not kept per page) nor under
+    several processes."""
 
     def __init__(self, program, *, platform: str | None = None, batched: bool = True,
-                 prefill_budget: int | None = None):
+                 prefill_budget: int | None = None, prefix_cache: bool = True, prefix_pages: int | None = None,
+                 page_size: int = 16):
         import jax
         self._jax = jax
         sigs = program.signatures
@@ -97,7 +105,21 @@ class Engine(Following):
         self._zeros = jit_zeros(1, self._slot_specs, slot_sh)
         self._state = self._put(state_rows(self.slots, self.vocab))
         self._everything = self._put(np.full((self.slots, mask_words(self.vocab)), -1, np.int32))  # no mask
+        self.stats = {"decode_steps": 0, "tokens": 0, "prefill_tokens": 0, "requests": 0,
+                      "decode_bytes_to_device": 0, "decode_bytes_to_host": 0, "busy_slot_steps": 0}
         self._caches = jit_zeros(self.slots, self._slot_specs, batch_sh)()
+        self._prefix = None
+        if prefix_cache and not self.exact and self.processes == 1 and 1 <= page_size <= self.length and all(
+                len(shape) == 3 and shape[1] == self.length for shape, _ in self._slot_specs):
+            self.page_size, self._max_pages = page_size, self.length // page_size
+            pages = prefix_pages if prefix_pages is not None else max(2, self.slots) * self._max_pages
+            if not is_int(pages) or pages < 1:
+                raise InputError(f"prefix_pages must be a positive integer, got {pages!r}")
+            self._prefix = PrefixCache(pages, page_size, self.stats)
+            self._pool_zeros = jit_zeros(pages, [((s[0], page_size, s[2]), d) for s, d in self._slot_specs], slot_sh)
+            self._pool = self._pool_zeros()
+            self._page_store = jit_page_store(page_size)
+            self._page_load = jit_page_load(page_size, self._slot_specs, slot_sh)
         self._slots = [_Slot() for _ in range(self.slots)]
         self._waiting: collections.deque[Request] = collections.deque()  # the scheduler's (see _sync)
         self._inbox: collections.deque[Request] = collections.deque()  # submitted since the last step
@@ -105,8 +127,6 @@ class Engine(Following):
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._halted = False  # the lead said stop (several processes: they have all left their loops)
-        self.stats = {"decode_steps": 0, "tokens": 0, "prefill_tokens": 0, "requests": 0,
-                      "decode_bytes_to_device": 0, "decode_bytes_to_host": 0, "busy_slot_steps": 0}
 
     # ---- the device functions -------------------------------------------------------------------
 
@@ -287,7 +307,7 @@ class Engine(Following):
             if not self._waiting:
                 return
             request = self._waiting.popleft()
-            self._slots[i] = _Slot(request, self._zeros(), 0, False)
+            self._slots[i] = _Slot(request, *self._prefix_start(request))
             budget = self._prefill(budget, only=i)
 
     def _prefill(self, budget, only: int | None = None):
@@ -348,8 +368,8 @@ class Engine(Following):
         for i in free:
             while self._waiting and self._waiting[0].dropped:
                 self._waiting.popleft().finish("cancelled")
-            if not self._waiting or self._waiting[0].siblings:  # n > 1 shares a cache of its own: not in place
-                break
+            if not self._waiting or self._waiting[0].siblings or self._prefix_hit(self._waiting[0]):
+                break  # n > 1 shares a cache of its own, a prefix hit starts from the pool's pages: not in place
             self._slots[i] = _Slot(self._waiting.popleft(), None, 0, False, direct=True)
         for slot in self._slots:
             if slot.request is not None and not slot.decoding and slot.filled == 0 and slot.caches is None:
@@ -412,6 +432,7 @@ class Engine(Following):
         """Inserts a prefilled request into the batch: slot ``i``'s cache and state."""
         r = slot.request
         row = state_row(r.params, r.prompt, 0 if r.params.seed is None else int(r.params.seed), self.vocab)
+        self._prefix_store(r, *((self._caches, i) if slot.direct else (slot.caches, 0)))
         if slot.direct:  # its cache rows are in place already
             self._state = self._set_row(self._state, self._put(np.int32(i)), self._put(row))
         else:
@@ -432,6 +453,54 @@ class Engine(Following):
             self._waiting.extendleft(reversed(r.siblings))
             r.siblings = []
         slot.caches, slot.decoding = None, True
+
+    # ---- prefix caching -----------------------------------------------------------------------
+
+    def _keys(self, request: Request) -> list[bytes]:
+        if request.page_keys is None:  # the pages of what is prefilled (all but the last prompt token)
+            request.page_keys = page_keys(request.prompt[:-1], self.page_size)[:self._max_pages]
+        return request.page_keys
+
+    def _prefix_hit(self, request: Request) -> bool:
+        return self._prefix is not None and bool(self._keys(request)) and self._prefix.holds(self._keys(request)[0])
+
+    def _prefix_start(self, request: Request) -> tuple:
+        """``(caches, filled, decoding)`` of a request entering a slot with a cache of its own: the pool's
+        pages of its prompt's longest cached prefix copied in (``filled`` positions), else zeros."""
+        hit = self._prefix.match(self._keys(request)) if self._prefix is not None else []
+        if not hit:
+            return self._zeros(), 0, False
+        ids = np.zeros(self._max_pages, np.int32)
+        ids[:len(hit)] = hit
+        try:
+            caches = self._page_load(self._pool, self._put(ids), self._put(np.int32(len(hit))))
+        except Exception as e:  # the pool is a cache: a failed copy is a miss
+            log.error("prefix cache load failed (%s: %s); the prompt is prefilled whole", type(e).__name__, e)
+            return self._zeros(), 0, False
+        self.stats["prefix_hit_tokens"] += len(hit) * self.page_size
+        return caches, len(hit) * self.page_size, False
+
+    def _prefix_store(self, request: Request, caches, row: int) -> None:
+        """The full pages of a prefilled prompt (cache row ``row`` of ``caches``) the pool lacks, into it."""
+        if self._prefix is None:
+            return
+        new = self._prefix.claim(self._keys(request))
+        if not new:
+            return
+        src = np.zeros(self._max_pages, np.int32)
+        dst = np.full(self._max_pages, self._prefix.pages, np.int32)  # past the pool: no page
+        for j, (index, page) in enumerate(new):
+            src[j], dst[j] = index, page
+        try:
+            self._pool = self._page_store(self._pool, caches, self._put(np.int32(row)), self._put(src), self._put(dst))
+        except Exception as e:  # the pool is a cache: lose it, never a request
+            log.error("prefix cache store failed (%s: %s); the cache starts empty", type(e).__name__, e)
+            self._prefix_clear()
+
+    def _prefix_clear(self) -> None:
+        if self._prefix is not None:
+            self._prefix.clear()
+            self._pool = self._pool_zeros()
 
     # ---- the background thread ----------------------------------------------------------------
 
@@ -494,6 +563,8 @@ class Engine(Following):
             for r in left:
                 r.finish("error", error)
         self._state = self._put(state_rows(self.slots, self.vocab))
+        if self._prefix is not None and any(getattr(x, "is_deleted", lambda: False)() for x in self._pool):
+            self._prefix_clear()
 
 
 @functools.lru_cache(maxsize=4096)

@@ -190,3 +190,43 @@ def sample(logits, key, temperature, top_k, top_p):
     filtered = jnp.full_like(scaled, -jnp.inf).at[order].set(jnp.where(keep, ranked, -jnp.inf))
     drawn = jax.random.categorical(key, filtered).astype(jnp.int32)
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits).astype(jnp.int32))
+
+
+def jit_page_store(page: int):
+    """``store(pool, caches, row, src, dst) -> pool``, the pool donated: prefix caching's copy of cache row
+    ``row``'s pages ``src[j]`` (page ``p`` holds positions ``[p * page, (p + 1) * page)`` of every KV cache
+    ``[B, heads, C, dim]``) into pool pages ``dst[j]`` (each pool tensor ``[pages, heads, page, dim]``); a
+    ``dst`` past the pool's end is no page (a fixed number of entries: one compiled call)."""
+    import jax
+
+    def store(pool, caches, row, src, dst):
+        out = []
+        for p, c in zip(pool, caches):
+            r = jax.lax.dynamic_index_in_dim(c, row, axis=0, keepdims=False)  # [heads, C, dim]
+            heads, length, dim = r.shape
+            whole = length // page
+            pages = r[:, :whole * page].reshape(heads, whole, page, dim).transpose(1, 0, 2, 3)
+            out.append(p.at[dst].set(pages[src], mode="drop"))
+        return tuple(out)
+    return jax.jit(store, donate_argnums=(0,))
+
+
+def jit_page_load(page: int, specs: list, shardings: tuple):
+    """``load(pool, ids, count) -> caches``: one request's own caches (``specs``: each one's row shape
+    ``(heads, C, dim)`` and dtype) holding pool pages ``ids[:count]`` at their first ``count * page``
+    positions and zeros after them."""
+    import jax
+
+    def load(pool, ids, count):
+        import jax.numpy as jnp
+        out = []
+        for p, (shape, dtype) in zip(pool, specs):
+            heads, length, dim = shape
+            got = p[jnp.clip(ids, 0, p.shape[0] - 1)]  # [n, heads, page, dim]
+            n = got.shape[0]
+            got = got.transpose(1, 0, 2, 3).reshape(heads, n * page, dim)
+            keep = jnp.arange(n * page) < count * page
+            got = jnp.where(keep[None, :, None], got, jnp.zeros((), got.dtype))
+            out.append(jnp.zeros((1, heads, length, dim), dtype).at[0, :, :n * page].set(got.astype(dtype)))
+        return tuple(out)
+    return jax.jit(load, out_shardings=shardings)

@@ -44,7 +44,7 @@ class Served:
     """What one served file is: its program, and for an LLM the engine and text workers."""
 
     def __init__(self, path: str, name: str | None = None, *, batched: bool = True, text_workers: int = 2,
-                 text_budget: float = 10.0):
+                 text_budget: float = 10.0, prefix_cache: bool = True):
         from ..api import load
         self.path = os.fspath(path)
         self.name = name or os.path.splitext(os.path.basename(self.path))[0]
@@ -58,7 +58,7 @@ class Served:
         self.stop_ids: tuple = ()
         if self.llm is not None:
             from ..engine import Engine
-            self.engine = Engine(self.program, batched=batched)
+            self.engine = Engine(self.program, batched=batched, prefix_cache=prefix_cache)
             self.limits = Limits.for_cache(self.engine.length)
             self.stop_ids = tuple(self.llm.get("stop_ids", ()))
             special = [i for i in (*self.stop_ids, self.llm.get("bos_id"), self.llm.get("pad_id")) if i is not None]
@@ -102,13 +102,13 @@ class Served:
 
 
 def serve(path, *, name: str | None = None, host: str = "127.0.0.1", port: int = 8080,
-          batched: bool = True, allow_origins=(), text_budget: float = 10.0) -> None:
+          batched: bool = True, allow_origins=(), text_budget: float = 10.0, prefix_cache: bool = True) -> None:
     """Serves one artifact until interrupted (SIGINT/SIGTERM). Under several processes (jax.distributed,
     a sharded LLM program) process 0 serves HTTP and the others run the steps its engine schedules,
     until it stops."""
     kserve = import_kserve()
     from kserve.model_server import ModelServer, app
-    served = Served(path, name, batched=batched, text_budget=text_budget)
+    served = Served(path, name, batched=batched, text_budget=text_budget, prefix_cache=prefix_cache)
     try:
         if served.processes > 1 and not served.engine.lead:
             import jax
@@ -180,6 +180,9 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080, KServe's)")
     p.add_argument("--one-slot", action="store_true",
                    help="LLMs: decode one request at a time (the decode program) even where decode_batch exists")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="LLMs: prefill every prompt whole (by default the KV cache of prompts' full pages is kept on "
+                        "the device and a prompt starting the same way prefills only the rest)")
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="let browser pages from ORIGIN (e.g. https://app.example.com; '*' for any) call the server "
                         "(CORS); without it, requests a browser marks cross-site are refused")
@@ -229,5 +232,5 @@ def run_cli(args) -> int:
     if args.distributed:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id, token_file=args.token_file)
     serve(args.model, name=args.name, host=args.host, port=args.port, batched=not args.one_slot,
-          allow_origins=args.allow_origin, text_budget=args.text_timeout)
+          allow_origins=args.allow_origin, text_budget=args.text_timeout, prefix_cache=not args.no_prefix_cache)
     return 0
