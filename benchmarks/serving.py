@@ -162,6 +162,61 @@ def bench(name: str, concurrency: list[int], new_tokens: int) -> dict:
     return dict(name=name, params=params, cache=cache, lengths=lengths, slots=slots, export_s=export_s, rows=rows)
 
 
+# ---- prefix caching: time to first token of a repeated prefix ---------------------------------------------
+
+def prefix_ttft(name: str, prefix: int, new_tokens: int = 8, repeats: int = 3) -> dict:
+    """Time to first token of requests that share a ``prefix``-token start (a system prompt), the engine with
+    and without its prefix cache: the first request (nothing cached), then later ones with other tails (the
+    prefix's pages cached). Medians over ``repeats`` rounds, each with a prefix of its own."""
+    import torch
+    import torchtpu_export as tte
+    from torchtpu_export.engine import Engine
+    torch.set_num_threads(2)
+    config, _, _ = CONFIGS[name]
+    cache, lengths = max(1024, prefix + 64), (16, 64, 256)
+    model = build(config)
+    program = tte.export_llm(model, None, target="tpu", prefill_lengths=lengths, cache_length=cache,
+                             platforms=("cpu",))
+    engines = {"prefix cache": Engine(program), "no prefix cache": Engine(program, prefix_cache=False)}
+    rng = np.random.default_rng(5)
+    for engine in engines.values():  # every prefill length and the page copy compiled before timing
+        engine.generate(rng.integers(3, config["vocab_size"], sum(lengths) + 40).tolist(), 2)
+        engine.generate(rng.integers(3, config["vocab_size"], 40).tolist(), 2)
+        engine.generate(rng.integers(3, config["vocab_size"], 40).tolist(), 2)
+    times = {k: {"first": [], "repeat": []} for k in engines}
+    same = True
+    for round_ in range(repeats):
+        system = rng.integers(3, config["vocab_size"], prefix).tolist()
+        tails = [rng.integers(3, config["vocab_size"], 20).tolist() for _ in range(3)]
+        outs = {}
+        for key, engine in engines.items():
+            got = []
+            for i, tail in enumerate(tails):
+                r = engine.submit(system + tail, new_tokens)
+                while not r.done:
+                    engine.step()
+                times[key]["first" if i == 0 else "repeat"].append(r.times["first_token"] - r.times["submitted"])
+                got.append(r.tokens)
+            outs[key] = got
+        same = same and outs["prefix cache"] == outs["no prefix cache"]
+    med = {k: {w: float(np.median(v)) for w, v in t.items()} for k, t in times.items()}
+    print(f"{name} prefix {prefix}: " + ", ".join(f"{k}: first {v['first'] * 1e3:.0f} ms, repeat "
+                                                   f"{v['repeat'] * 1e3:.0f} ms" for k, v in med.items()), flush=True)
+    return dict(name=name, prefix=prefix, cache=cache, lengths=lengths, med=med, same=same)
+
+
+def prefix_text(r: dict, args) -> str:
+    lines = [f"## Prefix caching: time to first token ({r['name']}, a {r['prefix']}-token shared prefix + 20 "
+             f"tokens, cache {r['cache']}, prefill {'/'.join(map(str, r['lengths']))})", "",
+             f"`python -m benchmarks.serving --concurrency '' --prefix {r['prefix']}` (medians of 3 prefixes; "
+             "each prefix's first request, then two more with other tails)", "",
+             "| engine | first request ms | repeat of the prefix ms | repeat / first |", "|---|---:|---:|---:|"]
+    for k, v in r["med"].items():
+        lines.append(f"| {k} | {v['first'] * 1e3:.0f} | {v['repeat'] * 1e3:.0f} | {v['repeat'] / v['first']:.2f} |")
+    lines += ["", f"Tokens with and without the prefix cache equal: {'yes' if r['same'] else 'NO'}.", ""]
+    return "\n".join(lines) + "\n"
+
+
 # ---- serving dtypes and the TPU compiler's view of a decode step ----------------------------------------
 
 TPU_CONFIGS = {  # name -> (builder, config); Qwen3-0.6B's shape (hidden 1024, 28 layers, GQA 16:8, head 128)
@@ -335,11 +390,15 @@ def main() -> int:
     p.add_argument("--tpu-batches", default="1,8,32")
     p.add_argument("--tpu-cache", type=int, default=1024)
     p.add_argument("--slots", type=int, default=16, help="decode_batch slots of the dtype comparison")
+    p.add_argument("--prefix", type=int, default=900, help="shared prefix tokens of the time-to-first-token "
+                   "comparison with and without the prefix cache (0: none)")
     p.add_argument("-o", "--output", default=None)
     args = p.parse_args()
     concurrency = [int(n) for n in args.concurrency.split(",") if n]
     names = [n for n in args.configs.split(",") if n]
     text = table([bench(name, concurrency, args.new_tokens) for name in names], args) if concurrency else ""
+    if args.prefix:
+        text += "\n" + prefix_text(prefix_ttft(names[0], args.prefix), args)
     topologies = [t for t in args.topologies.split(",") if t]
     if topologies:
         rows = dtypes(names[0], args.slots, topologies)

@@ -46,7 +46,8 @@ def test_cache_layout_is_the_models_and_both_targets_give_transformers_tokens(fa
     model, tok = _model(family)
     ids = tok(PROMPT)["input_ids"]
     want = _greedy(model, ids)
-    prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8, 32), cache_length=96, platforms=("cpu",))
+    prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8, 32), cache_length=96, batch_size=1,
+                          platforms=("cpu",))  # one slot: the family's tokens (batches: test_serving)
     spec = {s.name: list(s.shape) for s in prog.inputs("decode")}
     k, v = FAMILIES[family][2]
     assert spec["kv_cache_k_0"] == [1, k[0], 96, k[1]] and spec["kv_cache_v_0"] == [1, v[0], 96, v[1]], spec

@@ -37,7 +37,8 @@ def test_hybrid_families_carry_their_states_and_give_transformers_tokens(family)
     ids = tok(PROMPT)["input_ids"]
     want = _greedy(model, ids)
     assert len(set(want)) > 2, want  # a reply that tells states kept from states lost
-    prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8,), cache_length=96, platforms=("cpu",))
+    prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8,), cache_length=96, batch_size=1,
+                          platforms=("cpu",))  # one slot: the family's tokens (slots: below)
     assert prog.llm_check["checked"] and prog.llm_check["max_error"] < 1e-3
     names = [s.name for s in prog.inputs("decode")]
     assert any(n.startswith("kv_cache_ssm_") or n.startswith("kv_cache_conv_") for n in names), names

@@ -28,8 +28,8 @@ def test_moe_gives_transformers_tokens_on_both_targets(family, tmp_path):
         out = model.generate(torch.tensor([ids]), max_new_tokens=STEPS, do_sample=False, pad_token_id=0)
     want = out[0, len(ids):].tolist()
     want = want[:want.index(2)] if 2 in want else want
-    prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8, 32), cache_length=96,
-                          platforms=("tpu", "cpu"))
+    prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8, 32), cache_length=96, batch_size=1,
+                          platforms=("tpu", "cpu"))  # one slot: the family's tokens (batches: test_serving)
     ops = prog.manifest["programs"]["decode"]["op_histogram"]
     assert ops.get("transformers.grouped_mm_fallback.default") == 4, ops  # two projections per MoE layer
     assert prog.generate(ids, STEPS).ids == want

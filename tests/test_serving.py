@@ -90,6 +90,23 @@ def test_engine_cancel_frees_the_slot_and_bad_requests_raise(llm):
         engine.submit([], 2)
 
 
+def test_one_request_steps_one_row_and_more_step_the_batch(llm):
+    """The engine picks the program by load: a request alone in the batch steps through the one-slot decode
+    (its rows taken out of the batch's, put back when others join), two or more through decode_batch; the
+    tokens are the same."""
+    model, tok, _, path = llm
+    engine = Engine(tte.load(path))
+    ids = [tok(p)["input_ids"] for p in PROMPTS[:3]]
+    wants = [greedy(model, i, 10) for i in ids]
+    assert engine.generate(ids[0], 10, stop=[2]) == wants[0]
+    assert engine.stats["one_row_steps"] == engine.stats["decode_steps"] > 0
+    requests = [engine.submit(i, 10, stop=[2]) for i in ids]
+    while engine.busy:
+        engine.step()
+    assert [r.result() for r in requests] == [wants[0], *wants[1:]]
+    assert engine.stats["decode_steps"] - engine.stats["one_row_steps"] >= 5  # the batch stepped them together
+
+
 # ---- prefix caching ---------------------------------------------------------------------------------
 
 def _prompts(seed, prefix, tails):

@@ -197,6 +197,7 @@ def _check_llm_options(source, prefill_lengths: Sequence[int], cache_length: int
 
 
 DEFAULT_CACHE_LENGTH = 1024
+DEFAULT_SLOTS = 8  # the tpu target's decode_batch rows unless batch_size says otherwise
 
 
 def default_cache_length(config) -> int:
@@ -207,7 +208,8 @@ def default_cache_length(config) -> int:
 
 
 def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefill_lengths: Sequence[int] = (128,),
-               cache_length: int | None = None, quant_config=None, batch_size: int = 1, abstract_weights: bool = False,
+               cache_length: int | None = None, quant_config=None, batch_size: int | None = None,
+               abstract_weights: bool = False,
                check: bool = True, **options):
     """Exports a causal LM's prefill (one signature per length, ``prefill_<N>``) and ``decode`` steps.
 
@@ -217,6 +219,8 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     ``target="tpu"`` (or ``"litert"``) the target's runnable with the same signatures.
     ``batch_size`` > 1 (tpu): ``decode_batch`` and ``prefill_batch_<N>`` programs too, stepping that many
     sequences at once, each at its own position: the slots of the serving engine (:mod:`torchtpu_export.engine`).
+    By default 8 for the tpu target (served concurrent requests batch without a flag; one request alone steps
+    through the one-slot ``decode``) and 1 for the others.
     ``abstract_weights=True`` with a model folder: built from config.json alone, weights never read (tpu:
     the programs take abstract weights, bound at load with ``TpuProgram.bind_weights``).
     ``cache_length``: the KV cache's positions (prompt and reply); by default the smaller of 1024 and the
@@ -254,6 +258,8 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
                          "protocol (get/update_conv_state, get/update_recurrent_state), which the steps carry")
     if layout.states and 1 not in lengths:  # recurrent states: prompts are never padded (llm.contract)
         lengths = [1, *lengths]
+    if batch_size is None:
+        batch_size = DEFAULT_SLOTS if serving else 1
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or not 1 <= batch_size <= 4096:
         raise InputError(f"batch_size must be an integer from 1 to 4096, got {batch_size!r}")
     if batch_size > 1 and not serving:
@@ -266,7 +272,8 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     if batch_size > 1:
         sigs.signature(DECODE_BATCH, CacheStep(source.model, layout, logits=True, slots=True), (),
                        slot_inputs(layout, batch_size))
-        for n in lengths:  # requests arriving together are prefilled together, straight into their slots
+        for n in lengths if not layout.states else ():  # requests arriving together are prefilled together,
+            # straight into their slots (never with recurrent states: the other rows' states would move)
             sigs.signature(PREFILL_BATCH.format(n), CacheStep(source.model, layout, logits=False, slots=True), (),
                            slot_inputs(layout, batch_size, n))
     if options.get("mesh") and options.get("sharding", "tensor_parallel") in (None, "tensor_parallel"):

@@ -96,7 +96,7 @@ def _convert_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="LLM folders: the tokenizer's folder (default: the model's)")
     p.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help="LLM folders, tpu target: also a decode_batch program for B sequences at once "
-                        "(the serving engine's slots; default 1)")
+                        "(the serving engine's slots; default 8, 1 for the one-slot decode only)")
     p.add_argument("--no-check", action="store_true",
                    help="LLM folders: skip the check of the exported steps against transformers on a probe prompt")
     p.add_argument("--abstract-weights", action="store_true",
@@ -194,7 +194,7 @@ def _convert_llm(args, target) -> int:
     if args.quantize:
         options["quant_config"] = args.quantize
     artifact = api.export_llm(args.model, args.tokenizer, target=target.name, prefill_lengths=lengths,
-                              cache_length=args.cache_length, batch_size=args.batch_size or 1,
+                              cache_length=args.cache_length, batch_size=args.batch_size,
                               abstract_weights=args.abstract_weights, check=not args.no_check, **options)
     artifact.save(output)
     mask = next((s for s in artifact.inputs("decode") if s.name == "mask"), None)

@@ -20,7 +20,7 @@ from .follow import Following
 from .prefix import PrefixCache, page_keys
 from .request import TOP_LOGPROBS, Request, SamplingParams, is_int
 from .step import (cache_shardings, jit_decode, jit_insert, jit_page_load, jit_page_store, jit_prefill, jit_set_row,
-                   jit_zeros, mask_words, output_tree, put, state_row, state_rows)
+                   jit_put_row, jit_take_row, jit_zeros, mask_words, output_tree, put, state_row, state_rows)
 
 log = logging.getLogger("torchtpu_export")
 
@@ -101,6 +101,13 @@ class Engine(Following):
         self._set_row = jit_set_row()
         self._decode_sig = decode_sig
         self._decodes = {0: self._decode_fn(decode_sig)}  # by the number of alternatives reported (0, 20)
+        # one request in the batch: its row taken out and stepped through the one-slot decode (the batch's step
+        # reads every slot's cache), put back when another request joins it
+        self._single = program.runner(DECODE, platform) if decode_sig == DECODE_BATCH and DECODE in sigs else None
+        self._solo: list | None = None  # [slot, its state rows, its caches] while it decodes alone
+        self._solo_decodes: dict = {}
+        self._take_row, self._put_row = jit_take_row(), jit_put_row()
+        self._everything_one = self._put(np.full((1, mask_words(self.vocab)), -1, np.int32))
         self._insert = jit_insert()
         self._zeros = jit_zeros(1, self._slot_specs, slot_sh)
         self._state = self._put(state_rows(self.slots, self.vocab))
@@ -231,13 +238,19 @@ class Engine(Following):
         self._admit(budget)
         if not any(s.decoding for s in self._slots):
             return self.busy
-        weights = self.decode_runner.weights
-        allowed = self._allowed()
         asked = [s.request.params.logprobs for s in self._slots if s.decoding and s.request.params.logprobs is not None]
         top = TOP_LOGPROBS if any(asked) else 0
-        if top not in self._decodes:
-            self._decodes[top] = self._decode_fn(self._decode_sig, top)
-        out, self._state, self._caches = self._decodes[top](weights, self._state, self._caches, allowed)
+        busy = [i for i, s in enumerate(self._slots) if s.decoding]
+        mask = self._mask()
+        if len(busy) == 1 and self._single is not None:
+            out = self._solo_step(busy[0], top, mask)
+        else:
+            self._unsolo()
+            if top not in self._decodes:
+                self._decodes[top] = self._decode_fn(self._decode_sig, top)
+            allowed = self._everything if mask is None else self._put(mask)
+            out, self._state, self._caches = self._decodes[top](self.decode_runner.weights, self._state,
+                                                                self._caches, allowed)
         tokens = np.asarray(jax.device_get(out[0]))
         logprobs = jax.device_get(out[1:]) if asked else None  # only when a request asked: B floats (+ top)
         self.stats["decode_steps"] += 1
@@ -251,14 +264,42 @@ class Engine(Following):
                 self._deliver(i, slot, int(tokens[i]), lp)
         return True
 
-    def _allowed(self):
-        """This step's allowed-token bitmask ``[B, words]`` on the device: every token, unless a decoding
+    def _solo_step(self, i: int, top: int, mask):
+        """One decode step of slot ``i``, alone in the batch, through the one-slot decode; its outputs as the
+        batch's (``[B, ...]``, the other rows zero)."""
+        jax = self._jax
+        if self._solo is None or self._solo[0] != i:
+            self._unsolo()
+            self._solo = [i, *self._take_row(self._state, self._caches, self._put(np.int32(i)))]
+        if top not in self._solo_decodes:
+            self._solo_decodes[top] = jit_decode(self._single, output_tree(self.program, DECODE), self.length,
+                                                 self.cache_names, False, top)
+        allowed = self._everything_one if mask is None else self._put(mask[i:i + 1])
+        out, self._solo[1], self._solo[2] = self._solo_decodes[top](self._single.weights, self._solo[1],
+                                                                    self._solo[2], allowed)
+        self.stats["one_row_steps"] = self.stats.get("one_row_steps", 0) + 1
+        full = []
+        for o in jax.device_get(out):
+            rows = np.zeros((self.slots, *o.shape[1:]), o.dtype)
+            rows[i] = o[0]
+            full.append(rows)
+        return tuple(full)
+
+    def _unsolo(self) -> None:
+        """The lone slot's rows back into the batch's state and caches."""
+        if self._solo is not None:
+            i, state, caches = self._solo
+            self._solo = None
+            self._state, self._caches = self._put_row(self._state, self._caches, state, caches, self._put(np.int32(i)))
+
+    def _mask(self):
+        """This step's allowed-token bitmask ``[B, words]`` (host): None for every token, unless a decoding
         slot has a grammar (its matcher fills its row) or has not reached ``min_tokens`` (its stop tokens
         are masked); then one upload of ``B * V / 8`` bytes."""
         rows = [(i, s.request) for i, s in enumerate(self._slots) if s.decoding and (
             s.request.constraint is not None or len(s.request.tokens) < s.request.params.min_tokens)]
         if not rows:
-            return self._everything
+            return None
         mask = np.full((self.slots, mask_words(self.vocab)), -1, np.int32)
         for i, r in rows:
             if r.constraint is not None:
@@ -271,7 +312,7 @@ class Engine(Following):
             if not mask[i].any():  # nothing may follow: the grammar cannot go on (its error ends the request)
                 mask[i] = -1
         self.stats["decode_bytes_to_device"] += mask.nbytes
-        return self._put(mask)
+        return mask
 
     def _deliver(self, i: int, slot: _Slot, token: int, logprob=None) -> None:
         r = slot.request
@@ -291,6 +332,8 @@ class Engine(Following):
                 self._free(i, "stop")
 
     def _free(self, i: int, reason: str, error: BaseException | None = None) -> None:
+        if self._solo is not None and self._solo[0] == i:
+            self._solo = None  # its rows are no one's now
         slot = self._slots[i]
         slot.request.finish(reason, error)
         self._slots[i] = _Slot()
@@ -563,6 +606,7 @@ class Engine(Following):
             for r in left:
                 r.finish("error", error)
         self._state = self._put(state_rows(self.slots, self.vocab))
+        self._solo = None
         if self._prefix is not None and any(getattr(x, "is_deleted", lambda: False)() for x in self._pool):
             self._prefix_clear()
 

@@ -55,6 +55,34 @@ def jit_decode(runner, out_spec, length: int, cache_names: list[str], slots: boo
     parameters (:func:`state_rows`). ``logprobs`` is each sampled token's log-probability under the model
     (the raw logits' log-softmax); with ``top`` > 0 also the ``top`` most likely tokens and theirs."""
     import jax
+    return jax.jit(_decode_body(runner, out_spec, length, cache_names, slots, top), donate_argnums=(1, 2))
+
+
+def jit_take_row():
+    """``take(state, caches, row) -> (state, caches)``: one slot's rows of the batch's state and caches, as the
+    one-slot ``decode`` takes them (a copy of one row)."""
+    import jax
+
+    def take(state, caches, row):
+        one = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1, 0)  # noqa: E731
+        return tuple(map(one, state)), tuple(map(one, caches))
+    return jax.jit(take)
+
+
+def jit_put_row():
+    """``put_row(state, caches, one_state, one_caches, row) -> (state, caches)``: :func:`jit_take_row`'s rows
+    back into the batch's (donated: written in place)."""
+    import jax
+
+    def put_row(state, caches, one_state, one_caches, row):
+        back = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, row, 0)  # noqa: E731
+        return tuple(map(back, state, one_state)), tuple(map(back, caches, one_caches))
+    return jax.jit(put_row, donate_argnums=(0, 1))
+
+
+def _decode_body(runner, out_spec, length: int, cache_names: list[str], slots: bool, top: int):
+    """The traced body of :func:`jit_decode`."""
+    import jax
     call = program_call(runner, out_spec, length, cache_names, slots)
     last = length - 1
 
@@ -79,7 +107,7 @@ def jit_decode(runner, out_spec, length: int, cache_names: list[str], slots: boo
         state = (nxt, jnp.minimum(pos + 1, last), keys[:, 0], temp, top_k, top_p, presence, frequency, repetition,
                  counts, seen, bias)
         return (nxt, picked, top_values, top_ids.astype(jnp.int32)), state, caches
-    return jax.jit(decode, donate_argnums=(1, 2))
+    return decode
 
 
 def process(logits, allowed, presence, frequency, repetition, counts, seen, bias):
