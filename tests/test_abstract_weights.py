@@ -27,7 +27,7 @@ def qwen3(tmp_path_factory):
 @pytest.mark.parametrize("recipe", [None, "int8_weight_only"])
 def test_abstract_export_compiles_and_runs_once_bound(qwen3, recipe, tmp_path):
     model, tok, abstract, folder = qwen3
-    prog = tte.export_llm(abstract, tok, target="tpu", prefill_lengths=(8, 32), cache_length=96,
+    prog = tte.export_llm(abstract, tok, target="tpu", prefill_lengths=(8, 32), cache_length=96, batch_size=1,
                           quant_config=recipe, platforms=("tpu", "cpu"))
     assert prog.abstract_weights and prog.quant_report is None
     path = tmp_path / "abstract.tpu"
@@ -49,7 +49,7 @@ def test_abstract_export_compiles_and_runs_once_bound(qwen3, recipe, tmp_path):
             want = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
         assert bound.generate(ids, 24).ids == want
     else:  # the same program as exporting the real model with the recipe
-        ref = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8, 32), cache_length=96,
+        ref = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8, 32), cache_length=96, batch_size=1,
                              quant_config=recipe, platforms=("cpu",))
         assert bound.generate(ids, 24) == ref.generate(ids, 24)
     bound.save(tmp_path / "bound.tpu")

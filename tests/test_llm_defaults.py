@@ -40,9 +40,10 @@ def test_export_checks_what_it_wrote_against_transformers(tmp_path, monkeypatch)
     logits is an error (exit 6), never a file; --no-check skips it, saying so."""
     folder = hf_llms.save_folder("qwen3", str(tmp_path / "qwen3"))
     out = tmp_path / "q.tpu"
-    r = run_cli(folder, "--target", "tpu", "--prefill-lengths", "8", "--platforms", "cpu", "-o", out)
+    one = ("--prefill-lengths", "8", "--batch-size", "1", "--platforms", "cpu")
+    r = run_cli(folder, "--target", "tpu", *one, "-o", out)
     assert r.returncode == 0 and "checked against transformers on a probe prompt: max error" in r.stdout, r.stderr
-    r = run_cli(folder, "--target", "tpu", "--prefill-lengths", "8", "--platforms", "cpu", "--no-check", "-o", out)
+    r = run_cli(folder, "--target", "tpu", *one, "--no-check", "-o", out)
     assert r.returncode == 0 and "not checked against transformers: check=False" in r.stdout, r.stderr
     import torchtpu_export as tte
     from torchtpu_export.errors import NumericsError

@@ -165,6 +165,9 @@ def test_a_small_page_pool_evicts_and_loses_no_request_or_token(llm):
     assert len(engine._prefix) <= 3
     with pytest.raises(InputError, match="prefix_pages must be a positive integer"):
         Engine(tte.load(path), prefix_pages=0)
+    from conftest import run_cli
+    shown = run_cli("inspect", path)
+    assert "serving: prefix cache of 24 pages of 16 positions (0.2 MiB" in shown.stdout, shown.stdout
     from torchtpu_export.server import Served
     served = Served(path, prefix_cache=False, text_workers=1)  # serve --no-prefix-cache
     try:

@@ -19,7 +19,12 @@ The design is JetStream's (prefill into a slot, then insert it into the batch) w
 - each scheduler step prefills at most ``prefill_budget`` prompt tokens while other slots are decoding
   (a long prompt takes several steps, never stalling the batch for all of it), then runs one decode step;
 - a request leaves at a stop token, at ``max_new_tokens``, or when cancelled (a client gone); its slot
-  takes the next waiting request at the following step.
+  takes the next waiting request at the following step;
+- a request alone in the batch steps through the one-slot ``decode`` on its own rows (taken out of the
+  batch's, put back when another request joins): one request never pays for idle slots;
+- prefix caching (:mod:`.prefix`): the KV cache of prefilled prompts' full pages stays in a page pool on
+  the device, keyed by a hash chain of their tokens; a prompt starting with cached pages gets them copied
+  into its own cache and prefills only the rest.
 
 :class:`Engine` runs in a thread of its own (``start``) for servers, or step by step in the caller's
 thread (``generate``, tests). Nothing else runs these programs: no Python model code is needed.
@@ -30,8 +35,9 @@ others run the same steps (``follow``), so that all call the same programs in th
 a step samples are replicated, so every process sees them.
 
 The parts: :mod:`.request` (:class:`Request`, :class:`SamplingParams`), :mod:`.step` (the jitted device
-calls and :func:`sample`), :mod:`.scheduler` (:class:`Engine`: admission, prefill budget, slots, the
-loop) and :mod:`.follow` (the start of each step, and the other processes' part).
+calls and :func:`sample`), :mod:`.prefix` (the prefix cache's index), :mod:`.scheduler` (:class:`Engine`:
+admission, prefill budget, slots, the loop) and :mod:`.follow` (the start of each step, and the other
+processes' part).
 """
 from .request import Request, SamplingParams
 from .scheduler import Engine

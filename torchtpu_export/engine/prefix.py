@@ -16,6 +16,14 @@ from typing import Sequence
 import numpy as np
 
 
+PAGE_SIZE = 16  # positions per page (the engine's default)
+
+
+def default_pages(slots: int, length: int, page: int = PAGE_SIZE) -> int:
+    """The pool's default size: as many positions as the batch's cache (``slots`` of ``length``; two at least)."""
+    return max(2, slots) * (length // page)
+
+
 def page_keys(tokens: Sequence[int], page: int) -> list[bytes]:
     """The hash chain of ``tokens``' full pages (a partial last page has no key)."""
     keys, prev = [], b""

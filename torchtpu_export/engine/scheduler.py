@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import InputError
 from ..llm.contract import DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, has_state, prefill_chunks, prefill_lengths
 from .follow import Following
-from .prefix import PrefixCache, page_keys
+from .prefix import PAGE_SIZE, PrefixCache, default_pages, page_keys
 from .request import TOP_LOGPROBS, Request, SamplingParams, is_int
 from .step import (cache_shardings, jit_decode, jit_insert, jit_page_load, jit_page_store, jit_prefill, jit_set_row,
                    jit_put_row, jit_take_row, jit_zeros, mask_words, output_tree, put, state_row, state_rows)
@@ -49,7 +49,7 @@ class Engine(Following):
 
     def __init__(self, program, *, platform: str | None = None, batched: bool = True,
                  prefill_budget: int | None = None, prefix_cache: bool = True, prefix_pages: int | None = None,
-                 page_size: int = 16):
+                 page_size: int = PAGE_SIZE):
         import jax
         self._jax = jax
         sigs = program.signatures
@@ -119,7 +119,7 @@ class Engine(Following):
         if prefix_cache and not self.exact and self.processes == 1 and 1 <= page_size <= self.length and all(
                 len(shape) == 3 and shape[1] == self.length for shape, _ in self._slot_specs):
             self.page_size, self._max_pages = page_size, self.length // page_size
-            pages = prefix_pages if prefix_pages is not None else max(2, self.slots) * self._max_pages
+            pages = prefix_pages if prefix_pages is not None else default_pages(self.slots, self.length, page_size)
             if not is_int(pages) or pages < 1:
                 raise InputError(f"prefix_pages must be a positive integer, got {pages!r}")
             self._prefix = PrefixCache(pages, page_size, self.stats)

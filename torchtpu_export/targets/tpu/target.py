@@ -281,6 +281,8 @@ def describe_lines(desc: dict, program: str | None) -> list[str]:
         if states:
             lines.append(f"recurrent states: {states['tensors']} tensors beside the KV cache, "
                          f"{states['bytes_per_sequence']} bytes per sequence (prompts cut into exact chunks)")
+        elif llm:
+            lines.append(_prefix_line(desc, llm))
         return lines
     prog = desc["programs"][program]
     for k in prog.get("kernels") or []:
@@ -307,6 +309,20 @@ def describe_lines(desc: dict, program: str | None) -> list[str]:
         lines += [f"  shard output {i}: [{', '.join(a or '-' for a in s)}]"
                   for i, s in enumerate(plan.get("outputs", [])) if any(s)]
     return lines
+
+
+def _prefix_line(desc: dict, llm: dict) -> str:
+    """What ``serve`` keeps for prefix caching by default (:mod:`torchtpu_export.engine.prefix`)."""
+    from ...engine.prefix import PAGE_SIZE, default_pages
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}
+    kv = [i for i in (desc.get("programs", {}).get("decode") or {}).get("inputs", [])
+          if i["name"].startswith(("kv_cache_k_", "kv_cache_v_"))]
+    per_position = sum(i["shape"][1] * i["shape"][3] * width.get(i["dtype"], 4) for i in kv
+                       if len(i["shape"]) == 4 and all(isinstance(d, int) for d in i["shape"]))
+    pages = default_pages(llm.get("slots", 1), llm["cache_length"])
+    mib = pages * PAGE_SIZE * per_position / 2 ** 20
+    return (f"serving: prefix cache of {pages} pages of {PAGE_SIZE} positions ({mib:.1f} MiB on the device; "
+            "serve --no-prefix-cache: none); one request alone steps through decode")
 
 
 def _llm_summary(info: dict) -> dict:
