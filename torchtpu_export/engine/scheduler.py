@@ -508,20 +508,20 @@ class Engine(Following):
         return self._prefix is not None and bool(self._keys(request)) and self._prefix.holds(self._keys(request)[0])
 
     def _prefix_start(self, request: Request) -> tuple:
-        """``(caches, filled, decoding)`` of a request entering a slot with a cache of its own: the pool's
+        """``(caches, filled)`` of a request entering a slot with a cache of its own: the pool's
         pages of its prompt's longest cached prefix copied in (``filled`` positions), else zeros."""
         hit = self._prefix.match(self._keys(request)) if self._prefix is not None else []
         if not hit:
-            return self._zeros(), 0, False
+            return self._zeros(), 0
         ids = np.zeros(self._max_pages, np.int32)
         ids[:len(hit)] = hit
         try:
             caches = self._page_load(self._pool, self._put(ids), self._put(np.int32(len(hit))))
         except Exception as e:  # the pool is a cache: a failed copy is a miss
             log.error("prefix cache load failed (%s: %s); the prompt is prefilled whole", type(e).__name__, e)
-            return self._zeros(), 0, False
+            return self._zeros(), 0
         self.stats["prefix_hit_tokens"] += len(hit) * self.page_size
-        return caches, len(hit) * self.page_size, False
+        return caches, len(hit) * self.page_size
 
     def _prefix_store(self, request: Request, caches, row: int) -> None:
         """The full pages of a prefilled prompt (cache row ``row`` of ``caches``) the pool lacks, into it."""

@@ -313,16 +313,26 @@ def describe_lines(desc: dict, program: str | None) -> list[str]:
 
 def _prefix_line(desc: dict, llm: dict) -> str:
     """What ``serve`` keeps for prefix caching by default (:mod:`torchtpu_export.engine.prefix`)."""
+    import ml_dtypes
+    import numpy as np
+
     from ...engine.prefix import PAGE_SIZE, default_pages
-    width = {"float32": 4, "bfloat16": 2, "float16": 2}
     kv = [i for i in (desc.get("programs", {}).get("decode") or {}).get("inputs", [])
           if i["name"].startswith(("kv_cache_k_", "kv_cache_v_"))]
-    per_position = sum(i["shape"][1] * i["shape"][3] * width.get(i["dtype"], 4) for i in kv
+
+    def itemsize(dtype) -> int:  # bytes per element (bfloat16 too); 0 for what is no dtype
+        try:
+            return np.dtype(getattr(ml_dtypes, str(dtype), None) or str(dtype)).itemsize
+        except TypeError:
+            return 0
+
+    per_position = sum(i["shape"][1] * i["shape"][3] * itemsize(i["dtype"]) for i in kv
                        if len(i["shape"]) == 4 and all(isinstance(d, int) for d in i["shape"]))
-    pages = default_pages(llm.get("slots", 1), llm["cache_length"])
+    slots = llm.get("slots", 1)
+    pages = default_pages(slots, llm["cache_length"])
     mib = pages * PAGE_SIZE * per_position / 2 ** 20
     return (f"serving: prefix cache of {pages} pages of {PAGE_SIZE} positions ({mib:.1f} MiB on the device; "
-            "serve --no-prefix-cache: none); one request alone steps through decode")
+            "serve --no-prefix-cache: none)" + ("; one request alone steps through decode" if slots > 1 else ""))
 
 
 def _llm_summary(info: dict) -> dict:
