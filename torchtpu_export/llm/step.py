@@ -53,10 +53,13 @@ class _StepCache(_CacheProtocol):
 
     def _write(self, cache, new):
         new = new.to(cache.dtype)
-        if self.slots:  # each slot (batch row) from its own start: a scatter (positions past the cache are dropped)
+        if self.slots:  # each slot (batch row) from its own start (positions past the cache are dropped):
+            # cache[row, :, pos] = new, a scatter of (heads, dim) windows, one per row and position. An
+            # element-wise scatter (Tensor.scatter) makes XLA relayout the whole cache, layer by layer
             b, h, n, d = new.shape
-            pos = self.pos.view(b, 1, 1, 1) + torch.arange(n, dtype=torch.int64).view(1, 1, n, 1)
-            return cache.scatter(2, pos.expand(b, h, n, d), new)
+            pos = self.pos.view(b, 1) + torch.arange(n, dtype=torch.int64).view(1, n)
+            rows = torch.arange(b, dtype=torch.int64).view(b, 1).expand(b, n)
+            return torch.ops.aten.index_put(cache, [rows, None, pos], new.transpose(1, 2))
         return cache.index_copy(2, self.pos[0] + torch.arange(new.shape[2], dtype=torch.int64), new)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
