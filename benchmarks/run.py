@@ -35,6 +35,7 @@ BENCHMARKS = {
     "moe": ("moe", ["--rounds", "3", "-o", "RESULTS-moe.md"]),
     "families": ("families", ["-o", "RESULTS-families.md"]),
     "serving-tpu": ("serving", ["--concurrency", "", "--topologies", "v5e,v6e", "-o", "RESULTS-serving-tpu.md"]),
+    "decode-cost": ("plain_decode", ["-o", "RESULTS-decode-cost.md"]),
 }
 
 

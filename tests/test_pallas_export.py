@@ -48,7 +48,7 @@ def _tpu_lowering_on_cpu(model, args, kernels="auto"):
 ])
 def test_kernel_friendly_model_uses_kernels_and_cpu_agrees(name, config, kernels):
     model, args = zoo.ZOO[name](**config)
-    prog = tte.export(model, args)
+    prog = tte.export(model, args, kernels="pallas")  # "auto" keeps them only where they pay (test below)
     entries = _tpu_entries(prog)
     used = {}
     for e in entries:
@@ -101,7 +101,7 @@ def test_gqa_bool_mask_with_fully_masked_row_agrees_on_both_lowerings():
     mask[1, 0, 3] = False  # torch gives 0 for this query row, not nan
     args = (q, k, v, mask)
     ref = _eager(_MaskedGQA(), args)
-    prog = tte.export(_MaskedGQA(), args)
+    prog = tte.export(_MaskedGQA(), args, kernels="pallas")
     assert _tpu_entries(prog)[0]["kernel"] == "pallas.flash_attention"
     assert compare(pytree.tree_leaves(prog(*args)), ref, rtol=1e-5).ok
     out, _ = _tpu_lowering_on_cpu(_MaskedGQA(), args)
@@ -235,7 +235,7 @@ def test_int8_weight_only_linear_uses_kernel():
     model, args = _Int8Linear(), (torch.randn(2, 8, 256),)
     ops, _ = _graph_ops(model, args)
     assert ops.count(aten._weight_int8pack_mm.default) == 2
-    prog = tte.export(model, args)
+    prog = tte.export(model, args, kernels="pallas")
     assert [e.get("kernel") for e in _tpu_entries(prog)] == ["pallas.int8_matmul"] * 2
     assert compare(pytree.tree_leaves(prog(*args)), _eager(model, args), rtol=1e-5).ok
     out, _ = _tpu_lowering_on_cpu(model, args)
@@ -251,10 +251,38 @@ def test_other_targets_capture_plain_core_aten():
 def test_inspect_lists_kernels_per_node(tmp_path, cli):
     model, args = zoo.llama(**LLAMA)
     path = tmp_path / "llama.tpu"
-    tte.export(model, args).save(path)
+    tte.export(model, args, kernels="pallas").save(path)
     res = cli("inspect", path)
     assert res.returncode == 0, res.stderr
     lines = [ln for ln in res.stdout.splitlines() if ln.strip().startswith("kernel [tpu]")]
     assert len(lines) == 4
     assert sum("pallas.splash_attention" in ln and "gqa 2:1" in ln for ln in lines) == 1
     assert sum("(aten.rms_norm.default): pallas.rms_norm" in ln for ln in lines) == 3
+
+
+def test_auto_keeps_kernels_only_where_the_compiler_says_they_access_no_more(tmp_path, cli):
+    """kernels="auto" compiles the program whole with its kernels and with XLA alone (libtpu's cost
+    analysis, v5e) and keeps the one that accesses fewer bytes; inspect shows both figures."""
+    model, args = zoo.llama(**LLAMA)
+    prog = tte.export(model, args)
+    cost = prog.manifest["programs"]["main"]["kernel_cost"]
+    pallas, xla = cost["pallas"]["v5e:2x2"], cost["xla"]["v5e:2x2"]
+    assert pallas > 0 and xla > 0
+    entries = _tpu_entries(prog)
+    if pallas <= xla:
+        assert cost["kept"] == "pallas" and any(e.get("kernel") for e in entries)
+    else:
+        assert cost["kept"] == "xla" and "tpu_custom_call" not in prog.stablehlo_text("tpu")
+        assert all(not e.get("kernel") and "with XLA alone" in e["reason"] for e in entries), entries
+    # the program kept is the one measured: compiled again, it accesses what the record says
+    assert prog.compiled_stats("v5e:2x2")["bytes_accessed"] == pytest.approx(min(pallas, xla), rel=1e-6)
+    assert compare(pytree.tree_leaves(prog(*args)), _eager(model, args), rtol=1e-5).ok
+    path = tmp_path / "llama.tpu"
+    prog.save(path)
+    res = cli("inspect", path)
+    assert res.returncode == 0, res.stderr
+    line = next(ln for ln in res.stdout.splitlines() if "kernels vs XLA" in ln)
+    assert f"v5e:2x2 {pallas / 1e6:.1f} vs {xla / 1e6:.1f} MB" in line and f"kept {cost['kept']}" in line
+    forced = tte.export(model, args, kernels="pallas")  # forced kernels are never swapped
+    assert "kernel_cost" not in forced.manifest["programs"]["main"]
+    assert all(e.get("kernel") for e in _tpu_entries(forced))

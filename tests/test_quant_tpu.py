@@ -79,7 +79,7 @@ def test_cli_quantize_prints_report(tmp_path):
 def test_int8_recipe_uses_pallas_int8_matmul_on_tpu():
     # kernel-friendly shapes: K and N multiples of 128
     m, args = zoo.llama(dim=256, hidden=512, heads=2, kv_heads=1, head_dim=128, seq=128, max_seq=128, layers=1)
-    prog = tte.export(m, args, quant_config="int8_weight_only")
+    prog = tte.export(m, args, quant_config="int8_weight_only", kernels="pallas")
     kernels = [k for k in prog.kernels() if k["op"] in ("aten.linear.default", "aten.addmm.default",
                                                         "aten.mm.default")]
     assert kernels and all(k.get("kernel") == "pallas.int8_matmul" for k in kernels), kernels

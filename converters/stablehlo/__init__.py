@@ -31,6 +31,7 @@ from . import (ops_backward, ops_distance, ops_elementwise, ops_embedding, ops_f
                ops_sampling, ops_shape, ops_special)
 from .fusion import fuse_hot_ops
 from .interpreter import check_supported, to_jax_function, uses_random
+from .kernel_cost import kernels_that_pay
 from .registry import LOWERINGS, PLATFORMS, LoweringContext, jax_dtype, lookup, lowers  # noqa: F401
 
 log = logging.getLogger("torchtpu_export")
@@ -91,7 +92,7 @@ def _merge_weights(captures: Mapping[str, CapturedProgram]):
 def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str] = ("tpu", "cpu"),
                     kernels: str = "auto", narrow_64bit: bool = False, mesh=None,
                     sharding: str | None = None, input_shardings=None, quant_config=None,
-                    precompile=()) -> tpu_format.TpuArtifact:
+                    precompile=(), donate_prefixes: Sequence[str] = ()) -> tpu_format.TpuArtifact:
     """Lowers each captured program for each platform and packs them as one ``.tpu`` artifact.
 
     With ``mesh`` (e.g. ``(("data", 1), ("model", 8))``) the programs are sharded over that many
@@ -101,7 +102,12 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
     ``precompile`` (TPU topologies, e.g. ``("v5e:2x2",)``) stores an executable per program and
     topology, compiled by libtpu. Where libtpu is installed, every Pallas kernel is first compiled
     for the generations of ``precompile`` (default v5e and v6e); one the compiler rejects falls
-    back to XLA, and the manifest says why.
+    back to XLA, and the manifest says why. With ``kernels="auto"`` a program with kernels is then
+    compiled whole beside its XLA lowering (for the generations of ``precompile``; without it, for
+    the first default, v5e), and keeps its kernels only where the compiler's cost analysis says they
+    access no more bytes (``kernel_cost`` in the manifest).
+    ``donate_prefixes``: inputs whose name starts with one of them are donated (a KV cache updated
+    in place); the comparison compiles the programs so.
     """
     platforms = tuple(platforms)
     bad = [p for p in platforms if p not in PLATFORMS]
@@ -163,7 +169,13 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
         plan = sharding_plans.plan(cap, mesh_axes, sharding or "tensor_parallel", input_shardings) \
             if mesh_axes else None
         jit_kwargs = _jit_shardings(plan, renames) if plan else {}
-        for platform in platforms:
+        meta = cap.call_metadata()
+        if donate_prefixes:
+            meta["donate"] = [i for i, spec in enumerate(meta["inputs"])
+                              if spec["name"].startswith(tuple(donate_prefixes))]
+        kernel_cost = None
+
+        def lower(platform, kernels):
             ctx = LoweringContext(platform, narrow_64bit=narrow_64bit, kernels=kernels, float_dtype=float_dtype,
                                   sharded=bool(mesh_axes), mesh_axes=mesh_axes,
                                   expert_axis=plan.get("expert_axis") if plan else None,
@@ -180,13 +192,25 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
                 except Exception as e:
                     raise ConversionError(f"jax.export failed for platform {platform}: {type(e).__name__}: {e}",
                                           hint="rerun with --debug and report it") from e
-                ragged = {str(i): pos for i, pos in fn.ragged_outputs.items()}
-                programs[prog][platform] = bytes(exp.serialize())
-                mlir[prog][platform] = exp.mlir_module()
-                calling_convention = exp.calling_convention_version
-            kernel_log += [dict(entry, platform=platform) for entry in ctx.kernel_log]
+            return exp, fn, ctx.kernel_log
+
+        for platform in platforms:
+            exp, fn, log_entries = lower(platform, kernels)
+            if kernels == "auto" and kernel_topologies and any(e.get("kernel") for e in log_entries):
+                compile_plan = plan and {"weights": {renames[k]: v for k, v in plan["weights"].items()},
+                                         "inputs": plan["inputs"]}
+                exp, log_entries, kernel_cost = kernels_that_pay(
+                    exp, log_entries, lambda: lower(platform, "xla")[0],
+                    kernel_topologies if precompile else kernel_topologies[:1], uses_x64=uses_x64,
+                    mesh_axes=mesh_axes, shardings=compile_plan, dims=cap.dim_ranges,
+                    donate=tpu_format.donated(meta))
+            ragged = {str(i): pos for i, pos in fn.ragged_outputs.items()}
+            programs[prog][platform] = bytes(exp.serialize())
+            mlir[prog][platform] = exp.mlir_module()
+            calling_convention = exp.calling_convention_version
+            kernel_log += [dict(entry, platform=platform) for entry in log_entries]
         manifest["programs"][prog] = {
-            **cap.call_metadata(),
+            **meta,
             "weights": weight_names[prog],
             "uses_x64": uses_x64,
             "narrow_64bit": narrow_64bit,
@@ -199,6 +223,8 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
             "op_histogram": cap.op_histogram(),
             "dims": {k: list(v) for k, v in sorted(cap.dim_ranges.items())},
         }
+        if kernel_cost:
+            manifest["programs"][prog]["kernel_cost"] = kernel_cost
         if quant:
             manifest["programs"][prog]["quantization"] = {
                 "recipe": quant.recipe,

@@ -213,6 +213,17 @@ def slice_size(name: str) -> tuple[int, int]:
     return len(devices), len({d.process_index for d in devices})
 
 
+def with_chips(name: str, count: int) -> str | None:
+    """``name`` if its slice has ``count`` chips or more, else the smallest documented slice of the same
+    generation that has (None: there is none)."""
+    if slice_size(name)[0] >= count:
+        return name
+    gen = canonical_topology(name).split(":", 1)[0]
+    layouts = _LAYOUTS_2D if gen in ("v5e", "v6e") else _LAYOUTS_3D
+    size = min((n for n in layouts if n >= count), default=None)
+    return None if size is None else f"{gen}:{layouts[size]}"
+
+
 def devices_for(name: str, count: int) -> list:
     devices = list(topology(name).devices)
     if count > len(devices):
@@ -329,12 +340,18 @@ def collectives(hlo_text: str) -> dict:
     return out
 
 
-def stats(compiled, generation_: Generation, dtype: str = "bf16") -> dict:
-    """What the compiler says about a program on one chip of ``generation_``."""
-    mem = compiled.memory_analysis()
+def cost_of(compiled) -> dict:
+    """The compiler's cost analysis of a compiled program ("flops", "bytes accessed", ...)."""
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, (list, tuple)):  # older jax: one dict per executable
         cost = cost[0] if cost else {}
+    return cost
+
+
+def stats(compiled, generation_: Generation, dtype: str = "bf16") -> dict:
+    """What the compiler says about a program on one chip of ``generation_``."""
+    mem = compiled.memory_analysis()
+    cost = cost_of(compiled)
     arg = int(mem.argument_size_in_bytes)
     out = int(mem.output_size_in_bytes)
     alias = int(mem.alias_size_in_bytes)

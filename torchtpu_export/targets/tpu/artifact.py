@@ -311,6 +311,8 @@ def _manifest_schema():
                       "ragged_outputs": MapOf(Count(), key=Is(str, max_len=12)), "rng_key": BOOL,
                       "op_histogram": MapOf(Count()), "quantization": Record({"recipe": STR}),
                       "sharding": Opt(sharding), "donate": ListOf(Count()),
+                      "kernel_cost": Record({"kept": OneOf("pallas", "xla")},
+                                            {"pallas": MapOf(NUMBER), "xla": MapOf(NUMBER), "not_compared": STR}),
                       "state": ListOf(Record({"name": STR, "shape": ListOf(Count()), "dtype": STR}))})
     return Record({"format": OneOf(FORMAT), "format_version": Count(), "programs": MapOf(program),
                    "weights": Record({"file": NAME}, {"count": Count(), "bytes": Count(),

@@ -206,6 +206,8 @@ def build(captures: dict, options: dict) -> TpuProgram:
     TARGET.check_recipe(options.get("quant_config"))
     report = options.pop("quant_report", True)  # False: no error measured on the sample inputs
     llm = options.pop("llm", None)
+    if llm is not None:  # the steps update the KV cache (and recurrent states) in place
+        options["donate_prefixes"] = ("kv_cache_",)
     artifact = converters.converter(TARGET.converter).convert(captures, **options)
     if llm is not None:
         _carry_llm(artifact, llm)
@@ -246,6 +248,7 @@ def describe(path: str, topologies=None) -> dict:
             "weights": len(spec["weights"]),
             "op_histogram": spec.get("op_histogram", {}),
             "kernels": spec.get("kernels", []),
+            "kernel_cost": spec.get("kernel_cost"),
             "narrow_64bit": spec.get("narrow_64bit", False),
             "sharding": spec.get("sharding"),
             "compiled": {topo: per[name] for topo, per in sorted(m.get("compiled", {}).items()) if name in per},
@@ -290,6 +293,9 @@ def describe_lines(desc: dict, program: str | None) -> list[str]:
         if k.get("kernel") and k.get("detail"):
             what += f" ({k['detail']})"
         lines.append(f"  kernel [{k.get('platform', '?')}] {k.get('node', '?')} ({k.get('op', '?')}): {what}")
+    cost = prog.get("kernel_cost")
+    if cost:
+        lines.append(_kernel_cost_line(cost))
     for topo, entry in (prog.get("compiled") or {}).items():
         stored = "executable stored" if entry.get("executable") else entry.get("executable_reason", "not stored")
         lines.append(f"  compiled [{topo}, {entry.get('device_kind')}, libtpu {entry.get('libtpu')}, {stored}]: "
@@ -309,6 +315,15 @@ def describe_lines(desc: dict, program: str | None) -> list[str]:
         lines += [f"  shard output {i}: [{', '.join(a or '-' for a in s)}]"
                   for i, s in enumerate(plan.get("outputs", [])) if any(s)]
     return lines
+
+
+def _kernel_cost_line(cost: dict) -> str:
+    """Bytes accessed with kernels and with XLA alone, per topology, and which the program kept."""
+    if cost.get("not_compared"):
+        return f"  kernels vs XLA: not compared ({cost['not_compared']}); kernels kept"
+    per = ", ".join(f"{t} {cost['pallas'][t] / 1e6:.1f} vs {cost['xla'].get(t, 0) / 1e6:.1f} MB"
+                    for t in cost.get("pallas", {}))
+    return f"  kernels vs XLA (bytes accessed, compiler's cost analysis): {per}; kept {cost.get('kept')}"
 
 
 def _prefix_line(desc: dict, llm: dict) -> str:
@@ -392,13 +407,10 @@ def llm_options(source, layout, prefill_lengths) -> dict:
 
 
 def _carry_llm(artifact, llm: dict) -> None:
-    """Each step's KV-cache inputs donated (compiled programs update the cache in place, and ``generate``
-    keeps it on the device), and what a server needs to take text: the tokenizer, its special tokens and
+    """What a server needs to take text: the tokenizer, its special tokens and
     the chat template, the cache length, prefill lengths and decode slots."""
     from ...llm.contract import DECODE_BATCH
     manifest = artifact.manifest
-    for spec in manifest["programs"].values():
-        spec["donate"] = [i for i, s in enumerate(spec["inputs"]) if s["name"].startswith("kv_cache_")]
     batch = manifest["programs"].get(DECODE_BATCH)
     source, layout = llm["source"], llm["layout"]
     info = {"name": source.name, "cache_length": layout.length, "prefill_lengths": llm["prefill_lengths"],
