@@ -58,10 +58,31 @@ def measure(name, factory, kernels):
     seconds = time.perf_counter() - start
     entries = prog.kernels()
     used = collections.Counter(e["kernel"] for e in entries if e.get("kernel"))
-    reasons = collections.Counter(f"{e['op'].split('.')[1]}: {e['reason']}" for e in entries if not e.get("kernel"))
+    reasons = collections.Counter(f"{e['op'].split('.')[1]}: {_short(e['reason'])}" for e in entries
+                                  if not e.get("kernel"))
+    cost = [c for c in (spec.get("kernel_cost") for spec in prog.manifest["programs"].values()) if c]
     return {"model": name, "hot_nodes": len(entries), "with_kernel": sum(used.values()), "kernels": dict(used),
+            "kernel_cost": cost,
             "fallbacks": dict(reasons), "tpu_custom_calls": prog.stablehlo_text("tpu").count("tpu_custom_call"),
             "export_seconds": round(seconds, 2)}
+
+
+def _short(reason: str) -> str:
+    # the byte counts of a dropped kernel are in the cost column
+    return "kernels cost more than XLA" if reason.startswith("kernels='auto'") else reason
+
+
+def _cost(costs: list) -> str:
+    """``kernels="auto"``'s comparison: the program's bytes accessed with kernels and with XLA alone, and
+    which it kept."""
+    out = []
+    for c in costs:
+        if c.get("not_compared"):
+            out.append(f"not compared ({c['not_compared']})")
+            continue
+        t = next(iter(c["pallas"]))
+        out.append(f"{c['pallas'][t] / 1e6:.1f} vs {c['xla'][t] / 1e6:.1f} MB ({t}): {c['kept']}")
+    return "; ".join(out) or "-"
 
 
 def main(argv=None):
@@ -76,15 +97,15 @@ def main(argv=None):
         except tte.TteError as e:  # e.g. kernels=pallas on shapes no kernel takes
             rows.append({"model": name, "error": e.user_message().splitlines()[0]})
     print(f"kernels={opts.kernels}, platform tpu (jax {__import__('jax').__version__})\n")
-    print("| model | hot nodes | with Pallas kernel | kernels | fallbacks |")
-    print("|---|---|---|---|---|")
+    print("| model | hot nodes | with Pallas kernel | kernels | fallbacks | program with kernels vs XLA, kept |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['model']} | - | - | - | error: {r['error']} |")
+            print(f"| {r['model']} | - | - | - | error: {r['error']} | - |")
             continue
         kernels = ", ".join(f"{k.split('.')[1]} {n}" for k, n in sorted(r["kernels"].items())) or "-"
         falls = "; ".join(f"{n}x {why}" for why, n in r["fallbacks"].items()) or "-"
-        print(f"| {r['model']} | {r['hot_nodes']} | {r['with_kernel']} | {kernels} | {falls} |")
+        print(f"| {r['model']} | {r['hot_nodes']} | {r['with_kernel']} | {kernels} | {falls} | {_cost(r['kernel_cost'])} |")
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -165,12 +165,14 @@ def scaled_dot_product_attention(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is
     out_shape = q.shape[:-1] + v.shape[-1:]
     grouped = enable_gqa and q.shape[-3] != k.shape[-3]
     if grouped:
-        # (..., Hkv, rep, L, E) against (..., Hkv, 1, S, E): each kv head serves rep query heads
+        # (..., Hkv, rep, L, E) against (..., Hkv, S, E): each kv head serves rep query heads. The rep axis
+        # is a free axis of the contraction, never a broadcast of k and v (which XLA may materialize)
         hkv = k.shape[-3]
         rep = q.shape[-3] // hkv
         q = q.reshape(q.shape[:-3] + (hkv, rep) + q.shape[-2:])
-        k, v = k[..., None, :, :], v[..., None, :, :]
-    scores = jnp.einsum("...qd,...kd->...qk", q, k, preferred_element_type=jnp.float32) * scale
+        scores = jnp.einsum("...grqd,...gkd->...grqk", q, k, preferred_element_type=jnp.float32) * scale
+    else:
+        scores = jnp.einsum("...qd,...kd->...qk", q, k, preferred_element_type=jnp.float32) * scale
     if is_causal:
         scores = jnp.where(jnp.tril(jnp.ones((lq, s), jnp.bool_)), scores, -jnp.inf)
     if attn_mask is not None:
@@ -190,7 +192,8 @@ def scaled_dot_product_attention(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is
     if dropout_p:   # training-mode attention dropout, from the program's PRNG key
         keep = jax.random.uniform(ctx.random_key(), weights.shape, jnp.float32) >= dropout_p
         weights = jnp.where(keep, weights / (1.0 - dropout_p), 0.0)
-    out = jnp.einsum("...qk,...kd->...qd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("...grqk,...gkd->...grqd" if grouped else "...qk,...kd->...qd", weights.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
     return out.reshape(out_shape).astype(out_dtype)
 
 
