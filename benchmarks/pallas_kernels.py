@@ -105,7 +105,8 @@ def main(argv=None):
             continue
         kernels = ", ".join(f"{k.split('.')[1]} {n}" for k, n in sorted(r["kernels"].items())) or "-"
         falls = "; ".join(f"{n}x {why}" for why, n in r["fallbacks"].items()) or "-"
-        print(f"| {r['model']} | {r['hot_nodes']} | {r['with_kernel']} | {kernels} | {falls} | {_cost(r['kernel_cost'])} |")
+        print(f"| {r['model']} | {r['hot_nodes']} | {r['with_kernel']} | {kernels} | {falls} | "
+              f"{_cost(r['kernel_cost'])} |")
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -169,6 +169,12 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
         plan = sharding_plans.plan(cap, mesh_axes, sharding or "tensor_parallel", input_shardings) \
             if mesh_axes else None
         jit_kwargs = _jit_shardings(plan, renames) if plan else {}
+        if plan:  # from here on, by the artifact's weight names (the manifest's plan, what compiling reads)
+            plan["weights"] = {renames[k]: v for k, v in plan["weights"].items()}
+            plan["column_parallel"] = [renames[k] for k in plan["column_parallel"]]
+            plan["row_parallel"] = [renames[k] for k in plan["row_parallel"]]
+            if "expert_parallel" in plan:
+                plan["expert_parallel"] = [renames[k] for k in plan["expert_parallel"]]
         meta = cap.call_metadata()
         if donate_prefixes:
             meta["donate"] = [i for i, spec in enumerate(meta["inputs"])
@@ -197,12 +203,10 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
         for platform in platforms:
             exp, fn, log_entries = lower(platform, kernels)
             if kernels == "auto" and kernel_topologies and any(e.get("kernel") for e in log_entries):
-                compile_plan = plan and {"weights": {renames[k]: v for k, v in plan["weights"].items()},
-                                         "inputs": plan["inputs"]}
                 exp, log_entries, kernel_cost = kernels_that_pay(
                     exp, log_entries, lambda: lower(platform, "xla")[0],
                     kernel_topologies if precompile else kernel_topologies[:1], uses_x64=uses_x64,
-                    mesh_axes=mesh_axes, shardings=compile_plan, dims=cap.dim_ranges,
+                    mesh_axes=mesh_axes, shardings=plan, dims=cap.dim_ranges,
                     donate=tpu_format.donated(meta))
             ragged = {str(i): pos for i, pos in fn.ragged_outputs.items()}
             programs[prog][platform] = bytes(exp.serialize())
@@ -230,11 +234,6 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
                 "recipe": quant.recipe,
                 "weights": {n: {"scale": s, "axis": a} for n, (s, a) in dequantize.items() if n in weight_names[prog]}}
         if plan:
-            plan["weights"] = {renames[k]: v for k, v in plan["weights"].items()}
-            plan["column_parallel"] = [renames[k] for k in plan["column_parallel"]]
-            plan["row_parallel"] = [renames[k] for k in plan["row_parallel"]]
-            if "expert_parallel" in plan:
-                plan["expert_parallel"] = [renames[k] for k in plan["expert_parallel"]]
             manifest["programs"][prog]["sharding"] = plan
     artifact = tpu_format.TpuArtifact(manifest, programs, mlir, np_weights)
     for topology in precompile:
