@@ -5,8 +5,9 @@
 Each family is built as a new user would: ``AutoConfig.for_model(model_type, <small shapes>)``, seeded random
 weights, the local tokenizer of ``examples/hf_llms.py``; then ``tte.export_llm`` to ``tpu`` (its cpu
 program, ``TpuProgram.generate``) and to ``litertlm`` (the bundle's own graph driven as LiteRT-LM drives it,
-``llm.host_generate``), 24 greedy tokens each, against transformers' ``generate(do_sample=False)``. One
-process per family (a crash is a row, not the end of the sweep). A family whose tiny config transformers
+``llm.host_generate``, then LiteRT-LM's engine on the saved bundle), 24 greedy tokens each, against
+transformers' ``generate(do_sample=False)``. One process per family (a crash is a row, not the end of the
+sweep). A family whose tiny config transformers
 itself cannot build or generate from is listed apart, not counted.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ HELD_OUT = ["starcoder2", "olmo", "olmo2", "olmo3", "cohere", "cohere2", "glm", 
             "codegen", "gpt_bigcode", "ministral", "seed_oss", "smollm3", "hunyuan_v1_dense", "hunyuan_v1_moe",
             "dots1", "ernie4_5", "ernie4_5_moe", "apertus", "glm4_moe", "phimoe", "jetmoe", "dbrx",
             "gemma", "gemma2", "llama4_text", "bitnet", "doge", "flex_olmo"]
-# hybrid and recurrent families the tests do not name (``--families`` picks them; LiteRT-LM bundles refuse them)
+# hybrid and recurrent families the tests do not name (``--families`` picks them)
 HELD_OUT_HYBRID = ["bamba", "zamba2", "falcon_mamba", "olmo_hybrid", "lfm2_moe"]
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, max_position_embeddings=512)
@@ -77,9 +78,17 @@ for target in ("tpu", "litertlm"):
     try:
         art = tte.export_llm(model, tok, target=target, prefill_lengths=(8, 32), cache_length=96, check=False,
                              **({"platforms": ("cpu",)} if target == "tpu" else {}))
-        got = art.generate(ids, steps, stop=()).ids if target == "tpu" else host_generate(art.edge, ids, steps)
+        got = art.generate(ids, steps, stop=()).ids if target == "tpu" else \
+            host_generate(art.edge, ids, steps, padded=True)  # chunks padded as LiteRT-LM pads them
         res[target] = "same tokens" if got == want else \
             f"other tokens from step {next(i for i, (a, b) in enumerate(zip(got + [None] * steps, want)) if a != b)}"
+        if target == "litertlm" and got == want:  # and LiteRT-LM itself (its text, to the first stop token)
+            import tempfile
+            path = tempfile.mkdtemp() + "/m.litertlm"
+            art.save(path)
+            ref = tok.decode(want[:want.index(2)] if 2 in want else want).replace("\x00", "")
+            if tte.load(path).generate("hello world, this is a tiny language model", steps).text != ref:
+                res[target] = "LiteRT-LM's text differs"
     except Exception as e:
         res[target] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 print("RESULT " + json.dumps(res))

@@ -113,8 +113,10 @@ HYBRID_FAMILIES = {
     "jamba": dict(num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
                   expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8,
                   intermediate_size=128),
-    "nemotron_h": dict(layers_block_type=["mamba", "attention"], mamba_num_heads=8, mamba_head_dim=16,
-                       ssm_state_size=16, chunk_size=8, n_groups=1, head_dim=16, intermediate_size=128),
+    # a feed-forward layer between (no cache, no state), as Nemotron-H's published patterns have
+    "nemotron_h": dict(layers_block_type=["mamba", "mlp", "attention"], num_hidden_layers=3, mamba_num_heads=8,
+                       mamba_head_dim=16, ssm_state_size=16, chunk_size=8, n_groups=1, head_dim=16,
+                       intermediate_size=128),
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=4,
                        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, head_dim=16,

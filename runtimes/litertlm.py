@@ -147,7 +147,9 @@ class LitertLmEngine:
             with self.engine.create_session(apply_prompt_template=False, sampler_config=sampler,
                                             max_output_tokens=max_new_tokens) as session:
                 session.run_prefill([prompt])
-                return "".join(session.run_decode().texts[:1])
+                # streamed: the text of a whole reply comes through a C string, cut at its first NUL character
+                # (a byte-level token can be one); a chunk's is cut alone (that character is left out)
+                return "".join(r.texts[0] for r in session.run_decode_async() if r.texts)
         except RuntimeError as e:
             if constraint is not None and self._works(lm, prompt, chat):  # the same call without the format works
                 what = "JSON schema" if constraint.kind == "json_schema" else "pattern"

@@ -49,6 +49,6 @@ def test_export_checks_what_it_wrote_against_transformers(tmp_path, monkeypatch)
     from torchtpu_export.errors import NumericsError
     from torchtpu_export.llm import host
     real = host.next_token_logits
-    monkeypatch.setattr(host, "next_token_logits", lambda *a: real(*a) * 1.1)  # a program that is off by 10%
+    monkeypatch.setattr(host, "next_token_logits", lambda *a, **k: real(*a, **k) * 1.1)  # a program off by 10%
     with pytest.raises(NumericsError, match="differ from transformers"):
         tte.export_llm(folder, target="tpu", prefill_lengths=(8,), platforms=("cpu",))

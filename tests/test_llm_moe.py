@@ -52,20 +52,6 @@ def test_a_family_not_exported_right_yet_is_refused(monkeypatch):
         tte.export_llm(model, tok, target="tpu", prefill_lengths=(8,), cache_length=64)
 
 
-@pytest.mark.parametrize("family,layer", [("granitemoehybrid", "GraniteMoeHybridMambaLayer"),
-                                          ("falcon_h1", "FalconH1Mixer"), ("qwen3_next", "Qwen3NextGatedDeltaNet"),
-                                          ("jamba", "JambaMambaMixer"), ("lfm2", "Lfm2ShortConv"),
-                                          ("nemotron_h", "NemotronHMamba2Mixer"), ("mamba", "MambaMixer"),
-                                          ("mamba2", "Mamba2Mixer")])
-def test_recurrent_families_are_refused_for_litert_lm_naming_the_layer(family, layer):
-    """State-space, linear-attention and short-convolution layers keep a state that LiteRT-LM's runtime does
-    not carry as the steps need it (test_llm_hybrid.py: the tpu and litert targets do): refused at export,
-    naming the layer (not a capture error, not a bundle that gives other tokens)."""
-    model, tok = hf_llms.moe(family)
-    with pytest.raises(InputError, match=f"{family} model with recurrent layers \\(.*{layer}"):
-        tte.export_llm(model, tok, target="litertlm", prefill_lengths=(8,), cache_length=64)
-
-
 @pytest.mark.parametrize("recipe", ["dynamic_int8", "int4_blockwise"])
 def test_quantized_recipes_store_the_experts_in_int8(recipe, tmp_path):
     """Both weight recipes quantize the experts (int8, one scale per expert and output column; LiteRT's int4

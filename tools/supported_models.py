@@ -35,10 +35,11 @@ CHECKS = {
         (("tpu", "litertlm"), "greedy tokens = transformers', 64 tokens (tpu generate, LiteRT-LM)"),
     "tests/test_llm_attention.py::test_cache_layout_is_the_models_and_both_targets_give_transformers_tokens":
         (("tpu", "litertlm"), "the model's own cache layout; greedy tokens = transformers', 64 tokens"),
-    "tests/test_llm_moe.py::test_recurrent_families_are_refused_for_litert_lm_naming_the_layer":
-        (("litertlm",), "refused at export, naming the recurrent layer"),
     "tests/test_llm_hybrid.py::test_hybrid_families_carry_their_states_and_give_transformers_tokens":
         (("tpu",), "recurrent states carried as program state; greedy tokens = transformers', 64 tokens"),
+    "tests/test_llm_hybrid.py::test_hybrid_bundles_give_transformers_tokens_in_litert_lm":
+        (("litertlm",), "states kept past LiteRT-LM's padded chunk; LiteRT-LM's greedy text = transformers', "
+                        "64 tokens, 2 prompts"),
     "tests/test_llm_hybrid.py::test_layers_that_keep_their_state_elsewhere_are_refused_naming_the_layer":
         (("tpu", "litertlm"), "refused at export, naming the recurrent layer"),
     "tests/test_sharding.py::test_experts_split_over_chips_give_the_same_tokens_and_gather_no_weights":
@@ -46,8 +47,7 @@ CHECKS = {
 }
 # tests without a family parameter: the family they cover
 FAMILY_OF = {"test_experts_split_over_chips_give_the_same_tokens_and_gather_no_weights": "qwen3_moe"}
-KIND = {"test_recurrent_families_are_refused_for_litert_lm_naming_the_layer": "refused",
-        "test_layers_that_keep_their_state_elsewhere_are_refused_naming_the_layer": "refused"}
+KIND = {"test_layers_that_keep_their_state_elsewhere_are_refused_naming_the_layer": "refused"}
 
 
 def run_tests(xml_path: str) -> None:

@@ -256,8 +256,9 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     if not layout.states and recurrent_layers(source.model):
         refuse_recurrent(source.name, source.model, target, "their states are kept outside transformers' cache "
                          "protocol (get/update_conv_state, get/update_recurrent_state), which the steps carry")
-    if layout.states and 1 not in lengths:  # recurrent states: prompts are never padded (llm.contract)
-        lengths = [1, *lengths]
+    padded = t.pads_prompts  # the runtime pads a prompt's last chunk: the steps find the real tokens
+    if layout.states and not padded and 1 not in lengths:  # recurrent states: prompts are never padded
+        lengths = [1, *lengths]  # (llm.contract)
     if batch_size is None:
         batch_size = DEFAULT_SLOTS if serving else 1
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or not 1 <= batch_size <= 4096:
@@ -267,7 +268,8 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
                          "step one sequence", hint="leave batch_size out, or export with target='tpu'")
     sigs = SignatureSet()
     for n in lengths:
-        sigs.signature(PREFILL.format(n), CacheStep(source.model, layout, logits=False), (), step_inputs(layout, n))
+        sigs.signature(PREFILL.format(n), CacheStep(source.model, layout, logits=False, padded=padded), (),
+                       step_inputs(layout, n))
     sigs.signature(DECODE, CacheStep(source.model, layout, logits=True), (), step_inputs(layout, 1))
     if batch_size > 1:
         sigs.signature(DECODE_BATCH, CacheStep(source.model, layout, logits=True, slots=True), (),
@@ -289,7 +291,7 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     with torch.no_grad(), grouped_attention_in(source.model):
         program = sigs.export(target=program_target, **options)
     report = _check_llm(program, source.model, lengths, layout.length, quant_config is not None, options,
-                        bool(layout.states)) \
+                        bool(layout.states), padded) \
         if check else {"checked": False, "why": "check=False"}
     artifact = program if t.from_llm is None else t.from_llm(program, source, layout, lengths)
     artifact.llm_check = report
@@ -300,10 +302,11 @@ LLM_CHECK_TOLERANCE = 2e-3  # float export against transformers: max logit error
 
 
 def _check_llm(program, model, lengths, cache_length: int, quantized: bool, options: dict,
-               recurrent: bool = False) -> dict:
+               recurrent: bool = False, padded: bool = False) -> dict:
     """The exported steps against transformers on a probe prompt: a prefill of about a chunk's tokens (a full
     chunk and a padded one; with recurrent states, two full chunks, the second continuing the first's state,
-    and one of 1 token), then decode steps, their next-token logits against the model's."""
+    and one of 1 token, padded as the runtime pads it where it does), then decode steps, their next-token
+    logits against the model's."""
     import time
 
     import numpy as np
@@ -325,7 +328,7 @@ def _check_llm(program, model, lengths, cache_length: int, quantized: bool, opti
     start = max(1, n - 4)
     probe = [(7 * i + 3) % vocab for i in range(n + 4)]
     t0 = time.perf_counter()
-    ours = np.asarray(next_token_logits(program, probe, start), np.float64)
+    ours = np.asarray(next_token_logits(program, probe, start, padded=padded), np.float64)
     with torch.no_grad():
         ref = model(torch.tensor([probe])).logits[0, start:].double().numpy()
     scale = float(np.abs(ref).max()) or 1.0

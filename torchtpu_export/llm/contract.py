@@ -1,6 +1,6 @@
 """The contract between an LLM's exported programs and whoever runs them (LiteRT-LM, the serving engine, the
 host loop): signature names, the cache layout (``kv_cache_k_<i>`` / ``kv_cache_v_<i>``, ``[B, kv_heads, C,
-head_dim]``; a recurrent layer's states ``kv_cache_conv_<i>`` / ``kv_cache_ssm_<i>``), a step's inputs, and how
+head_dim]``; a recurrent layer's states ``kv_cache_c_<i>`` / ``kv_cache_c_ssm_<i>``), a step's inputs, and how
 a prompt is cut into prefill chunks. Targets and the engine read it; it imports no target."""
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ class CacheLayout:
 
     A layer with a recurrent state (a Mamba mixer, a gated delta net, LFM2's short convolution) has no KV
     cache (``shapes[i]`` is None) and carries its states instead: ``states`` holds ``(name, shape, dtype)``
-    per state tensor (``shape`` without the batch), a convolution's last inputs (``kv_cache_conv_<i>``) and
-    a state-space or linear-attention state (``kv_cache_ssm_<i>``), as the model itself keeps them. A step
+    per state tensor (``shape`` without the batch), a convolution's last inputs (``kv_cache_c_<i>``) and
+    a state-space or linear-attention state (``kv_cache_c_ssm_<i>``), as the model itself keeps them. A step
     reads and replaces them; a sequence starts from zeros, and its prompt is never padded
     (:func:`prefill_chunks` with ``exact``): a padding token would move the state."""
     layers: int
@@ -73,13 +73,18 @@ class CacheLayout:
                                dtype or getattr(torch, self.dtype)) for n in self.names()}
 
 
-STATE_PREFIXES = ("kv_cache_conv", "kv_cache_ssm")
+# recurrent states are named as LiteRT-LM's executor carries them from step to step: it takes the tensors
+# named kv_cache_k_*, kv_cache_v_* and kv_cache_c_* as caches (and finds a model's caches by kv_cache_k_0 or
+# kv_cache_c_0). Artifacts written before 2026-12-05 named them kv_cache_conv_<i> and kv_cache_ssm_<i>.
+STATE_PREFIXES = ("kv_cache_c", "kv_cache_ssm")
 
 
 def state_name(kind: str, layer: int, index: int = 0) -> str:
-    """A recurrent state's tensor name: ``kv_cache_conv_<layer>`` (``kv_cache_conv<index>_<layer>`` for a
-    layer's further states), ``kv_cache_ssm_<layer>``."""
-    return f"kv_cache_{kind}{index or ''}_{layer}"
+    """A recurrent state's tensor name: ``kv_cache_c_<layer>`` for a convolution's last inputs,
+    ``kv_cache_c_ssm_<layer>`` for a scan's state (``kv_cache_c_conv<index>_<layer>`` /
+    ``kv_cache_c_ssm<index>_<layer>`` for a layer's further states)."""
+    tag = ("ssm" if kind == "ssm" else "conv" if index else "") + (str(index) if index else "")
+    return f"kv_cache_c_{tag}_{layer}" if tag else f"kv_cache_c_{layer}"
 
 
 def has_state(names) -> bool:

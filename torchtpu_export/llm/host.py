@@ -11,13 +11,14 @@ from .contract import DECODE, PREFILL, has_state, prefill_chunks, prefill_length
 class HostLoop:
     """Drives a program with ``prefill_<N>`` and ``decode`` signatures (any target's runnable, or a
     ``.tflite`` made elsewhere with the same contract) from the host the way LiteRT-LM drives a bundle:
-    prompt chunks padded with zeros (never for a model with recurrent states), cache writes from each chunk's
-    first position, the last prompt token decoded. A reference loop for checks and measurements: the cache
-    goes through the host."""
+    prompt chunks padded as LiteRT-LM pads them (token 0 at position 0, the rows masked), cache writes from
+    each chunk's first position, the last prompt token decoded. A model with recurrent states gets chunks it
+    fills exactly, unless its steps are ``padded`` ones (they find the real tokens: LiteRT-LM bundles). A
+    reference loop for checks and measurements: the cache goes through the host."""
 
-    def __init__(self, program):
+    def __init__(self, program, padded: bool = False):
         import numpy as np
-        self.program = program
+        self.program, self.padded = program, padded
         self.lengths = prefill_lengths(program.signatures)
         specs = {s.name: s for s in program.inputs(DECODE)}
         self.length = specs["mask"].shape[-1]
@@ -29,8 +30,10 @@ class HostLoop:
         n = len(tokens) if sig == DECODE else int(sig.split("_")[1])
         if self.pos + len(tokens) > self.length:
             raise InputError(f"{self.pos + len(tokens)} tokens do not fit the cache of {self.length}")
-        pos = np.arange(self.pos, self.pos + n, dtype=np.int32)
+        pos = np.zeros(n, np.int32)
+        pos[:len(tokens)] = np.arange(self.pos, self.pos + len(tokens))
         mask = np.where(np.arange(self.length)[None, :] <= pos[:, None], 0.0, np.finfo(np.float32).min)
+        mask[len(tokens):] = np.finfo(np.float32).min
         feed = dict(tokens=np.array([list(tokens) + [0] * (n - len(tokens))], np.int32), input_pos=pos,
                     mask=mask[None, None].astype(np.float32), **self.caches)
         outs = self.program(signature_name=sig, **feed)
@@ -42,7 +45,8 @@ class HostLoop:
 
     def prefill(self, ids: Sequence[int]) -> None:
         """Fills the cache with ``ids``, in the largest chunks that help."""
-        for start, take, n in prefill_chunks(len(ids), self.lengths, exact=has_state(self.caches)):
+        exact = has_state(self.caches) and not self.padded
+        for start, take, n in prefill_chunks(len(ids), self.lengths, exact=exact):
             self._step(PREFILL.format(n), ids[start:start + take])
 
     def decode(self, token: int):
@@ -50,10 +54,11 @@ class HostLoop:
         return self._step(DECODE, [int(token)])[0, -1]
 
 
-def host_generate(program, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
+def host_generate(program, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
+                  padded: bool = False) -> list[int]:
     """Greedy tokens after ``prompt_ids`` from a program with prefill and decode signatures (:class:`HostLoop`)."""
     import numpy as np
-    loop = HostLoop(program)
+    loop = HostLoop(program, padded)
     ids = list(prompt_ids)
     loop.prefill(ids[:-1])
     out: list[int] = []
@@ -66,10 +71,10 @@ def host_generate(program, prompt_ids: Sequence[int], max_new_tokens: int, stop_
     return out
 
 
-def next_token_logits(program, ids: Sequence[int], start: int):
+def next_token_logits(program, ids: Sequence[int], start: int, padded: bool = False):
     """The program's next-token logits at every position from ``start`` on, the tokens given (teacher forcing):
     row ``i`` predicts ``ids[start + i + 1]``."""
     import numpy as np
-    loop = HostLoop(program)
+    loop = HostLoop(program, padded)
     loop.prefill(list(ids[:start]))
     return np.stack([loop.decode(t) for t in ids[start:]])

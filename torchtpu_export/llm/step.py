@@ -5,6 +5,8 @@ norms, attention, tied head and logit transforms) and replaces only its cache wi
 slot 0). The attention mask is an input; sliding-window layers mask further by position."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import re
 
@@ -43,13 +45,25 @@ class _StepCache(_CacheProtocol):
     scan's zero initial state), so prefill chunks and decode steps alike continue from the state they get.
     The model updates some in place: each is a copy of the step's input, given back as the output."""
 
-    def __init__(self, caches: dict, layout: CacheLayout, input_pos, slots: bool, sequential=frozenset()):
+    def __init__(self, caches: dict, layout: CacheLayout, input_pos, slots: bool, sequential=frozenset(),
+                 padded: bool = False):
         kv = set(layout.attention_layers())
         self.sequential = sequential
         self.k = [caches[f"kv_cache_k_{i}"] if i in kv else None for i in range(layout.layers)]
         self.v = [caches[f"kv_cache_v_{i}"] if i in kv else None for i in range(layout.layers)]
         self.states = {name: caches[name].clone() for name, _, _ in layout.states}
         self.pos, self.slots = input_pos.to(torch.int64), slots
+        n = self.pos.shape[0]
+        self.real = None
+        if padded and layout.states and not slots:
+            # LiteRT-LM keeps its cache buffers from one session to the next: a sequence's first step (at
+            # position 0) starts from zero states, whatever the buffers hold
+            first = self.pos[0] == 0
+            self.states = {name: torch.where(first, torch.zeros_like(state), state)
+                           for name, state in self.states.items()}
+            if n > 1:  # a padded chunk (LiteRT-LM's last: token 0 at position 0 after the real tokens): the real
+                # tokens are the rows at their position, ``real`` of them (a tensor: one graph, every count)
+                self.real = (self.pos == self.pos[0] + torch.arange(n, dtype=torch.int64)).to(torch.int64).sum()
 
     def _write(self, cache, new):
         new = new.to(cache.dtype)
@@ -81,8 +95,13 @@ class _StepCache(_CacheProtocol):
         """The step's inputs after the kept ones (the convolution's left context); the last of them kept."""
         name = self._state("conv", layer_idx, state_idx)
         kept = self.states[name]
+        width = kept.shape[-1]
         full = torch.cat([kept.to(conv_states.dtype), conv_states], dim=-1)
-        self.states[name] = full[..., -kept.shape[-1]:].to(kept.dtype)
+        if self.real is None:
+            self.states[name] = full[..., -width:].to(kept.dtype)
+        else:  # the ``width`` inputs up to the last real token
+            window = self.real + torch.arange(width, dtype=torch.int64)
+            self.states[name] = full.index_select(-1, window).to(kept.dtype)
         return full
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
@@ -90,14 +109,21 @@ class _StepCache(_CacheProtocol):
 
     def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
         name = self._state("ssm", layer_idx, state_idx)
-        last = recurrent_states if isinstance(recurrent_states, torch.Tensor) else recurrent_states[-1]
+        if isinstance(recurrent_states, torch.Tensor):
+            last = recurrent_states
+        elif self.real is None:
+            last = recurrent_states[-1]
+        else:  # the state after each token (all of them: ``get_recurrent_states_to_keep``): the last real one's
+            every = torch.stack(list(recurrent_states))
+            last = every.index_select(0, (self.real - 1 + len(every) - self.pos.shape[0]).reshape(1))[0]
         self.states[name] = last.to(self.states[name].dtype)
         return self.states[name]
 
     def get_recurrent_states_to_keep(self, layer_idx=None) -> int:
         """0 (the chunked scan, from the state given), but for layers whose chunked scan starts from zeros
-        whatever the state (``SEQUENTIAL_SCAN``): every token of theirs through the recurrent form."""
-        return 1 << 30 if layer_idx in self.sequential else 0
+        whatever the state (``SEQUENTIAL_SCAN``), and in a padded chunk, where the state wanted is the one
+        after the last real token: every token through the recurrent form, each state kept."""
+        return 1 << 30 if layer_idx in self.sequential or self.real is not None else 0
 
     def has_previous_state(self, layer_idx=None, state_idx=None) -> bool:
         return True
@@ -159,7 +185,7 @@ def probe_layout(model, length: int, dtype: str = "float32") -> CacheLayout:
     device = torch.device("meta") if meta else None
     mask = torch.zeros(1, 1, 1, 1, device=device)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), alibi_of_cache(model):
             model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
                   attention_mask=layer_masks(model.config, mask),
                   position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True, **{kw: recorder})
@@ -171,13 +197,19 @@ def probe_layout(model, length: int, dtype: str = "float32") -> CacheLayout:
     states = tuple((state_name(kind, layer, index), tuple(shape), str(dt).removeprefix("torch."))
                    for (kind, layer, index), (shape, dt) in sorted(recorder.states.items(), key=lambda kv: kv[0][1:]))
     layers = {layer for _, layer, _ in recorder.states} | set(recorder.shapes)
-    if sorted(layers) != list(range(guess.layers)):
+    types = getattr(model.config, "layer_types", None) or getattr(model.config, "layers_block_type", None)
+    missing = [i for i in range(guess.layers) if i not in layers]  # layers the probe did not see keep a cache
+    if missing and not (states and isinstance(types, (list, tuple)) and len(types) == guess.layers
+                        and all(types[i] in CACHELESS_TYPES for i in missing)):  # unless they are feed-forward only
         return guess
     shapes = tuple(recorder.shapes.get(i) for i in range(guess.layers))
     if not states and all(s == ((guess.kv_heads, guess.head_dim),) * 2 for s in shapes):
         return guess
     return CacheLayout(guess.layers, guess.kv_heads, guess.head_dim, length, dtype, shapes, states)
 
+
+# layer types of hybrid models whose layers keep no cache and no state (Nemotron-H's feed-forward layers)
+CACHELESS_TYPES = ("mlp", "moe")
 
 # layer types (``config.layer_types``) whose layers do not attend (linear attention, Mamba, short
 # convolutions, a feed-forward layer alone): they take no mask, as a step's tokens are never padding
@@ -205,13 +237,17 @@ class CacheStep(torch.nn.Module):
     """One step of ``N`` tokens: ``(tokens [1,N] int32, input_pos [N] int32, mask [1,1,N,C] f32, caches)``
     → ``{"logits" [1,N,V] (decode only), caches}``, the caches updated under their own names.
 
+    With ``padded`` (steps as LiteRT-LM drives them: it pads a prompt's last chunk, and keeps its cache
+    buffers from one sequence to the next), a chunk's recurrent states are kept as they were after its last
+    real token, and a step at position 0 starts from zero states.
+
     With ``slots`` (batched steps for serving), each batch row is a separate sequence:
     ``(tokens [B,N], input_pos [B] (each row's first position), mask [B,1,N,C], caches [B,...])``; writes
     past the cache's end are dropped (the engine parks rows that take no part at position C)."""
 
-    def __init__(self, model, layout: CacheLayout, logits: bool, slots: bool = False):
+    def __init__(self, model, layout: CacheLayout, logits: bool, slots: bool = False, padded: bool = False):
         super().__init__()
-        self.model, self.layout, self.logits, self.slots = model, layout, logits, slots
+        self.model, self.layout, self.logits, self.slots, self.padded = model, layout, logits, slots, padded
         config = model.config
         self.window = getattr(config, "sliding_window", None)
         params = inspect.signature(model.forward).parameters
@@ -229,13 +265,14 @@ class CacheStep(torch.nn.Module):
         return layer_masks(self.model.config, mask, sliding)
 
     def forward(self, tokens, input_pos, mask, **caches):
-        cache = _StepCache(caches, self.layout, input_pos, self.slots, self.sequential)
+        cache = _StepCache(caches, self.layout, input_pos, self.slots, self.sequential, self.padded)
         n = tokens.shape[1]
         positions = input_pos[:, None] + torch.arange(n, dtype=input_pos.dtype) if self.slots else input_pos[None]
         _GROUP_MASKS.clear()  # each trace of a step makes its own
         try:
-            out = self.model(input_ids=tokens, attention_mask=self._masks(mask, positions),
-                             position_ids=positions, use_cache=True, **{self.cache_kw: cache})
+            with alibi_of_cache(self.model):
+                out = self.model(input_ids=tokens, attention_mask=self._masks(mask, positions),
+                                 position_ids=positions, use_cache=True, **{self.cache_kw: cache})
         finally:
             _GROUP_MASKS.clear()
         result = {"logits": out.logits} if self.logits else {}
@@ -243,6 +280,26 @@ class CacheStep(torch.nn.Module):
             result[f"kv_cache_k_{i}"], result[f"kv_cache_v_{i}"] = cache.k[i], cache.v[i]
         result.update(cache.states)
         return result
+
+
+@contextlib.contextmanager
+def alibi_of_cache(model):
+    """Within it, ALiBi models (BLOOM: ``build_alibi_tensor`` from a 2-D padding mask) take a step's 4-D mask
+    ``[B, 1, N, C]``: their bias is built for every cache position (slope x position), which differs from the
+    relative one by a constant per query row, so the softmax is the same."""
+    def of_cache(build, attention_mask, num_heads, dtype):
+        if attention_mask.dim() == 4:
+            attention_mask = torch.ones(attention_mask.shape[0], attention_mask.shape[-1], dtype=torch.int64,
+                                        device=attention_mask.device)
+        return build(attention_mask, num_heads, dtype)
+    found = [m for m in model.modules() if "build_alibi_tensor" in type(m).__dict__]
+    for m in found:
+        m.build_alibi_tensor = functools.partial(of_cache, type(m).build_alibi_tensor.__get__(m))
+    try:
+        yield
+    finally:
+        for m in found:
+            del m.build_alibi_tensor
 
 
 def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
@@ -292,13 +349,17 @@ _GROUP_MASKS: dict = {}
 
 def _group_mask(attention_mask, rep: int, length: int):
     """``attention_mask [B, 1, n, C]`` for the stacked queries of a group (``[B, 1, rep * n, length]``: the
-    same rows for every query head of the group)."""
+    same rows for every query head of the group); a mask per query head ``[B, heads, n, C]`` for each group's
+    own (``[B, groups, rep * n, length]``)."""
     key = (id(attention_mask), rep, length)  # unique while the entry holds the mask
     if key in _GROUP_MASKS:
         return _GROUP_MASKS[key][1]
     m = attention_mask[..., :length]
-    b, one, n = m.shape[0], m.shape[1], m.shape[2]
-    mask = m.unsqueeze(2).expand(b, one, rep, n, length).reshape(b, one, rep * n, length)
+    b, heads, n = m.shape[0], m.shape[1], m.shape[2]
+    if heads > 1:  # a mask per query head (Doge's dynamic mask): head g * rep + r is row block r of group g
+        mask = m.reshape(b, heads // rep, rep * n, length)
+    else:
+        mask = m.unsqueeze(2).expand(b, 1, rep, n, length).reshape(b, 1, rep * n, length)
     if not torch.compiler.is_dynamo_compiling():  # strict export traces the Python: no memo by identity there
         _GROUP_MASKS[key] = (attention_mask, mask)
     return mask

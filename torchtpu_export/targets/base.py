@@ -67,6 +67,9 @@ class Target:
     # step to step; export_llm refuses such a model for the other targets, naming the layer
     recurrent_state: bool = False
     recurrent_state_why: str = ""  # why not, said when such a model is refused
+    # its runtime pads a prompt's last chunk (LiteRT-LM: token 0 at position 0, the rows masked): an LLM's
+    # steps then find the real tokens themselves and keep each recurrent state as it was after the last of them
+    pads_prompts: bool = False
     # datacenter serving: export_llm may add batched programs (the engine's slots), and the KV cache
     # follows a bf16 recipe (on-device runtimes keep float32 caches)
     serving: bool = False

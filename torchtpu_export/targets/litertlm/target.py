@@ -737,6 +737,10 @@ def from_llm(edge, source, layout, prefill_lengths) -> LitertLmBundle:
     if source.tokenizer is None:
         raise InputError(f"{source.name}: a .litertlm bundle needs the tokenizer",
                          hint="pass tokenizer= (a folder with tokenizer.json, or a fast tokenizer)")
+    if not {"kv_cache_k_0", "kv_cache_c_0"} & set(layout.names()):  # LiteRT-LM's GetKVCacheRootNames
+        raise InputError(f"{source.name}: LiteRT-LM finds a model's caches by its first layer's (kv_cache_k_0 or "
+                         "kv_cache_c_0), and this model's layer 0 keeps no cache (neither attention nor a "
+                         "convolution's state)", hint="export it with --target tpu or --target litert")
     meta = {"max_num_tokens": layout.length, "prefill_lengths": ",".join(map(str, prefill_lengths)),
             "model_type": getattr(source.model.config, "model_type", "?")}
     return LitertLmBundle(edge, source.tokenizer, meta)
@@ -808,10 +812,9 @@ TARGET = Target(
     build=build, load=load, describe=describe, cli_options=cli_options, debuggable=False,
     recipes=LITERT.recipes, magic=lambda head, names: head == b"LITERTLM",
     program_target="litert", from_llm=from_llm, llm_only=True,
-    # LiteRT-LM's executor carries a state between steps by its name (kv_cache_k_/v_, and kv_cache_c_ for a
-    # convolution's state) or by the bundle's executor metadata (TYPE_LINEAR_ATTENTION), but pads a prompt's
-    # last chunk with token 0 at position 0 (PrefillInternal, GetOptimizedPrefillWorkGroups): a bundle's
-    # steps would have to find the real tokens themselves and keep the state after the last of them
-    recurrent_state_why="LiteRT-LM pads a prompt's last chunk (token 0 at position 0), which would move a "
-                        "recurrent state, and the exported steps do not skip padding yet",
+    # LiteRT-LM's executor carries every tensor named kv_cache_* from step to step (one buffer, in place, on
+    # CPU), so recurrent states too (kv_cache_c_<i>, kv_cache_ssm_<i>); it finds a model's caches by kv_cache_k_0
+    # or kv_cache_c_0. It pads a prompt's last chunk with token 0 at position 0 (PrefillInternal,
+    # GetOptimizedPrefillWorkGroups): the steps count the real tokens and keep the states after the last
+    recurrent_state=True, pads_prompts=True,
 )
