@@ -70,6 +70,16 @@ def run_cli_many(argvs, timeout=900, prelude: str = ""):
     return [types.SimpleNamespace(returncode=c, stdout=o, stderr=e, peak_mb=m) for c, o, e, m in results]
 
 
+def export_folder(model, tokenizer, folder, *exports):
+    """``model`` and ``tokenizer`` saved as a Hugging Face folder, then ``torchtpu-export FOLDER ARGS`` for
+    each of ``exports`` (one process, as a user would): each must succeed, its self-check against
+    transformers passed."""
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    for r in run_cli_many([[folder, *args] for args in exports]):
+        assert r.returncode == 0 and "checked against transformers on a probe prompt" in r.stdout, r.stderr
+
+
 @pytest.fixture
 def cli():
     return run_cli

@@ -32,14 +32,17 @@ def _greedy(model, ids, steps=STEPS):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_hybrid_families_carry_their_states_and_give_transformers_tokens(family):
+def test_hybrid_families_carry_their_states_and_give_transformers_tokens(family, tmp_path):
+    """Each family's folder exported through the CLI to tpu (one slot: the family's tokens; slots below)."""
+    from conftest import export_folder
     model, tok = hf_llms.moe(family)
     ids = tok(PROMPT)["input_ids"]
     want = _greedy(model, ids)
     assert len(set(want)) > 2, want  # a reply that tells states kept from states lost
-    prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8,), cache_length=96, batch_size=1,
-                          platforms=("cpu",))  # one slot: the family's tokens (slots: below)
-    assert prog.llm_check["checked"] and prog.llm_check["max_error"] < 1e-3
+    out = tmp_path / f"{family}.tpu"
+    export_folder(model, tok, tmp_path / family, ["--target", "tpu", "--platforms", "cpu", "--batch-size", "1",
+                                                  "--prefill-lengths", "8", "--cache-length", "96", "-o", out])
+    prog = tte.load(out)
     names = [s.name for s in prog.inputs("decode")]
     assert any(n.startswith("kv_cache_c_") for n in names), names
     assert prog.manifest["llm"]["prefill_lengths"] == [1, 8]  # a remainder of 1..7 tokens goes 1 at a time
@@ -52,23 +55,24 @@ def test_hybrid_families_carry_their_states_and_give_transformers_tokens(family)
 @pytest.mark.xdist_group("llm_hybrid_litertlm")  # beside the tpu family tests, on the other worker
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_hybrid_bundles_give_transformers_tokens_in_litert_lm(family, tmp_path):
-    """The .litertlm of every hybrid family: LiteRT-LM carries the states (named as it carries caches) and pads
-    a prompt's last chunk with token 0 at position 0; the steps count the real tokens and keep each state as it
-    was after the last of them. No prefill_1 is needed; the export's self-check runs a padded chunk; the
-    bundle's graph driven as LiteRT-LM drives it, and LiteRT-LM itself, give transformers' greedy tokens."""
+    """The .litertlm of every hybrid family, exported from its folder through the CLI: LiteRT-LM carries the
+    states (named as it carries caches) and pads a prompt's last chunk with token 0 at position 0; the steps
+    count the real tokens and keep each state as it was after the last of them. No prefill_1 is needed; the
+    export's self-check runs a padded chunk; the bundle's graph driven as LiteRT-LM drives it, and LiteRT-LM
+    itself (one engine, two prompts: a new session starts from zero states), give transformers' tokens."""
+    from conftest import export_folder
     model, tok = hf_llms.moe(family)
-    prompts = [PROMPT, PROMPT + " and a few more words"]  # two remainders of the 8-token chunk
-    bundle = tte.export_llm(model, tok, target="litertlm", prefill_lengths=(8,), cache_length=128)
-    assert bundle.llm_check["checked"] and bundle.llm_check["max_error"] < 1e-3, bundle.llm_check
-    assert [n for n in bundle.edge.signatures if n.startswith("prefill")] == ["prefill_8"]
-    bundle.save(tmp_path / f"{family}.litertlm")
-    loaded = tte.load(tmp_path / f"{family}.litertlm")
-    for prompt in prompts:
+    out = tmp_path / f"{family}.litertlm"
+    export_folder(model, tok, tmp_path / family, ["--target", "litertlm", "--prefill-lengths", "8", "--cache-length",
+                                                  "128", "-o", out])
+    bundle = tte.load(out)
+    assert [n for n in bundle.signatures if n.startswith("prefill")] == ["prefill_8"]
+    for prompt in (PROMPT, PROMPT + " and a few more words"):  # two remainders of the 8-token chunk
         ids = tok(prompt)["input_ids"]
         want = _greedy(model, ids)
         assert host_generate(bundle.edge, ids, len(want), padded=True) == want
         # LiteRT-LM's Python API gives text as C strings: a NUL character (a byte-level token) is left out
-        assert loaded.generate(prompt, STEPS).text == tok.decode(want).replace("\x00", ""), prompt
+        assert bundle.generate(prompt, STEPS).text == tok.decode(want).replace("\x00", ""), prompt
 
 
 def test_slots_keep_their_own_states_and_the_tpu_compiler_takes_the_program():

@@ -149,15 +149,18 @@ def test_generate_follows_a_response_format(exported):
 
 
 @pytest.mark.parametrize("arch", list(hf_llms.MODELS))
-def test_every_dense_family_gives_transformers_tokens_over_64_steps(arch):
-    """Each dense family of examples/hf_llms.py on the tpu target (its cpu program): TpuProgram.generate's
-    greedy tokens equal transformers' over 64 steps, the prompt longer than the shorter prefill chunk."""
+def test_every_dense_family_gives_transformers_tokens_over_64_steps(arch, tmp_path):
+    """Each dense family of examples/hf_llms.py, its folder exported through the CLI to the tpu target (its
+    cpu program, one slot: the family's tokens; batches: test_serving): TpuProgram.generate's greedy tokens
+    equal transformers' over 64 steps, the prompt longer than the shorter prefill chunk."""
+    from conftest import export_folder
     model, tok = hf_llms.build(arch)
     ids = tok(PROMPT)["input_ids"]
     with torch.no_grad():
         want = model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, pad_token_id=0)
     want = want[0, len(ids):].tolist()
     want = want[:want.index(2)] if 2 in want else want
-    prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8, 32), cache_length=128, batch_size=1,
-                          platforms=("cpu",))  # one slot: the family's tokens (batches: test_serving)
-    assert prog.generate(ids, 64).ids == want
+    out = tmp_path / f"{arch}.tpu"
+    export_folder(model, tok, tmp_path / arch, ["--target", "tpu", "--platforms", "cpu", "--batch-size", "1",
+                                                "--prefill-lengths", "8,32", "--cache-length", "128", "-o", out])
+    assert tte.load(out).generate(ids, 64).ids == want

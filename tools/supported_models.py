@@ -30,15 +30,18 @@ CHECKS = {
     "tests/test_llm.py::test_bundle_runs_in_litert_lm_and_equals_transformers":
         (("litertlm",), "CLI export; LiteRT-LM's greedy text = transformers', 64 tokens (raw, chat, long prompt)"),
     "tests/test_llm_tpu.py::test_every_dense_family_gives_transformers_tokens_over_64_steps":
-        (("tpu",), "greedy tokens = transformers', 64 tokens"),
+        (("tpu",), "CLI export; greedy tokens = transformers', 64 tokens"),
     "tests/test_llm_moe.py::test_moe_gives_transformers_tokens_on_both_targets":
-        (("tpu", "litertlm"), "greedy tokens = transformers', 64 tokens (tpu generate, LiteRT-LM)"),
+        (("tpu", "litertlm"), "CLI export; greedy tokens = transformers', 64 tokens (tpu generate, LiteRT-LM)"),
     "tests/test_llm_attention.py::test_cache_layout_is_the_models_and_both_targets_give_transformers_tokens":
-        (("tpu", "litertlm"), "the model's own cache layout; greedy tokens = transformers', 64 tokens"),
+        (("tpu", "litertlm"), "CLI export; the model's own cache layout; greedy tokens = transformers', 64 tokens"),
+    "tests/test_llm_attention.py::test_adapted_families_give_transformers_tokens_on_both_targets":
+        (("tpu", "litertlm"), "CLI export; greedy tokens = transformers', 64 tokens (tpu generate, LiteRT-LM)"),
     "tests/test_llm_hybrid.py::test_hybrid_families_carry_their_states_and_give_transformers_tokens":
-        (("tpu",), "recurrent states carried as program state; greedy tokens = transformers', 64 tokens"),
+        (("tpu",), "CLI export; recurrent states carried as program state; greedy tokens = transformers', 64 tokens"),
     "tests/test_llm_hybrid.py::test_hybrid_bundles_give_transformers_tokens_in_litert_lm":
-        (("litertlm",), "states kept past LiteRT-LM's padded chunk; LiteRT-LM's greedy text = transformers', "
+        (("litertlm",), "CLI export; states kept past LiteRT-LM's padded chunk; "
+                        "LiteRT-LM's greedy text = transformers', "
                         "64 tokens, 2 prompts"),
     "tests/test_llm_hybrid.py::test_layers_that_keep_their_state_elsewhere_are_refused_naming_the_layer":
         (("tpu", "litertlm"), "refused at export, naming the recurrent layer"),
@@ -57,10 +60,15 @@ def run_tests(xml_path: str) -> None:
                     f"--junitxml={xml_path}"], cwd=REPO, check=False)
 
 
-def results(xml_path: str) -> dict:
-    """family -> target -> list of (kind, passed, check)."""
+def results(*xml_paths: str) -> dict:
+    """family -> target -> list of (kind, passed, check); a test case in a later file replaces the same one
+    in an earlier file."""
+    cases = {}
+    for xml_path in xml_paths:
+        for case in ET.parse(xml_path).getroot().iter("testcase"):
+            cases[(case.get("classname"), case.get("name"))] = case
     table: dict = collections.defaultdict(lambda: collections.defaultdict(list))
-    for case in ET.parse(xml_path).getroot().iter("testcase"):
+    for case in cases.values():
         name, _, param = case.get("name").partition("[")
         path = case.get("classname").replace(".", "/") + ".py"
         key = f"{path}::{name}"
@@ -96,13 +104,14 @@ def render(table: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--junitxml", default=None, help="read these results instead of running the tests")
+    ap.add_argument("--junitxml", nargs="+", default=None,
+                    help="read these results instead of running the tests (a later file's case replaces an earlier's)")
     args = ap.parse_args(argv)
-    xml_path = args.junitxml
-    if xml_path is None:
-        xml_path = os.path.join(tempfile.mkdtemp(), "families.xml")
-        run_tests(xml_path)
-    text = render(results(xml_path))
+    xml_paths = args.junitxml
+    if xml_paths is None:
+        xml_paths = [os.path.join(tempfile.mkdtemp(), "families.xml")]
+        run_tests(xml_paths[0])
+    text = render(results(*xml_paths))
     write_bytes_atomic(DOCS, ("# Supported models\n\n" + text).encode())
     with open(README) as f:
         readme = f.read()

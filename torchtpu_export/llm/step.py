@@ -5,14 +5,13 @@ norms, attention, tied head and logit transforms) and replaces only its cache wi
 slot 0). The attention mask is an input; sliding-window layers mask further by position."""
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
 import re
 
 import torch
 
 from ..errors import InputError
+from .adapt import adapted
 from .contract import CacheLayout, state_name
 
 
@@ -185,7 +184,7 @@ def probe_layout(model, length: int, dtype: str = "float32") -> CacheLayout:
     device = torch.device("meta") if meta else None
     mask = torch.zeros(1, 1, 1, 1, device=device)
     try:
-        with torch.no_grad(), alibi_of_cache(model):
+        with torch.no_grad(), adapted(model):
             model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
                   attention_mask=layer_masks(model.config, mask),
                   position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True, **{kw: recorder})
@@ -270,7 +269,7 @@ class CacheStep(torch.nn.Module):
         positions = input_pos[:, None] + torch.arange(n, dtype=input_pos.dtype) if self.slots else input_pos[None]
         _GROUP_MASKS.clear()  # each trace of a step makes its own
         try:
-            with alibi_of_cache(self.model):
+            with adapted(self.model):
                 out = self.model(input_ids=tokens, attention_mask=self._masks(mask, positions),
                                  position_ids=positions, use_cache=True, **{self.cache_kw: cache})
         finally:
@@ -280,26 +279,6 @@ class CacheStep(torch.nn.Module):
             result[f"kv_cache_k_{i}"], result[f"kv_cache_v_{i}"] = cache.k[i], cache.v[i]
         result.update(cache.states)
         return result
-
-
-@contextlib.contextmanager
-def alibi_of_cache(model):
-    """Within it, ALiBi models (BLOOM: ``build_alibi_tensor`` from a 2-D padding mask) take a step's 4-D mask
-    ``[B, 1, N, C]``: their bias is built for every cache position (slope x position), which differs from the
-    relative one by a constant per query row, so the softmax is the same."""
-    def of_cache(build, attention_mask, num_heads, dtype):
-        if attention_mask.dim() == 4:
-            attention_mask = torch.ones(attention_mask.shape[0], attention_mask.shape[-1], dtype=torch.int64,
-                                        device=attention_mask.device)
-        return build(attention_mask, num_heads, dtype)
-    found = [m for m in model.modules() if "build_alibi_tensor" in type(m).__dict__]
-    for m in found:
-        m.build_alibi_tensor = functools.partial(of_cache, type(m).build_alibi_tensor.__get__(m))
-    try:
-        yield
-    finally:
-        for m in found:
-            del m.build_alibi_tensor
 
 
 def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
