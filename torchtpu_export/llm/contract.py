@@ -32,7 +32,9 @@ class CacheLayout:
     per state tensor (``shape`` without the batch), a convolution's last inputs (``kv_cache_c_<i>``) and
     a state-space or linear-attention state (``kv_cache_c_ssm_<i>``), as the model itself keeps them. A step
     reads and replaces them; a sequence starts from zeros, and its prompt is never padded
-    (:func:`prefill_chunks` with ``exact``): a padding token would move the state."""
+    (:func:`prefill_chunks` with ``exact``): a padding token would move the state. LiteRT-LM bundles are the
+    exception: LiteRT-LM pads a prompt's last chunk, and their steps find the real tokens themselves
+    (``llm.step.CacheStep`` with ``padded``)."""
     layers: int
     kv_heads: int
     head_dim: int
