@@ -45,9 +45,8 @@ def test_moe_gives_transformers_tokens_on_both_targets(family, tmp_path):
         assert prog.compiled_stats("v5e", signature_name="decode")["fits"]
     bundle = tte.load(tmp_path / "m.litertlm")
     assert host_generate(bundle.edge, ids, len(want)) == want  # the bundle's own graph, driven as LiteRT-LM does
-    ref = tok.decode(want)
-    if "\ufffd" not in ref:  # LiteRT-LM detokenizes token by token: a byte split over tokens reads differently
-        assert bundle.generate(PROMPT, STEPS).text == ref.replace("\x00", "")
+    # LiteRT-LM's engine, its own loop and sampler (its text streamed: a NUL character is left out)
+    assert bundle.generate(PROMPT, STEPS).text == tok.decode(want).replace("\x00", "")
 
 
 def test_a_family_not_exported_right_yet_is_refused(monkeypatch):
