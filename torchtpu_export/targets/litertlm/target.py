@@ -814,7 +814,8 @@ TARGET = Target(
     program_target="litert", from_llm=from_llm, llm_only=True,
     # LiteRT-LM's executor (0.18.1) carries the tensors named kv_cache_k_*, kv_cache_v_* and kv_cache_c_* from
     # step to step (one buffer, in place, on CPU), so recurrent states too (kv_cache_c_<i>, kv_cache_c_ssm_<i>);
-    # it finds a model's caches by kv_cache_k_0 or kv_cache_c_0. It pads a prompt's last chunk with token 0 at position 0 (PrefillInternal,
-    # GetOptimizedPrefillWorkGroups): the steps count the real tokens and keep the states after the last
+    # it finds a model's caches by kv_cache_k_0 or kv_cache_c_0. It pads a prompt's last chunk with token 0 at
+    # position 0 (PrefillInternal, GetOptimizedPrefillWorkGroups): the steps count the real tokens and keep the
+    # states after the last
     recurrent_state=True, pads_prompts=True,
 )
