@@ -209,7 +209,7 @@ def default_cache_length(config) -> int:
 
 def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefill_lengths: Sequence[int] = (128,),
                cache_length: int | None = None, quant_config=None, batch_size: int | None = None,
-               abstract_weights: bool = False,
+               abstract_weights: bool = False, kv_pages: int | str | None = None, page_size: int = 16,
                check: bool = True, **options):
     """Exports a causal LM's prefill (one signature per length, ``prefill_<N>``) and ``decode`` steps.
 
@@ -221,6 +221,11 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     sequences at once, each at its own position: the slots of the serving engine (:mod:`torchtpu_export.engine`).
     By default 8 for the tpu target (served concurrent requests batch without a flag; one request alone steps
     through the one-slot ``decode``) and 1 for the others.
+    ``kv_pages`` (tpu): the batched steps over a paged KV cache instead (``decode_paged``,
+    ``prefill_paged_<N>``): every cache one pool of ``kv_pages`` pages of ``page_size`` positions shared by
+    the ``batch_size`` rows, so that memory holds live tokens, not rows x ``cache_length``, and a prompt's
+    cached prefix pages are shared, not copied (the engine's paged mode). ``"auto"``: as many positions as
+    the rows' slot caches would hold (and the pool's page 0, which no sequence owns).
     ``abstract_weights=True`` with a model folder: built from config.json alone, weights never read (tpu:
     the programs take abstract weights, bound at load with ``TpuProgram.bind_weights``).
     ``cache_length``: the KV cache's positions (prompt and reply); by default the smaller of 1024 and the
@@ -234,8 +239,8 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     """
     import torch
 
-    from .llm.contract import (DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, cache_shardings,
-                               slot_inputs, step_inputs)
+    from .llm.contract import (DECODE, DECODE_BATCH, DECODE_PAGED, PREFILL, PREFILL_BATCH, PREFILL_PAGED,
+                               cache_shardings, paged_inputs, slot_inputs, step_inputs)
     from .llm.source import load_source, recurrent_layers, refuse_recurrent
     from .llm.step import CacheStep, grouped_attention_in, probe_layout
     from .quant import parse
@@ -266,12 +271,19 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     if batch_size > 1 and not serving:
         raise InputError(f"batch_size applies to target='tpu' (the serving engine's slots); {target} programs "
                          "step one sequence", hint="leave batch_size out, or export with target='tpu'")
+    pages = _check_pages(kv_pages, page_size, batch_size, cache_length, serving, layout)
     sigs = SignatureSet()
     for n in lengths:
         sigs.signature(PREFILL.format(n), CacheStep(source.model, layout, logits=False, padded=padded), (),
                        step_inputs(layout, n))
     sigs.signature(DECODE, CacheStep(source.model, layout, logits=True), (), step_inputs(layout, 1))
-    if batch_size > 1:
+    if pages:
+        sigs.signature(DECODE_PAGED, CacheStep(source.model, layout, logits=True, slots=True), (),
+                       paged_inputs(layout, batch_size, 1, pages, page_size))
+        for n in lengths:
+            sigs.signature(PREFILL_PAGED.format(n), CacheStep(source.model, layout, logits=False, slots=True), (),
+                           paged_inputs(layout, batch_size, n, pages, page_size))
+    elif batch_size > 1:
         sigs.signature(DECODE_BATCH, CacheStep(source.model, layout, logits=True, slots=True), (),
                        slot_inputs(layout, batch_size))
         for n in lengths if not layout.states else ():  # requests arriving together are prefilled together,
@@ -296,6 +308,27 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     artifact = program if t.from_llm is None else t.from_llm(program, source, layout, lengths)
     artifact.llm_check = report
     return artifact
+
+
+def _check_pages(kv_pages, page_size, batch_size: int, cache_length: int, serving: bool, layout) -> int:
+    """The paged cache's pool size (0: no paged programs), or InputError."""
+    if kv_pages is None:
+        return 0
+    if not serving:
+        raise InputError("kv_pages (a paged KV cache) applies to target='tpu', the serving engine's programs")
+    if layout.states:
+        raise InputError("a model with recurrent states cannot have a paged cache: a state is not kept per page",
+                         hint="leave kv_pages out (the engine's slots)")
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1 or cache_length % page_size:
+        raise InputError(f"page_size must be a positive integer dividing the cache length ({cache_length}), "
+                         f"got {page_size!r}")
+    per_sequence = cache_length // page_size
+    if kv_pages == "auto":
+        return batch_size * per_sequence + 1
+    if not isinstance(kv_pages, int) or isinstance(kv_pages, bool) or kv_pages < per_sequence + 1:
+        raise InputError(f"kv_pages must be 'auto' or an integer of at least {per_sequence + 1} (one sequence of "
+                         f"the cache's {cache_length} positions, and page 0, which no sequence owns), got {kv_pages!r}")
+    return kv_pages
 
 
 LLM_CHECK_TOLERANCE = 2e-3  # float export against transformers: max logit error over the logits' scale

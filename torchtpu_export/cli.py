@@ -97,6 +97,11 @@ def _convert_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help="LLM folders, tpu target: also a decode_batch program for B sequences at once "
                         "(the serving engine's slots; default 8, 1 for the one-slot decode only)")
+    p.add_argument("--kv-pages", default=None, metavar="P",
+                   help="LLM folders, tpu target: the batched steps over a paged KV cache of P pages (or 'auto': "
+                        "as many positions as the B slots' caches) shared by the B rows, instead of a cache per slot")
+    p.add_argument("--page-size", type=int, default=None, metavar="S",
+                   help="with --kv-pages: positions per page (default 16)")
     p.add_argument("--no-check", action="store_true",
                    help="LLM folders: skip the check of the exported steps against transformers on a probe prompt")
     p.add_argument("--abstract-weights", action="store_true",
@@ -126,7 +131,8 @@ def _convert(args) -> int:
     target = targets.get(args.target)
     if target.llm_only or os.path.isdir(args.model):
         return _convert_llm(args, target)
-    for flag in ("prefill_lengths", "cache_length", "tokenizer", "batch_size", "abstract_weights", "no_check"):
+    for flag in ("prefill_lengths", "cache_length", "tokenizer", "batch_size", "abstract_weights", "no_check",
+                 "kv_pages", "page_size"):
         if getattr(args, flag) not in (None, False):
             raise InputError(f"--{flag.replace('_', '-')} applies to LLMs (a Hugging Face model folder), "
                              f"not {args.model}")
@@ -193,6 +199,16 @@ def _convert_llm(args, target) -> int:
     options = target.cli_options(args, (), None)
     if args.quantize:
         options["quant_config"] = args.quantize
+    pages = args.kv_pages
+    if pages is not None and pages != "auto":
+        try:
+            pages = int(pages)
+        except ValueError:
+            raise InputError(f"--kv-pages takes an integer or 'auto', got {pages!r}") from None
+    if args.page_size is not None and pages is None:
+        raise InputError("--page-size applies with --kv-pages (a paged KV cache)")
+    if pages is not None:
+        options.update(kv_pages=pages, page_size=args.page_size or 16)
     artifact = api.export_llm(args.model, args.tokenizer, target=target.name, prefill_lengths=lengths,
                               cache_length=args.cache_length, batch_size=args.batch_size,
                               abstract_weights=args.abstract_weights, check=not args.no_check, **options)

@@ -89,3 +89,84 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._where)
+
+
+class PagePool:
+    """The pages of a paged KV cache (``decode_paged``): which pool page each live sequence holds, and which
+    full prompt pages are kept for later prompts (prefix caching by sharing: a cached page is read in place
+    by every sequence whose prompt starts with its tokens, never copied).
+
+    Page 0 belongs to no sequence (``llm.contract.paged_inputs``). A page is free, held (a count of the live
+    sequences reading it), or cached (keyed by its hash chain, held by none, evicted least recently used first
+    when a page is wanted). A sequence only writes pages it alone holds: a cached page is full and its
+    tokens are the prompt's, so nobody writes it again. Admission reserves each request's pages for its
+    whole length (prompt and ``max_new_tokens``): a running request never waits for memory nor is
+    preempted."""
+
+    def __init__(self, pages: int, page: int, prefix: bool = True, stats: dict | None = None):
+        self.pages, self.page, self.prefix = pages, page, prefix
+        self._free = list(range(pages - 1, 0, -1))
+        self._held = [0] * pages
+        self._keyed: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> page, LRU first
+        self._key_of: dict[int, bytes] = {}
+        self.reserved = 0  # pages promised to admitted requests and not yet taken
+        self.stats = stats if stats is not None else {}
+        for k in ("prefix_hit_tokens", "prefix_pages_stored", "prefix_evictions"):
+            self.stats.setdefault(k, 0)
+
+    def available(self) -> int:
+        """Pages that can be taken now (free, or cached and held by none), less those reserved."""
+        idle = sum(1 for p in self._keyed.values() if not self._held[p])
+        return len(self._free) + idle - self.reserved
+
+    def match(self, keys: Sequence[bytes]) -> list[int]:
+        """The cached pages of the longest run of ``keys`` from the first, each now held once more."""
+        found = []
+        for k in keys if self.prefix else ():
+            p = self._keyed.get(k)
+            if p is None:
+                break
+            self._keyed.move_to_end(k)
+            self._held[p] += 1
+            found.append(p)
+        return found
+
+    def take(self) -> int:
+        """A page for a sequence to write (held once): a free one, else the least recently used cached page
+        that no sequence holds (its key forgotten)."""
+        if self._free:
+            p = self._free.pop()
+        else:
+            key = next((k for k, p in self._keyed.items() if not self._held[p]), None)
+            if key is None:
+                raise RuntimeError("the page pool is exhausted")  # admission reserves pages: never reached
+            p = self._keyed.pop(key)
+            del self._key_of[p]
+            self.stats["prefix_evictions"] += 1
+        self._held[p] = 1
+        return p
+
+    def publish(self, key: bytes, page: int) -> None:
+        """A held page full of prompt tokens, kept under ``key`` for later prompts once nobody holds it (a key
+        cached already keeps its page)."""
+        if self.prefix and key not in self._keyed and page not in self._key_of:
+            self._keyed[key] = page
+            self._key_of[page] = key
+            self.stats["prefix_pages_stored"] += 1
+
+    def release(self, pages: Sequence[int]) -> None:
+        """A sequence's pages let go: each cached page stays cached, the others are free."""
+        for p in pages:
+            self._held[p] -= 1
+            if not self._held[p] and p not in self._key_of:
+                self._free.append(p)
+
+    def in_use(self) -> int:
+        return sum(1 for h in self._held if h)
+
+    def cached(self) -> int:
+        return len(self._keyed)
+
+    def clear(self) -> None:
+        """Everything forgotten (the pool's contents were lost): no page held, none cached."""
+        self.__init__(self.pages, self.page, self.prefix, self.stats)

@@ -15,7 +15,8 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InputError
-from ..llm.contract import DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, has_state, prefill_chunks, prefill_lengths
+from ..llm.contract import (DECODE, DECODE_BATCH, DECODE_PAGED, PREFILL, PREFILL_BATCH, has_state, prefill_chunks,
+                            prefill_lengths)
 from .follow import Following
 from .prefix import PAGE_SIZE, PrefixCache, default_pages, page_keys
 from .request import TOP_LOGPROBS, Request, SamplingParams, is_int
@@ -45,7 +46,16 @@ class Engine(Following):
     positions) stays on the device, in a pool of ``prefix_pages`` pages (default: as many positions as the
     batch's cache), and a later prompt that starts with the same pages gets them copied in and prefills only
     the rest (:mod:`.prefix`). Not for models with recurrent states (a state is not kept per page) nor under
-    several processes."""
+    several processes.
+
+    A program exported with a paged KV cache (``kv_pages``: ``decode_paged``) gives a
+    :class:`~.paged.PagedEngine` (unless ``batched=False``)."""
+
+    def __new__(cls, program=None, *args, **kwargs):
+        if cls is Engine and kwargs.get("batched", True) and DECODE_PAGED in getattr(program, "signatures", ()):
+            from .paged import PagedEngine
+            return super().__new__(PagedEngine)
+        return super().__new__(cls)
 
     def __init__(self, program, *, platform: str | None = None, batched: bool = True,
                  prefill_budget: int | None = None, prefix_cache: bool = True, prefix_pages: int | None = None,

@@ -14,42 +14,43 @@ def output_tree(program, sig: str):
 
 
 def program_call(runner, out_spec, length: int, cache_names: list[str], slots: bool):
-    """``call(weights, tokens, pos, caches) -> (logits, caches)`` over ``runner``'s exported program, traced
-    inside a jitted step: the attention mask from the positions (``slots``: ``pos`` is each row's first
-    position; else each query's position of the one sequence)."""
+    """``call(weights, tokens, pos, caches[, page_table]) -> (logits, caches)`` over ``runner``'s exported
+    program, traced inside a jitted step: the attention mask from the positions (``slots``: ``pos`` is each
+    row's first position; else each query's position of the one sequence). A paged program
+    (``decode_paged``, ``prefill_paged_<N>``) takes each row's pages too."""
     import torch.utils._pytree as pytree
     names = [s.name for s in runner.inputs]
     exported, n_out = runner.exported, len(runner.outputs)
 
-    def call(weights, tokens, pos, caches):
+    def call(weights, tokens, pos, caches, table=None):
         import jax.numpy as jnp
         # [B, N]: each query's position (slots: input_pos is each row's first position)
         rows = pos[:, None] + jnp.arange(tokens.shape[1], dtype=pos.dtype) if slots else pos[None]
         visible = jnp.arange(length)[None, None, :] <= rows[:, :, None]
         feed = {"tokens": tokens, "input_pos": pos, "mask": jnp.where(visible, 0.0, jnp.finfo(jnp.float32).min)
-                .astype(jnp.float32)[:, None], **dict(zip(cache_names, caches))}
+                .astype(jnp.float32)[:, None], "page_table": table, **dict(zip(cache_names, caches))}
         outs = pytree.tree_unflatten(list(exported.call(weights, *[feed[n] for n in names]))[:n_out], out_spec)
         return outs.get("logits"), tuple(outs[n] for n in cache_names)
     return call
 
 
 def jit_prefill(runner, out_spec, length: int, cache_names: list[str], slots: bool = False):
-    """``prefill(weights, tokens, start, caches) -> caches``, the caches donated: one request's chunk from
-    position ``start`` (``prefill_<N>``), or with ``slots`` every row of the batch from its own start
-    (``prefill_batch_<N>``)."""
+    """``prefill(weights, tokens, start, caches[, page_table]) -> caches``, the caches donated: one request's
+    chunk from position ``start`` (``prefill_<N>``), or with ``slots`` every row of the batch from its own
+    start (``prefill_batch_<N>``, ``prefill_paged_<N>``)."""
     import jax
     call = program_call(runner, out_spec, length, cache_names, slots)
 
-    def prefill(weights, tokens, start, caches):
+    def prefill(weights, tokens, start, caches, *table):
         import jax.numpy as jnp
         pos = start if slots else start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-        return call(weights, tokens, pos, caches)[1]
+        return call(weights, tokens, pos, caches, *table)[1]
     return jax.jit(prefill, donate_argnums=(3,))
 
 
 def jit_decode(runner, out_spec, length: int, cache_names: list[str], slots: bool, top: int = 0):
-    """``decode(weights, state, caches, allowed) -> ((tokens, logprobs, top values, top ids), state,
-    caches)``, state and caches donated: one step of every slot. Each slot's logits go through its
+    """``decode(weights, state, caches, allowed[, page_table]) -> ((tokens, logprobs, top values, top ids),
+    state, caches)``, state and caches donated: one step of every slot. Each slot's logits go through its
     processors (:func:`process`: penalties, logit bias, and ``allowed``, a ``[B, ceil(V / 32)]`` int32
     bitmask of the tokens a grammar or ``min_tokens`` lets through), then are sampled with its own key and
     parameters (:func:`state_rows`). ``logprobs`` is each sampled token's log-probability under the model
@@ -86,10 +87,10 @@ def _decode_body(runner, out_spec, length: int, cache_names: list[str], slots: b
     call = program_call(runner, out_spec, length, cache_names, slots)
     last = length - 1
 
-    def decode(weights, state, caches, allowed):
+    def decode(weights, state, caches, allowed, *table):
         import jax.numpy as jnp
         tokens, pos, keys, temp, top_k, top_p, presence, frequency, repetition, counts, seen, bias = state
-        logits, caches = call(weights, tokens[:, None], pos, caches)
+        logits, caches = call(weights, tokens[:, None], pos, caches, *table)
         keys = jax.vmap(jax.random.split)(keys)  # [B, 2, 2]: the slot's next key, this step's key
         raw = logits[:, -1].astype(jnp.float32)
         x = process(raw, allowed, presence, frequency, repetition, counts, seen, bias)

@@ -17,6 +17,10 @@ PREFILL = "prefill_{}"
 DECODE = "decode"
 DECODE_BATCH = "decode_batch"  # tpu serving: one token for each of B sequences (slots), each at its own position
 PREFILL_BATCH = "prefill_batch_{}"  # tpu serving: N prompt tokens for each of B slots, each row from its own start
+# tpu serving over a paged KV cache (``export_llm(..., paged=True)``): the same steps, the caches a pool of pages
+# shared by all rows, each row's pages in its ``page_table`` row
+DECODE_PAGED = "decode_paged"
+PREFILL_PAGED = "prefill_paged_{}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +108,18 @@ def slot_inputs(layout: CacheLayout, slots: int, n: int = 1) -> dict:
     """Sample inputs of a batched step over ``slots`` sequences (``n`` tokens each)."""
     return dict(tokens=torch.zeros(slots, n, dtype=torch.int32), input_pos=torch.zeros(slots, dtype=torch.int32),
                 mask=torch.zeros(slots, 1, n, layout.length), **layout.empty(batch=slots))
+
+
+def paged_inputs(layout: CacheLayout, slots: int, n: int, pages: int, page: int) -> dict:
+    """Sample inputs of a paged step over ``slots`` sequences (``n`` tokens each): each KV cache a pool
+    ``[pages, heads, page, dim]``, and ``page_table [slots, C / page]`` int32, row ``b``'s pool page for each
+    ``page`` positions of its sequence. Pool page 0 belongs to no sequence: rows taking no part in a step
+    point there (and a chunk's padding past the cache's end is written there); it is never read unmasked."""
+    pools = {name: torch.zeros((pages, shape[1], page, shape[3]), dtype=cache.dtype)
+             for name, cache in layout.empty().items() for shape in [cache.shape]}
+    return dict(tokens=torch.zeros(slots, n, dtype=torch.int32), input_pos=torch.zeros(slots, dtype=torch.int32),
+                mask=torch.zeros(slots, 1, n, layout.length),
+                page_table=torch.zeros(slots, layout.length // page, dtype=torch.int32), **pools)
 
 
 def cache_shardings(layout: CacheLayout, mesh) -> dict:

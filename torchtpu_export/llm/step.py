@@ -45,8 +45,9 @@ class _StepCache(_CacheProtocol):
     The model updates some in place: each is a copy of the step's input, given back as the output."""
 
     def __init__(self, caches: dict, layout: CacheLayout, input_pos, slots: bool, sequential=frozenset(),
-                 padded: bool = False):
+                 padded: bool = False, table=None):
         kv = set(layout.attention_layers())
+        self.table = None if table is None else table.to(torch.int64)  # paged: [B, C / page] pool pages
         self.sequential = sequential
         self.k = [caches[f"kv_cache_k_{i}"] if i in kv else None for i in range(layout.layers)]
         self.v = [caches[f"kv_cache_v_{i}"] if i in kv else None for i in range(layout.layers)]
@@ -66,6 +67,8 @@ class _StepCache(_CacheProtocol):
 
     def _write(self, cache, new):
         new = new.to(cache.dtype)
+        if self.table is not None:
+            return self._write_pages(cache, new)
         if self.slots:  # each slot (batch row) from its own start (positions past the cache are dropped):
             # cache[row, :, pos] = new, a scatter of (heads, dim) windows, one per row and position. An
             # element-wise scatter (Tensor.scatter) makes XLA relayout the whole cache, layer by layer
@@ -75,10 +78,32 @@ class _StepCache(_CacheProtocol):
             return torch.ops.aten.index_put(cache, [rows, None, pos], new.transpose(1, 2))
         return cache.index_copy(2, self.pos[0] + torch.arange(new.shape[2], dtype=torch.int64), new)
 
+    def _write_pages(self, pool, new):
+        """A paged cache (``pool [pages, heads, page, dim]``): row ``b``'s position ``p`` is slot ``p % page`` of
+        pool page ``table[b, p // page]``, written as the slots' step writes (a (heads, dim) window per row and
+        position). Page 0 is no sequence's (``llm.contract.paged_inputs``): rows taking no part point there,
+        and so do positions past the cache's end (a chunk's padding)."""
+        b, h, n, d = new.shape
+        page = pool.shape[2]
+        pos = self.pos.view(b, 1) + torch.arange(n, dtype=torch.int64).view(1, n)
+        pages = self.table.shape[1]
+        where = self.table.gather(1, torch.clamp(pos // page, max=pages - 1))
+        where = torch.where(pos < pages * page, where, torch.zeros_like(where))
+        return torch.ops.aten.index_put(pool, [where, None, pos % page], new.transpose(1, 2))
+
+    def _attended(self, cache):
+        """What attention reads: the cache itself, or a paged cache's pages of each row in sequence order
+        (``[B, heads, C, dim]``, gathered: XLA's path; positions a row has not written are masked)."""
+        if self.table is None:
+            return cache
+        b, pages = self.table.shape
+        got = cache[self.table]  # [B, pages, heads, page, dim]
+        return got.permute(0, 2, 1, 3, 4).reshape(b, cache.shape[1], pages * cache.shape[2], cache.shape[3])
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.k[layer_idx] = self._write(self.k[layer_idx], key_states)
         self.v[layer_idx] = self._write(self.v[layer_idx], value_states)
-        return self.k[layer_idx], self.v[layer_idx]
+        return self._attended(self.k[layer_idx]), self._attended(self.v[layer_idx])
 
     # the linear-attention protocol (transformers' ``Cache``): recurrent layers' states
     def _state(self, kind: str, layer_idx: int, state_idx: int):
@@ -242,7 +267,9 @@ class CacheStep(torch.nn.Module):
 
     With ``slots`` (batched steps for serving), each batch row is a separate sequence:
     ``(tokens [B,N], input_pos [B] (each row's first position), mask [B,1,N,C], caches [B,...])``; writes
-    past the cache's end are dropped (the engine parks rows that take no part at position C)."""
+    past the cache's end are dropped (the engine parks rows that take no part at position C). Given a
+    ``page_table [B, C / page]`` input as well (``llm.contract.paged_inputs``), each cache is a pool of pages
+    shared by the rows (``[pages, heads, page, dim]``) and each row's positions are in its table's pages."""
 
     def __init__(self, model, layout: CacheLayout, logits: bool, slots: bool = False, padded: bool = False):
         super().__init__()
@@ -264,7 +291,8 @@ class CacheStep(torch.nn.Module):
         return layer_masks(self.model.config, mask, sliding)
 
     def forward(self, tokens, input_pos, mask, **caches):
-        cache = _StepCache(caches, self.layout, input_pos, self.slots, self.sequential, self.padded)
+        table = caches.pop("page_table", None)
+        cache = _StepCache(caches, self.layout, input_pos, self.slots, self.sequential, self.padded, table)
         n = tokens.shape[1]
         positions = input_pos[:, None] + torch.arange(n, dtype=input_pos.dtype) if self.slots else input_pos[None]
         _GROUP_MASKS.clear()  # each trace of a step makes its own

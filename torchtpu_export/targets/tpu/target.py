@@ -285,7 +285,7 @@ def describe_lines(desc: dict, program: str | None) -> list[str]:
             lines.append(f"recurrent states: {states['tensors']} tensors beside the KV cache, "
                          f"{states['bytes_per_sequence']} bytes per sequence (prompts cut into exact chunks)")
         elif llm:
-            lines.append(_prefix_line(desc, llm))
+            lines.append(_pages_line(desc, llm))
         return lines
     prog = desc["programs"][program]
     for k in prog.get("kernels") or []:
@@ -326,12 +326,16 @@ def _kernel_cost_line(cost: dict) -> str:
     return f"  kernels vs XLA (bytes accessed, compiler's cost analysis): {per}; kept {cost.get('kept')}"
 
 
-def _prefix_line(desc: dict, llm: dict) -> str:
-    """What ``serve`` keeps for prefix caching by default (:mod:`torchtpu_export.engine.prefix`)."""
+def _pages_line(desc: dict, llm: dict) -> str:
+    """What ``serve`` keeps for prefix caching by default (:mod:`torchtpu_export.engine.prefix`), or a paged
+    program's page pool (:mod:`torchtpu_export.engine.paged`)."""
     import ml_dtypes
     import numpy as np
 
     from ...engine.prefix import PAGE_SIZE, default_pages
+    from ...llm.contract import DECODE_PAGED
+    paged = [i for i in (desc.get("programs", {}).get(DECODE_PAGED) or {}).get("inputs", [])
+             if i["name"].startswith(("kv_cache_k_", "kv_cache_v_"))]
     kv = [i for i in (desc.get("programs", {}).get("decode") or {}).get("inputs", [])
           if i["name"].startswith(("kv_cache_k_", "kv_cache_v_"))]
 
@@ -344,6 +348,13 @@ def _prefix_line(desc: dict, llm: dict) -> str:
     per_position = sum(i["shape"][1] * i["shape"][3] * itemsize(i["dtype"]) for i in kv
                        if len(i["shape"]) == 4 and all(isinstance(d, int) for d in i["shape"]))
     slots = llm.get("slots", 1)
+    if paged and all(len(i["shape"]) == 4 and all(isinstance(d, int) for d in i["shape"]) for i in paged):
+        pages, page = paged[0]["shape"][0], paged[0]["shape"][2]
+        mib = sum(int(np.prod(i["shape"])) * itemsize(i["dtype"]) for i in paged) / 2 ** 20
+        full = (pages - 1) * page // llm["cache_length"]
+        return (f"serving: paged KV cache of {pages} pages of {page} positions ({mib:.1f} MiB on the device) shared "
+                f"by {slots} rows: {(pages - 1) * page} positions, {full} sequence(s) of the full "
+                f"{llm['cache_length']}; prefix pages shared in place (serve --no-prefix-cache: kept by none)")
     pages = default_pages(slots, llm["cache_length"])
     mib = pages * PAGE_SIZE * per_position / 2 ** 20
     return (f"serving: prefix cache of {pages} pages of {PAGE_SIZE} positions ({mib:.1f} MiB on the device; "
@@ -409,9 +420,9 @@ def llm_options(source, layout, prefill_lengths) -> dict:
 def _carry_llm(artifact, llm: dict) -> None:
     """What a server needs to take text: the tokenizer, its special tokens and
     the chat template, the cache length, prefill lengths and decode slots."""
-    from ...llm.contract import DECODE_BATCH
+    from ...llm.contract import DECODE_BATCH, DECODE_PAGED
     manifest = artifact.manifest
-    batch = manifest["programs"].get(DECODE_BATCH)
+    batch = manifest["programs"].get(DECODE_BATCH) or manifest["programs"].get(DECODE_PAGED)
     source, layout = llm["source"], llm["layout"]
     info = {"name": source.name, "cache_length": layout.length, "prefill_lengths": llm["prefill_lengths"],
             "slots": next(i["shape"][0] for i in batch["inputs"] if i["name"] == "tokens") if batch else 1}

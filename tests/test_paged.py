@@ -1,0 +1,139 @@
+"""Serving over a paged KV cache (`torchtpu-export DIR --target tpu --kv-pages P`): the engine's rows share one
+pool of pages, a prompt's cached prefix pages are read in place, and admission waits for pages; every
+request still gets transformers' greedy tokens."""
+import numpy as np
+import pytest
+import torch
+
+import hf_llms
+import torchtpu_export as tte
+from conftest import export_folder, run_cli
+from torchtpu_export.engine import Engine
+from torchtpu_export.engine.paged import PagedEngine
+from torchtpu_export.errors import InputError
+
+pytestmark = pytest.mark.xdist_group("paged")
+
+PAGES = 13  # two sequences of the full 96 positions (6 pages of 16 each) and page 0: fewer than 4 rows' worth
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    model, tok = hf_llms.build("llama")
+    folder = tmp_path_factory.mktemp("paged") / "tiny-llama"
+    path = folder.parent / "tiny-llama.tpu"
+    export_folder(model, tok, folder, ["--target", "tpu", "--platforms", "cpu", "--prefill-lengths", "8,32",
+                                       "--cache-length", "96", "--batch-size", "4", "--kv-pages", str(PAGES),
+                                       "-o", path])
+    return model, path
+
+
+def greedy(model, ids, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(ids):]
+    out = out.tolist()
+    return out[:out.index(2)] if 2 in out else out
+
+
+def _prompts(seed, prefix, tails):
+    rng = np.random.default_rng(seed)
+    system = rng.integers(3, 300, prefix).tolist()
+    return [system + rng.integers(3, 300, k).tolist() for k in tails]
+
+
+def _run(engine, prompts, n, waves=3):
+    """``prompts`` submitted in waves (the engine stepping in between), all run to their end."""
+    requests = []
+    for i in range(0, len(prompts), waves):
+        requests += [engine.submit(p, n, stop=[2]) for p in prompts[i:i + waves]]
+        for _ in range(3):
+            engine.step()
+    while engine.busy:
+        engine.step()
+    return [r.result() for r in requests]
+
+
+def test_paged_engine_gives_transformers_tokens_for_mixed_lengths_and_arrivals(llm):
+    """Ten requests of 1 to 70 prompt tokens arriving in waves on 4 rows, the pool holding two full-length
+    sequences: each request gets transformers' greedy tokens (as the slot engine does), prompts are prefilled
+    in place several rows per call, and when all have ended every page is back (none held, none reserved)."""
+    model, path = llm
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 300, k).tolist() for k in (1, 9, 70, 33, 5, 17, 2, 48, 12, 26)]
+    wants = [greedy(model, p, 14) for p in prompts]
+    engine = Engine(tte.load(path), prefix_cache=False)
+    assert isinstance(engine, PagedEngine) and (engine.slots, engine.pages, engine.page_size) == (4, PAGES, 16)
+    assert _run(engine, prompts, 14) == wants
+    s = engine.stats
+    assert s["prefill_row_chunks"] > s["batched_prefill_calls"] and s["decode_steps"] < s["tokens"]
+    assert s["most_pages_in_use"] <= PAGES - 1 and s["prefix_hit_tokens"] == 0
+    assert engine._pool.in_use() == 0 and engine._pool.reserved == 0 and engine._pool.cached() == 0
+    # the one-slot programs serve the same file without the pages (batched=False)
+    single = Engine(tte.load(path), batched=False)
+    assert not isinstance(single, PagedEngine) and single.generate(prompts[2], 14, stop=[2]) == wants[2]
+
+
+def test_paged_prefix_hits_read_cached_pages_in_place(llm):
+    """Prompts sharing a 40-token start: the first request's two full pages stay in the pool when it ends,
+    later prompts read them (no copy) and prefill only the rest, rows reading the same page at once; the
+    tokens are the misses'. A prompt differing in its first token matches nothing."""
+    model, path = llm
+    prompts = _prompts(1, 40, (3, 9, 17, 1, 30))
+    prompts.append([prompts[0][0] + 1] + prompts[0][1:])
+    wants = [greedy(model, p, 10) for p in prompts]
+    engine = Engine(tte.load(path))
+    assert engine.generate(prompts[0], 10, stop=[2]) == wants[0]
+    assert engine.stats["prefix_pages_stored"] == 2 and engine._pool.cached() == 2 and engine._pool.in_use() == 0
+    before = dict(engine.stats)
+    together = [engine.submit(p, 10, stop=[2]) for p in prompts[1:5]]
+    while engine.busy:
+        engine.step()
+    assert [r.result() for r in together] == wants[1:5]
+    assert engine.stats["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 4 * 32
+    assert engine.stats["prefill_tokens"] - before["prefill_tokens"] == sum(len(p) - 1 - 32 for p in prompts[1:5])
+    before = dict(engine.stats)
+    assert engine.generate(prompts[5], 10, stop=[2]) == wants[5]
+    assert engine.stats["prefix_hit_tokens"] == before["prefix_hit_tokens"]
+
+
+def test_a_small_pool_makes_requests_wait_and_evicts_cached_pages(llm):
+    """Twelve requests of six 35-token starts on a pool of two full-length sequences: a request is admitted
+    when its whole length fits (others wait, none fails), cached pages are evicted least recently used first
+    when pages are wanted, some requests still hit, and every request gets the tokens it gets without the
+    cache."""
+    model, path = llm
+    prompts = [p for seed in range(6) for p in _prompts(10 + seed, 35, (4, 11))]
+    wants = [greedy(model, p, 40) for p in prompts]
+    engine = Engine(tte.load(path))
+    assert _run(engine, prompts, 40) == wants
+    s = engine.stats
+    assert s["prefix_evictions"] > 0 and s["prefix_hit_tokens"] > 0 and s["most_pages_in_use"] <= PAGES - 1
+    assert engine._pool.in_use() == 0 and engine._pool.reserved == 0 and engine._pool.cached() <= PAGES - 1
+    # a cancelled request gives its pages back
+    r = engine.submit(prompts[0], 40)
+    engine.step()
+    assert engine._pool.in_use() > 0
+    r.cancel()
+    while engine.busy:
+        engine.step()
+    assert r.finish_reason == "cancelled" and engine._pool.in_use() == 0 and engine._pool.reserved == 0
+
+
+def test_paged_export_is_inspected_and_bad_page_options_are_refused(llm, tmp_path):
+    model, path = llm
+    shown = run_cli("inspect", path)
+    assert ("serving: paged KV cache of 13 pages of 16 positions (0.1 MiB on the device) shared by 4 rows: 192 "
+            "positions, 2 sequence(s) of the full 96") in shown.stdout, shown.stdout
+    with pytest.raises(InputError, match="kv_pages must be 'auto' or an integer of at least 7"):
+        tte.export_llm(model, target="tpu", cache_length=96, prefill_lengths=(8,), kv_pages=6)
+    with pytest.raises(InputError, match="page_size must be a positive integer dividing"):
+        tte.export_llm(model, target="tpu", cache_length=96, prefill_lengths=(8,), kv_pages="auto", page_size=10)
+    with pytest.raises(InputError, match="kv_pages .* applies to target='tpu'"):
+        tte.export_llm(model, target="litertlm", cache_length=96, prefill_lengths=(8,), kv_pages="auto")
+    with pytest.raises(InputError, match="prefix_pages sizes the slots' prefix pool"):
+        Engine(tte.load(path), prefix_pages=4)
+    mamba, tok = hf_llms.moe("lfm2")
+    with pytest.raises(InputError, match="recurrent states cannot have a paged cache"):
+        tte.export_llm(mamba, tok, target="tpu", cache_length=32, prefill_lengths=(8,), kv_pages="auto")
+    bad = run_cli(tmp_path, "--target", "tpu", "--kv-pages", "many", "-o", tmp_path / "x.tpu")
+    assert bad.returncode == 2 and "--kv-pages takes an integer or 'auto'" in bad.stderr and "Traceback" not in bad.stderr

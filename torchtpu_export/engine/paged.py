@@ -1,0 +1,296 @@
+"""Continuous batching over a paged KV cache (``tte.export_llm(..., target="tpu", kv_pages=...)``).
+
+Every cache is one pool of pages shared by the batch's rows (``decode_paged``, ``prefill_paged_<N>``): a
+row's sequence is in the pages of its ``page_table`` row, taken from the pool as it grows and given back
+when it ends, so memory holds live tokens, not rows x cache length. :class:`PagedEngine` is the
+:class:`~.scheduler.Engine` for such a program (``Engine(program)`` gives one); its requests, sampling,
+processors and thread are the engine's. What differs:
+
+- prompts are prefilled in place, in their rows' pages: every row still filling advances by one chunk per
+  call (``prefill_paged_<N>``, each row from its own start), within the per-step token budget while others
+  decode; rows taking no part point at page 0, which no sequence owns;
+- prefix caching shares pages instead of copying them (:class:`.prefix.PagePool`): a prompt's full pages
+  stay in the pool, keyed by a hash chain of their tokens, when their request ends; a later prompt starting
+  with the same tokens reads them in place and prefills only the rest. Cached pages nobody holds are
+  evicted least recently used first when a page is wanted;
+- a request is admitted when the pool can hold its whole length (prompt and ``max_new_tokens``): pages are
+  reserved then and taken as the sequence grows, so no running request waits for memory or is preempted;
+  the first waiting request that does not fit waits for pages to be given back (first come, first served).
+
+Attention reads each row's pages gathered in sequence order (XLA's path, the same on every platform)."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+
+import numpy as np
+
+from ..errors import InputError
+from ..llm.contract import DECODE_PAGED, PREFILL_PAGED
+from .prefix import PagePool, page_keys
+from .request import TOP_LOGPROBS
+from .scheduler import Engine
+from .step import (cache_shardings, jit_decode, jit_prefill, jit_set_row, jit_zeros, mask_words, output_tree, state_row,
+                   state_rows)
+
+log = logging.getLogger("torchtpu_export")
+
+
+class _Row:
+    """A row of the batch: its request, its pool pages in sequence order, the prompt positions written, and
+    the pages still reserved for it."""
+
+    def __init__(self, request=None, pages=(), filled: int = 0, owed: int = 0):
+        self.request, self.pages, self.filled, self.owed = request, list(pages), filled, owed
+        self.decoding = False
+        self.position = 0  # while decoding: the position the next decode step writes
+
+
+class PagedEngine(Engine):
+    """:class:`~.scheduler.Engine` over a paged program (see the module). ``prefix_cache=False`` keeps no
+    page after its request; the pool's size and page length are the program's (``kv_pages`` and
+    ``page_size`` at export)."""
+
+    def __init__(self, program, *, platform: str | None = None, batched: bool = True,
+                 prefill_budget: int | None = None, prefix_cache: bool = True, prefix_pages: int | None = None,
+                 page_size: int | None = None):
+        import collections
+        import threading
+
+        import jax
+        import torch.utils._pytree as pytree
+        from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+        self._jax = jax
+        sigs = program.signatures
+        self.lengths = sorted(int(m.group(1)) for m in (re.fullmatch(r"prefill_paged_(\d+)", s) for s in sigs) if m)
+        if DECODE_PAGED not in sigs or not self.lengths:
+            raise InputError(f"a paged engine needs decode_paged and prefill_paged_<N> programs; this artifact has "
+                             f"{sigs}", hint="export the model with tte.export_llm(..., target='tpu', kv_pages=...)")
+        if prefix_pages is not None:
+            raise InputError("prefix_pages sizes the slots' prefix pool; a paged program keeps its prefix pages in its "
+                             "cache's pool (kv_pages at export)")
+        self.program = program
+        self.decode_runner = program.runner(DECODE_PAGED, platform)
+        spec = {s.name: s for s in self.decode_runner.inputs}
+        missing = {"tokens", "input_pos", "mask", "page_table"} - set(spec)
+        if missing:
+            raise InputError(f"program {DECODE_PAGED} has no {sorted(missing)} input: it is not an export_llm program")
+        self.cache_names = [n for n in spec if n.startswith("kv_cache_")]
+        pool = spec[self.cache_names[0]].shape
+        self.pages, self.page_size = pool[0], pool[2]
+        if page_size is not None and page_size != self.page_size:
+            raise InputError(f"this program's pages hold {self.page_size} positions, not {page_size}")
+        self.slots = spec["tokens"].shape[0]
+        self.length = spec["mask"].shape[-1]
+        self._max_pages = spec["page_table"].shape[1]
+        self.exact = False
+        self.prefill_budget = prefill_budget or self.lengths[-1]
+        outs = pytree.tree_unflatten(list(self.decode_runner.outputs), output_tree(program, DECODE_PAGED))
+        if not isinstance(outs, dict) or "logits" not in outs:
+            raise InputError(f"program {DECODE_PAGED} has no logits output: it is not an export_llm program")
+        self.vocab = outs["logits"].shape[-1]
+        mesh = self.decode_runner.mesh
+        if mesh is not None and jax.process_count() > 1:
+            raise InputError("a paged cache is served by one process", hint="export without kv_pages for serve "
+                             "--distributed")
+        self.processes, self.lead = 1, True
+        weights = self.decode_runner.weights
+        self.device = next(iter(weights.values())).devices().pop() if weights else jax.devices()[0]
+        self._small = SingleDeviceSharding(self.device) if mesh is None else NamedSharding(mesh, PartitionSpec())
+        self.runners = {PREFILL_PAGED.format(n): program.runner(PREFILL_PAGED.format(n), platform)
+                        for n in self.lengths}
+        self._fns = {sig: jit_prefill(r, output_tree(program, sig), self.length, self.cache_names, slots=True)
+                     for sig, r in self.runners.items()}
+        self._decodes: dict = {}
+        self._set_row = jit_set_row()
+        self._solo = None
+        self.stats = {"decode_steps": 0, "tokens": 0, "prefill_tokens": 0, "requests": 0,
+                      "decode_bytes_to_device": 0, "decode_bytes_to_host": 0, "busy_slot_steps": 0,
+                      "batched_prefill_calls": 0, "prefill_row_chunks": 0, "most_pages_in_use": 0}
+        self._pool_zeros = jit_zeros(self.pages, [(tuple(spec[n].shape[1:]), np.dtype(spec[n].dtype))
+                                                  for n in self.cache_names],
+                                     cache_shardings(self.decode_runner, self.cache_names, self._small))
+        self._caches = self._pool_zeros()
+        self._pool = PagePool(self.pages, self.page_size, prefix_cache, self.stats)
+        self._prefix = self._pool if prefix_cache else None
+        self._state = self._put(state_rows(self.slots, self.vocab))
+        self._everything = self._put(np.full((self.slots, mask_words(self.vocab)), -1, np.int32))
+        self._slots = [_Row() for _ in range(self.slots)]
+        self._waiting = collections.deque()
+        self._inbox = collections.deque()
+        self._cv = threading.Condition()
+        self._thread = None
+        self._stopping = self._halted = False
+
+    # ---- the scheduler ------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One scheduler step: admit what the pool holds, prefill within the budget, then one decode step of
+        every decoding row. Returns whether there was anything to do."""
+        jax = self._jax
+        if not self._sync():
+            return False
+        decoding = any(r.decoding for r in self._slots)
+        self._admit()
+        self._prefill_rows(self.prefill_budget if decoding else None)
+        busy = [i for i, r in enumerate(self._slots) if r.decoding]
+        if not busy:
+            return self.busy
+        asked = [self._slots[i].request.params.logprobs for i in busy
+                 if self._slots[i].request.params.logprobs is not None]
+        top = TOP_LOGPROBS if any(asked) else 0
+        table = np.zeros((self.slots, self._max_pages), np.int32)  # rows not decoding: page 0
+        for i in busy:
+            row = self._slots[i]
+            self._grow(row, row.position + 1)
+            table[i, :len(row.pages)] = row.pages
+        mask = self._mask()
+        if top not in self._decodes:
+            self._decodes[top] = jit_decode(self.decode_runner, output_tree(self.program, DECODE_PAGED), self.length,
+                                            self.cache_names, True, top)
+        allowed = self._everything if mask is None else self._put(mask)
+        out, self._state, self._caches = self._decodes[top](self.decode_runner.weights, self._state, self._caches,
+                                                            allowed, self._put(table))
+        tokens = np.asarray(jax.device_get(out[0]))
+        logprobs = jax.device_get(out[1:]) if asked else None
+        self.stats["decode_steps"] += 1
+        self.stats["decode_bytes_to_host"] += tokens.nbytes + (sum(a.nbytes for a in logprobs) if asked else 0)
+        for i in busy:
+            row = self._slots[i]
+            row.position += 1
+            self.stats["busy_slot_steps"] += 1
+            k = row.request.params.logprobs
+            lp = None if k is None else (float(logprobs[0][i]), [(int(t), float(v)) for t, v in
+                                                              zip(logprobs[2][i][:k], logprobs[1][i][:k])])
+            self._deliver(i, row, int(tokens[i]), lp)
+        return True
+
+    def _needed(self, request) -> int:
+        """The pages of a request's whole length: its prompt before the last token, then a position per new
+        token (the last one's never written)."""
+        positions = min(len(request.prompt) - 1 + request.params.max_new_tokens, self.length)
+        return -(-positions // self.page_size)
+
+    def _admit(self) -> None:
+        """Waiting requests into free rows, first come first served, while the pool can hold each whole."""
+        for i, row in enumerate(self._slots):
+            if row.request is not None:
+                continue
+            while self._waiting and self._waiting[0].dropped:
+                self._waiting.popleft().finish("cancelled")
+            if not self._waiting:
+                return
+            request = self._waiting[0]
+            if request.page_keys is None:  # the full pages of what is prefilled (all but the last prompt token)
+                request.page_keys = page_keys(request.prompt[:-1], self.page_size)[:self._max_pages]
+            hit = self._pool.match(request.page_keys)
+            owed = self._needed(request) - len(hit)
+            if owed > self._pool.available():
+                self._pool.release(hit)
+                return  # it waits for pages (and those after it wait for it)
+            self._waiting.popleft()
+            if request.siblings:  # n > 1: each choice a request of its own, next in line
+                self._waiting.extendleft(reversed(request.siblings))
+                request.siblings = []
+            self._pool.reserved += owed
+            self._slots[i] = _Row(request, hit, len(hit) * self.page_size, owed)
+            self.stats["prefix_hit_tokens"] += len(hit) * self.page_size
+
+    def _grow(self, row: _Row, positions: int) -> None:
+        """Pages for ``row``'s first ``positions`` positions, taken from its reservation."""
+        while len(row.pages) * self.page_size < positions:
+            row.pages.append(self._pool.take())
+            row.owed -= 1
+            self._pool.reserved -= 1
+        self.stats["most_pages_in_use"] = max(self.stats["most_pages_in_use"], self._pool.in_use())
+
+    def _prefill_rows(self, budget) -> None:
+        """Every row still filling advances by one chunk per call, in place, within ``budget`` tokens (None:
+        all); a row whose prompt is in enters the decode batch."""
+        while True:
+            rows = [(i, r) for i, r in enumerate(self._slots) if r.request is not None and not r.decoding]
+            for i, r in rows:
+                if r.request.dropped:
+                    self._free(i, "cancelled")
+            rows = [(i, r) for i, r in rows if r.request is not None]
+            left = {i: len(r.request.prompt) - 1 - r.filled for i, r in rows}
+            for i, r in rows:
+                if not left[i]:
+                    with self._alone([i]):
+                        self._activate(i, r)
+            rows = [(i, r) for i, r in rows if left[i] and r.request is not None]
+            if not rows or (budget is not None and budget <= 0):
+                return
+            # the longest length that the longest prompt fills, else the shortest that holds it: little padding
+            most = max(left[i] for i, _ in rows)
+            n = max((k for k in self.lengths if k <= most), default=self.lengths[0])
+            tokens = np.zeros((self.slots, n), np.int32)
+            start = np.zeros(self.slots, np.int32)
+            table = np.zeros((self.slots, self._max_pages), np.int32)
+            for i, r in rows:
+                take = min(n, left[i])
+                tokens[i, :take] = r.request.prompt[r.filled:r.filled + take]
+                start[i] = r.filled
+                self._grow(r, r.filled + take)
+                table[i, :len(r.pages)] = r.pages
+            sig = PREFILL_PAGED.format(n)
+            with self._alone([i for i, _ in rows]):
+                self._caches = self._fns[sig](self.runners[sig].weights, self._put(tokens), self._put(start),
+                                              self._caches, self._put(table))
+                for i, r in rows:
+                    r.filled += min(n, left[i])
+                    self.stats["prefill_tokens"] += min(n, left[i])
+                self.stats["batched_prefill_calls"] += 1
+                self.stats["prefill_row_chunks"] += len(rows)
+            if budget is not None:
+                budget -= n * len(rows)
+
+    def _activate(self, i: int, row: _Row) -> None:
+        """A prefilled request into the decode batch: its state row set, its full prompt pages kept for
+        later prompts."""
+        r = row.request
+        state = state_row(r.params, r.prompt, 0 if r.params.seed is None else int(r.params.seed), self.vocab)
+        self._state = self._set_row(self._state, self._put(np.int32(i)), self._put(state))
+        for key, page in zip(r.page_keys, row.pages):
+            self._pool.publish(key, page)
+        row.decoding, row.position = True, len(r.prompt) - 1
+
+    @contextlib.contextmanager
+    def _alone(self, rows: list[int]):
+        """Work for the requests in ``rows`` only: if it fails, those requests end with the error and the step
+        goes on for the others, unless the failure took the pool or the state with it (a donated call that
+        ran), which ends the step for all."""
+        try:
+            yield
+        except Exception as e:
+            leaves = self._jax.tree.leaves((self._state, self._caches))
+            if any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
+                raise
+            log.error("a request's prefill failed (%s: %s); the other requests go on", type(e).__name__, e)
+            for i in rows:
+                if self._slots[i].request is not None:
+                    self._free(i, "error", e)
+
+    def _free(self, i: int, reason: str, error: BaseException | None = None) -> None:
+        row = self._slots[i]
+        row.request.finish(reason, error)
+        self._pool.release(row.pages)
+        self._pool.reserved -= row.owed
+        self._slots[i] = _Row()
+
+    def _reset(self, error: BaseException) -> None:
+        for i, row in enumerate(self._slots):
+            if row.request is not None:
+                self._free(i, "error", error)
+        if self._stopping or self._halted:
+            with self._cv:
+                left = list(self._waiting) + list(self._inbox)
+                self._waiting.clear()
+                self._inbox.clear()
+            for r in left:
+                r.finish("error", error)
+        self._state = self._put(state_rows(self.slots, self.vocab))
+        if any(getattr(x, "is_deleted", lambda: False)() for x in self._caches):  # the pool went with a failed call
+            self._caches = self._pool_zeros()
+            self._pool.clear()
