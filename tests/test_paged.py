@@ -1,13 +1,16 @@
 """Serving over a paged KV cache (`torchtpu-export DIR --target tpu --kv-pages P`): the engine's rows share one
 pool of pages, a prompt's cached prefix pages are read in place, and admission waits for pages; every
 request still gets transformers' greedy tokens."""
+import concurrent.futures
+
 import numpy as np
+import openai
 import pytest
-import torch
 
 import hf_llms
 import torchtpu_export as tte
 from conftest import export_folder, run_cli
+from test_serving import Server, greedy
 from torchtpu_export.engine import Engine
 from torchtpu_export.engine.paged import PagedEngine
 from torchtpu_export.errors import InputError
@@ -26,13 +29,6 @@ def llm(tmp_path_factory):
                                        "--cache-length", "96", "--batch-size", "4", "--kv-pages", str(PAGES),
                                        "-o", path])
     return model, path
-
-
-def greedy(model, ids, n):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(ids):]
-    out = out.tolist()
-    return out[:out.index(2)] if 2 in out else out
 
 
 def _prompts(seed, prefix, tails):
@@ -137,3 +133,40 @@ def test_paged_export_is_inspected_and_bad_page_options_are_refused(llm, tmp_pat
         tte.export_llm(mamba, tok, target="tpu", cache_length=32, prefill_lengths=(8,), kv_pages="auto")
     bad = run_cli(tmp_path, "--target", "tpu", "--kv-pages", "many", "-o", tmp_path / "x.tpu")
     assert bad.returncode == 2 and "--kv-pages takes an integer or 'auto'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_paged_programs_compile_for_tpu_with_the_pool_donated():
+    """The TPU compiler (libtpu, ahead of time, v5e) accepts the paged decode and prefill steps, and the pool
+    is updated in place (its buffers aliased to the outputs)."""
+    model, tok = hf_llms.build("llama")
+    prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8,), cache_length=64, batch_size=2,
+                          kv_pages="auto")
+    assert {"decode_paged", "prefill_paged_8"} <= set(prog.signatures)
+    pool = sum(int(np.prod(s.shape)) * 4 for s in prog.inputs("decode_paged") if s.name.startswith("kv_cache_"))
+    for sig in ("decode_paged", "prefill_paged_8"):
+        stats = prog.compiled_stats("v5e:1x1", sig)
+        assert stats["fits"] and stats["hbm_bytes"]["aliased"] >= pool, (sig, stats)
+
+
+def test_serve_batches_concurrent_streams_over_the_pages(llm):
+    """`torchtpu-export serve` on a paged export: 8 streaming OpenAI requests at once get transformers'
+    greedy tokens."""
+    model, path = llm
+    tok = hf_llms.build("llama")[1]
+    prompts = ["hello world", "the quick brown fox", "a", "tiny language model", "tokens are made locally",
+               "one two three", "small corpus of text", "what comes next"]
+    server = Server(path)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def stream(prompt):
+            s = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0,
+                                          stream=True)
+            return "".join(c.choices[0].text for c in s)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(stream, prompts))
+    finally:
+        server.close()
+    for prompt, text in zip(prompts, got):
+        assert text == tok.decode(greedy(model, tok(prompt)["input_ids"], 12), skip_special_tokens=True), prompt
