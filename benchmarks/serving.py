@@ -132,32 +132,40 @@ def bench(name: str, concurrency: list[int], new_tokens: int) -> dict:
     program = tte.export_llm(model, None, target="tpu", prefill_lengths=lengths, cache_length=cache,
                              batch_size=slots, platforms=("cpu",))
     export_s = time.perf_counter() - t
+    paged_program = tte.export_llm(model, None, target="tpu", prefill_lengths=lengths, cache_length=cache,
+                                   batch_size=slots, kv_pages="auto", platforms=("cpu",))
     batched, single = Engine(program).start(), Engine(program, batched=False).start()
+    paged = Engine(paged_program).start()
     # every program compiled before timing: batched prefill, and each prefill length on its own
     warm = prompts(slots, config["vocab_size"], seed=99)
     long = [list(range(3, 3 + sum(lengths) + 1))]
     run_engine(batched, warm, 4, False)
-    for engine in (batched, single):
+    run_engine(paged, warm, 4, False)
+    for engine in (batched, single, paged):
         run_engine(engine, long, 4, True)
     run_transformers(model, warm[:2], 2, True)
     rows = []
     for n in concurrency:
         batch = prompts(n, config["vocab_size"], seed=n)
         e_tps, e_tpot, e_tok = run_engine(batched, batch, new_tokens, sequential=False)
+        p_tps, p_tpot, p_tok = run_engine(paged, batch, new_tokens, sequential=False)
         s_tps, s_tpot, s_tok = run_engine(single, batch, new_tokens, sequential=True)
         h_tps, h_tpot, h_tok, h_bytes = run_host_loop(program, batch, new_tokens)
         t_tps, t_tpot, t_tok = run_transformers(model, batch, new_tokens, batched=False)
         tb_tps, tb_tpot, _ = run_transformers(model, batch, new_tokens, batched=True) if n > 1 else (t_tps, t_tpot, None)
         agree = np.mean([a == b for a, b in zip(e_tok, t_tok)])
-        rows.append(dict(n=n, engine=(e_tps, e_tpot), sequential=(s_tps, s_tpot), host=(h_tps, h_tpot),
+        rows.append(dict(n=n, engine=(e_tps, e_tpot), paged=(p_tps, p_tpot), paged_same=p_tok == e_tok,
+                         sequential=(s_tps, s_tpot), host=(h_tps, h_tpot),
                          hf=(t_tps, t_tpot), hf_batched=(tb_tps, tb_tpot), host_bytes=h_bytes,
                          engine_bytes=4 * slots, same_tokens=float(agree),
                          seq_same=float(np.mean([a == b for a, b in zip(s_tok, h_tok)]))))
-        print(f"{name} n={n}: engine {e_tps:.1f} tok/s, sequential {s_tps:.1f}, host loop {h_tps:.1f}, "
+        print(f"{name} n={n}: engine {e_tps:.1f} tok/s, paged {p_tps:.1f}, sequential {s_tps:.1f}, "
+              f"host loop {h_tps:.1f}, "
               f"transformers {t_tps:.1f} (batched {tb_tps:.1f}); tokens equal to transformers: {agree:.0%}",
               flush=True)
     batched.stop()
     single.stop()
+    paged.stop()
     params = sum(p.numel() for p in model.parameters())
     return dict(name=name, params=params, cache=cache, lengths=lengths, slots=slots, export_s=export_s, rows=rows)
 
@@ -177,7 +185,10 @@ def prefix_ttft(name: str, prefix: int, new_tokens: int = 8, repeats: int = 3) -
     model = build(config)
     program = tte.export_llm(model, None, target="tpu", prefill_lengths=lengths, cache_length=cache,
                              platforms=("cpu",))
-    engines = {"prefix cache": Engine(program), "no prefix cache": Engine(program, prefix_cache=False)}
+    paged = tte.export_llm(model, None, target="tpu", prefill_lengths=lengths, cache_length=cache, batch_size=4,
+                           kv_pages="auto", platforms=("cpu",))
+    engines = {"prefix cache": Engine(program), "no prefix cache": Engine(program, prefix_cache=False),
+               "paged, prefix pages shared": Engine(paged), "paged, no prefix cache": Engine(paged, prefix_cache=False)}
     rng = np.random.default_rng(5)
     for engine in engines.values():  # every prefill length and the page copy compiled before timing
         engine.generate(rng.integers(3, config["vocab_size"], sum(lengths) + 40).tolist(), 2)
@@ -198,7 +209,7 @@ def prefix_ttft(name: str, prefix: int, new_tokens: int = 8, repeats: int = 3) -
                 times[key]["first" if i == 0 else "repeat"].append(r.times["first_token"] - r.times["submitted"])
                 got.append(r.tokens)
             outs[key] = got
-        same = same and outs["prefix cache"] == outs["no prefix cache"]
+        same = same and all(out == outs["no prefix cache"] for out in outs.values())
     med = {k: {w: float(np.median(v)) for w, v in t.items()} for k, t in times.items()}
     print(f"{name} prefix {prefix}: " + ", ".join(f"{k}: first {v['first'] * 1e3:.0f} ms, repeat "
                                                    f"{v['repeat'] * 1e3:.0f} ms" for k, v in med.items()), flush=True)
@@ -213,7 +224,9 @@ def prefix_text(r: dict, args) -> str:
              "| engine | first request ms | repeat of the prefix ms | repeat / first |", "|---|---:|---:|---:|"]
     for k, v in r["med"].items():
         lines.append(f"| {k} | {v['first'] * 1e3:.0f} | {v['repeat'] * 1e3:.0f} | {v['repeat'] / v['first']:.2f} |")
-    lines += ["", f"Tokens with and without the prefix cache equal: {'yes' if r['same'] else 'NO'}.", ""]
+    lines += ["", f"Tokens with and without the prefix cache, slots and paged, equal: {'yes' if r['same'] else 'NO'}.",
+              "The slot engine copies cached pages into the request's own cache; the paged engine's request reads "
+              "them in place (`export_llm(..., batch_size=4, kv_pages='auto')`).", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -306,6 +319,77 @@ def tpu_table(name: str, batches: list[int], topologies: list[str], cache: int, 
     return [dict(name=name, params=params, cache=cache, recipe=recipe or "float", rows=rows)]
 
 
+# ---- capacity: concurrent sequences one chip holds, paged cache against a cache per slot -----------------
+
+def capacity(name: str, topology: str, cache: int = 2048, page: int = 16, slot_batches=(8, 16), rows: int = 128,
+             pools=(1025, 2049), mix=(100, 2000), recipe: str = "bf16") -> dict:
+    """How many sequences of a length mix (uniform in ``mix``: prompt and reply) one chip of ``topology``
+    holds at once, from the TPU compiler's memory analysis of the decode step (weights, cache, temporaries):
+    with a cache per slot (``decode_batch``: every slot holds ``cache`` positions, whatever its sequence's
+    length) and with a paged cache (``decode_paged`` over ``rows`` rows: a sequence holds its own pages).
+    Each program's HBM is compiled at two sizes (slots, pool pages); bytes per slot and per page are the
+    slope, the rest the intercept; the paged program is then compiled again at the pool that fills the chip."""
+    import torchtpu_export as tte
+    from torchtpu_export import llm
+    kind, config = TPU_CONFIGS[name]
+    model = build_any(kind, config)
+
+    def hbm(sig: str, **kw) -> dict:
+        prog = tte.export_llm(model, None, target="tpu", prefill_lengths=(16,), cache_length=cache, quant_config=recipe,
+                              platforms=("tpu",), check=False, **kw)
+        stats = _stats(prog, sig, topology)
+        print(f"{name} {sig} {kw}: {stats['hbm'] / 2 ** 30:.2f} GiB (fits: {stats['fits']})", flush=True)
+        return stats
+
+    slots = {b: hbm(llm.DECODE_BATCH, batch_size=b) for b in slot_batches}
+    (b1, s1), (b2, s2) = slots.items()
+    per_slot = (s2["hbm"] - s1["hbm"]) / (b2 - b1)
+    chip = s1["capacity"]
+    slots_fit = int((chip - (s1["hbm"] - b1 * per_slot)) // per_slot)
+    paged = {p: hbm(llm.DECODE_PAGED, batch_size=rows, kv_pages=p, page_size=page) for p in pools}
+    (p1, q1), (p2, q2) = paged.items()
+    per_page = (q2["hbm"] - q1["hbm"]) / (p2 - p1)
+    pool = int((chip - (q1["hbm"] - p1 * per_page)) // per_page)
+    full = hbm(llm.DECODE_PAGED, batch_size=rows, kv_pages=pool, page_size=page)
+    while not full["fits"] and pool > p2:  # the linear fit was optimistic: step down until the compiler agrees
+        pool -= max(1, pool // 50)
+        full = hbm(llm.DECODE_PAGED, batch_size=rows, kv_pages=pool, page_size=page)
+    lengths = np.random.default_rng(0).integers(mix[0], mix[1] + 1, 100_000)
+    used = np.cumsum(-(-lengths // page))  # pages of the first k sequences (page 0 is no sequence's)
+    by_pages = int(np.searchsorted(used, pool - 1, side="right"))
+    return dict(name=name, topology=topology, cache=cache, page=page, recipe=recipe, mix=mix, rows=rows,
+                chip=chip, per_slot=per_slot, slots_fit=slots_fit, slots=slots, per_page=per_page, pool=pool,
+                paged=full, by_pages=by_pages, paged_fit=min(by_pages, rows), mean=float(lengths.mean()),
+                params=sum(p.numel() for p in model.parameters()))
+
+
+def capacity_text(c: dict, args) -> str:
+    gib = 2 ** 30
+    s1 = next(iter(c["slots"].values()))
+    lines = [f"## Capacity: {c['name']} on one {c['topology']} chip ({datetime.date.today()}, libtpu's memory analysis "
+             f"ahead of time on {os.cpu_count()} CPU cores)", "",
+             f"`python -m benchmarks.serving --concurrency '' --prefix 0 --capacity {c['topology']}`", "",
+             f"Sequences of {c['mix'][0]}-{c['mix'][1]} tokens each (prompt and reply, uniform; mean "
+             f"{c['mean']:.0f}) held at once, {c['recipe']} weights and cache, cache {c['cache']} positions per "
+             f"sequence at most. Slots: `decode_batch`, each slot {c['cache']} positions whatever its sequence's "
+             f"length. Paged: `decode_paged` of {c['rows']} rows over a pool of {c['page']}-position pages "
+             "(`export_llm(..., kv_pages=P)`), each sequence holding its own pages.", "",
+             "| cache | HBM per unit (compiler) | fixed HBM (weights, temporaries) | units on the chip | sequences "
+             "of the mix at once |", "|---|---:|---:|---:|---:|",
+             f"| a slot per sequence | {c['per_slot'] / 2 ** 20:.1f} MiB per slot | "
+             f"{(s1['hbm'] - next(iter(c['slots'])) * c['per_slot']) / gib:.2f} GiB | {c['slots_fit']} slots | "
+             f"**{c['slots_fit']}** |",
+             f"| paged ({c['rows']} rows) | {c['per_page'] / 2 ** 20:.2f} MiB per page | "
+             f"{(c['paged']['hbm'] - c['pool'] * c['per_page']) / gib:.2f} GiB | {c['pool']:,} pages | "
+             f"**{c['paged_fit']}**" + (f" (the pages hold {c['by_pages']}; rows cap it)" if c['by_pages'] > c['rows']
+                                        else "") + " |", "",
+             f"The paged step compiled at {c['pool']:,} pages: {c['paged']['hbm'] / gib:.2f} GiB of "
+             f"{c['chip'] / gib:.0f} GiB, fits: {'yes' if c['paged']['fits'] else 'NO'}. Paged attention here "
+             "gathers each row's pages (XLA), so the step's temporaries grow with its rows x cache length; that is "
+             "in the fixed HBM above.", ""]
+    return "\n".join(lines)
+
+
 def tpu_text(dtype_rows, name, tpu, topologies, args) -> str:
     gib = 2 ** 30
     lines = []
@@ -361,20 +445,24 @@ def table(results: list[dict], args) -> str:
     for r in results:
         lines += [f"## {r['name']} ({r['params'] / 1e6:.0f}M parameters, cache {r['cache']}, prefill "
                   f"{'/'.join(map(str, r['lengths']))}, {r['slots']} slots; export {r['export_s']:.0f} s)", "",
-                  "| requests | engine tok/s | sequential tok/s | host loop tok/s | transformers tok/s | "
-                  "transformers batched tok/s | engine / sequential | engine / transformers (best) | "
-                  "TPOT engine ms | TPOT sequential ms | TPOT transformers ms | host bytes per decode step: "
-                  "engine / host loop |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "| requests | engine tok/s | paged engine tok/s | sequential tok/s | host loop tok/s | "
+                  "transformers tok/s | transformers batched tok/s | engine / sequential | engine / transformers "
+                  "(best) | paged / transformers (best) | TPOT engine ms | TPOT paged ms | TPOT sequential ms | "
+                  "TPOT transformers ms | host bytes per decode step: engine / host loop |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for row in r["rows"]:
             best_hf = max(row["hf"][0], row["hf_batched"][0])
             lines.append(
-                f"| {row['n']} | {row['engine'][0]:.1f} | {row['sequential'][0]:.1f} | {row['host'][0]:.1f} | "
-                f"{row['hf'][0]:.1f} | {row['hf_batched'][0]:.1f} | {row['engine'][0] / row['sequential'][0]:.2f}x | "
-                f"{row['engine'][0] / best_hf:.2f}x | {row['engine'][1] * 1e3:.1f} | {row['sequential'][1] * 1e3:.1f} | "
-                f"{row['hf'][1] * 1e3:.1f} | {row['engine_bytes']:,} / {row['host_bytes']:,.0f} |")
+                f"| {row['n']} | {row['engine'][0]:.1f} | {row['paged'][0]:.1f} | {row['sequential'][0]:.1f} | "
+                f"{row['host'][0]:.1f} | {row['hf'][0]:.1f} | {row['hf_batched'][0]:.1f} | "
+                f"{row['engine'][0] / row['sequential'][0]:.2f}x | {row['engine'][0] / best_hf:.2f}x | "
+                f"{row['paged'][0] / best_hf:.2f}x | {row['engine'][1] * 1e3:.1f} | {row['paged'][1] * 1e3:.1f} | "
+                f"{row['sequential'][1] * 1e3:.1f} | {row['hf'][1] * 1e3:.1f} | "
+                f"{row['engine_bytes']:,} / {row['host_bytes']:,.0f} |")
         same = ", ".join(f"{row['n']}: {row['same_tokens']:.0%}" for row in r["rows"])
-        lines += ["", f"Greedy tokens equal to transformers' (share of requests, by concurrency): {same}.", ""]
+        paged_same = "yes" if all(row["paged_same"] for row in r["rows"]) else "NO"
+        lines += ["", f"Greedy tokens equal to transformers' (share of requests, by concurrency): {same}. The paged "
+                  f"engine's (`kv_pages='auto'`, {r['slots']} rows) equal the slot engine's: {paged_same}.", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -392,6 +480,9 @@ def main() -> int:
     p.add_argument("--slots", type=int, default=16, help="decode_batch slots of the dtype comparison")
     p.add_argument("--prefix", type=int, default=900, help="shared prefix tokens of the time-to-first-token "
                    "comparison with and without the prefix cache (0: none)")
+    p.add_argument("--capacity", default="", help="a TPU topology (e.g. v5e): concurrent sequences of a "
+                   "100-2000 token mix one chip holds for the first --tpu-configs model, paged cache against slots "
+                   "('' for none)")
     p.add_argument("-o", "--output", default=None)
     args = p.parse_args()
     concurrency = [int(n) for n in args.concurrency.split(",") if n]
@@ -406,6 +497,8 @@ def main() -> int:
                for t in tpu_table(name, [int(b) for b in args.tpu_batches.split(",")], topologies, args.tpu_cache,
                                   "bf16")]
         text += "\n" + tpu_text(rows, names[0], tpu, topologies, args)
+    if args.capacity:
+        text += "\n" + capacity_text(capacity(args.tpu_configs.split(",")[0], args.capacity), args)
     return publish(text, args.output)
 
 

@@ -27,6 +27,7 @@ from .pallas import Unfit, compiler_rejects
 from .pallas.attention import DECODE_MAX_Q, flash_attention, plan_attention
 from .pallas.int8_matmul import int8_matmul, plan_int8_matmul
 from .pallas.norm import layer_norm, plan_norm, rms_norm
+from .pallas.paged import paged_attention, plan_paged
 from .pallas.splash import plan_splash, splash_attention, splash_cost
 from .registry import LOWERINGS, lowers
 
@@ -236,6 +237,46 @@ def scaled_dot_product_attention_tpu(ctx, q, k, v, attn_mask=None, dropout_p=0.0
 
 def _flash(q, k, v, mask=None, *, causal, scale, plan):
     return flash_attention(q, k, v, mask, causal=causal, scale=scale, plan=plan)
+
+
+# ---- paged attention (torchtpu_export.llm.paged: a paged step's attention) -----------------------
+
+PAGED_ATTENTION = "tte.paged_attention.default"
+
+
+@lowers(PAGED_ATTENTION)
+def paged_attention_xla(ctx, q, k_pages, v_pages, table, start, scale):
+    """``q [B, H, n, d]`` against each row's pages of ``k_pages`` / ``v_pages [Hkv, pages, page, d]`` (``table
+    [B, T]``), causally from position ``start [B]``: the pages gathered in sequence order (every page of the
+    table), then grouped attention as ``scaled_dot_product_attention``'s rule computes it."""
+    b, heads, n, d = q.shape
+    hkv, _, page, _ = k_pages.shape
+    t = table.shape[1]
+    table = table.astype(jnp.int32)
+
+    def gathered(pages):  # [Hkv, B, T, page, d] -> [B, Hkv, T * page, d]
+        return jnp.take(pages, table, axis=1).transpose(1, 0, 2, 3, 4).reshape(b, hkv, t * page, pages.shape[-1])
+
+    k, v = gathered(k_pages).astype(q.dtype), gathered(v_pages).astype(q.dtype)
+    rep = heads // hkv
+    scores = jnp.einsum("bgrqd,bgkd->bgrqk", q.reshape(b, hkv, rep, n, d), k,
+                        preferred_element_type=jnp.float32) * scale
+    positions = start.astype(jnp.int32)[:, None] + jnp.arange(n, dtype=jnp.int32)  # [B, n]
+    visible = jnp.arange(t * page, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)  # position 0 is always visible: no empty row
+    weights = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bgrqk,bgkd->bgrqd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, heads, n, v.shape[-1]).astype(ctx.out_dtype())
+
+
+@lowers(PAGED_ATTENTION, platform="tpu")
+def paged_attention_tpu(ctx, q, k_pages, v_pages, table, start, scale):
+    plan = plan_paged(_shape(q), _shape(k_pages), _shape(v_pages), _shape(table), k_pages.dtype)
+    out = dispatch(ctx, Candidate("paged_attention", plan, functools.partial(paged_attention, scale=scale, plan=plan),
+                                  (q, k_pages, v_pages, table, start), (scale,)))
+    if out is not None:
+        return out.astype(ctx.out_dtype())
+    return paged_attention_xla(ctx, q, k_pages, v_pages, table, start, scale)
 
 
 # ---- norms -----------------------------------------------------------------------------------

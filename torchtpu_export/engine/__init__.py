@@ -24,7 +24,11 @@ The design is JetStream's (prefill into a slot, then insert it into the batch) w
   batch's, put back when another request joins): one request never pays for idle slots;
 - prefix caching (:mod:`.prefix`): the KV cache of prefilled prompts' full pages stays in a page pool on
   the device, keyed by a hash chain of their tokens; a prompt starting with cached pages gets them copied
-  into its own cache and prefills only the rest.
+  into its own cache and prefills only the rest;
+- a program exported with a paged KV cache (``tte.export_llm(..., kv_pages=P)``: ``decode_paged``,
+  ``prefill_paged_<N>``) gets a :class:`PagedEngine` (:mod:`.paged`): one pool of pages shared by the
+  rows, memory for live tokens, cached prefix pages read in place, a request admitted when its whole
+  length fits; decode attention over the pages is JAX's paged attention kernel on TPU.
 
 :class:`Engine` runs in a thread of its own (``start``) for servers, or step by step in the caller's
 thread (``generate``, tests). Nothing else runs these programs: no Python model code is needed.
@@ -35,12 +39,14 @@ others run the same steps (``follow``), so that all call the same programs in th
 a step samples are replicated, so every process sees them.
 
 The parts: :mod:`.request` (:class:`Request`, :class:`SamplingParams`), :mod:`.step` (the jitted device
-calls and :func:`sample`), :mod:`.prefix` (the prefix cache's index), :mod:`.scheduler` (:class:`Engine`:
+calls and :func:`sample`), :mod:`.prefix` (the prefix cache's index, the paged cache's pages),
+:mod:`.paged` (:class:`PagedEngine`), :mod:`.scheduler` (:class:`Engine`:
 admission, prefill budget, slots, the loop) and :mod:`.follow` (the start of each step, and the other
 processes' part).
 """
+from .paged import PagedEngine
 from .request import Request, SamplingParams
 from .scheduler import Engine
 from .step import sample
 
-__all__ = ["Engine", "Request", "SamplingParams", "sample"]
+__all__ = ["Engine", "PagedEngine", "Request", "SamplingParams", "sample"]

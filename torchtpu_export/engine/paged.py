@@ -52,6 +52,10 @@ class PagedEngine(Engine):
     page after its request; the pool's size and page length are the program's (``kv_pages`` and
     ``page_size`` at export)."""
 
+    @classmethod
+    def serves(cls, program, batched: bool = True, **kwargs) -> bool:
+        return batched and DECODE_PAGED in getattr(program, "signatures", ())
+
     def __init__(self, program, *, platform: str | None = None, batched: bool = True,
                  prefill_budget: int | None = None, prefix_cache: bool = True, prefix_pages: int | None = None,
                  page_size: int | None = None):
@@ -73,17 +77,17 @@ class PagedEngine(Engine):
         self.program = program
         self.decode_runner = program.runner(DECODE_PAGED, platform)
         spec = {s.name: s for s in self.decode_runner.inputs}
-        missing = {"tokens", "input_pos", "mask", "page_table"} - set(spec)
+        missing = {"tokens", "input_pos", "page_table"} - set(spec)
         if missing:
             raise InputError(f"program {DECODE_PAGED} has no {sorted(missing)} input: it is not an export_llm program")
         self.cache_names = [n for n in spec if n.startswith("kv_cache_")]
-        pool = spec[self.cache_names[0]].shape
-        self.pages, self.page_size = pool[0], pool[2]
+        pool = spec[self.cache_names[0]].shape  # [kv heads, pages, page, dim]
+        self.pages, self.page_size = pool[1], pool[2]
         if page_size is not None and page_size != self.page_size:
             raise InputError(f"this program's pages hold {self.page_size} positions, not {page_size}")
         self.slots = spec["tokens"].shape[0]
-        self.length = spec["mask"].shape[-1]
         self._max_pages = spec["page_table"].shape[1]
+        self.length = self._max_pages * self.page_size
         self.exact = False
         self.prefill_budget = prefill_budget or self.lengths[-1]
         outs = pytree.tree_unflatten(list(self.decode_runner.outputs), output_tree(program, DECODE_PAGED))
@@ -108,8 +112,7 @@ class PagedEngine(Engine):
         self.stats = {"decode_steps": 0, "tokens": 0, "prefill_tokens": 0, "requests": 0,
                       "decode_bytes_to_device": 0, "decode_bytes_to_host": 0, "busy_slot_steps": 0,
                       "batched_prefill_calls": 0, "prefill_row_chunks": 0, "most_pages_in_use": 0}
-        self._pool_zeros = jit_zeros(self.pages, [(tuple(spec[n].shape[1:]), np.dtype(spec[n].dtype))
-                                                  for n in self.cache_names],
+        self._pool_zeros = jit_zeros(None, [(tuple(spec[n].shape), np.dtype(spec[n].dtype)) for n in self.cache_names],
                                      cache_shardings(self.decode_runner, self.cache_names, self._small))
         self._caches = self._pool_zeros()
         self._pool = PagePool(self.pages, self.page_size, prefix_cache, self.stats)

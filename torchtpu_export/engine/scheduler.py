@@ -15,8 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InputError
-from ..llm.contract import (DECODE, DECODE_BATCH, DECODE_PAGED, PREFILL, PREFILL_BATCH, has_state, prefill_chunks,
-                            prefill_lengths)
+from ..llm.contract import DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, has_state, prefill_chunks, prefill_lengths
 from .follow import Following
 from .prefix import PAGE_SIZE, PrefixCache, default_pages, page_keys
 from .request import TOP_LOGPROBS, Request, SamplingParams, is_int
@@ -52,10 +51,14 @@ class Engine(Following):
     :class:`~.paged.PagedEngine` (unless ``batched=False``)."""
 
     def __new__(cls, program=None, *args, **kwargs):
-        if cls is Engine and kwargs.get("batched", True) and DECODE_PAGED in getattr(program, "signatures", ()):
-            from .paged import PagedEngine
-            return super().__new__(PagedEngine)
+        if cls is Engine:  # the engine for the program's programs: a subclass that says it serves them
+            cls = next((sub for sub in Engine.__subclasses__() if sub.serves(program, **kwargs)), Engine)
         return super().__new__(cls)
+
+    @classmethod
+    def serves(cls, program, **kwargs) -> bool:
+        """Whether ``Engine(program, **kwargs)`` is this subclass."""
+        return False
 
     def __init__(self, program, *, platform: str | None = None, batched: bool = True,
                  prefill_budget: int | None = None, prefix_cache: bool = True, prefix_pages: int | None = None,

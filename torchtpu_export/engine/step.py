@@ -144,11 +144,12 @@ def jit_insert():
     return jax.jit(insert_rows, donate_argnums=(0, 1))
 
 
-def jit_zeros(rows: int, specs: list, shardings: tuple):
-    """A jitted function making zero caches of ``rows`` rows (``specs``: each cache's row shape and dtype)
-    where ``shardings`` says."""
+def jit_zeros(rows: int | None, specs: list, shardings: tuple):
+    """A jitted function making zero caches of ``rows`` rows (``specs``: each cache's row shape and dtype;
+    with ``rows`` None each one's whole shape) where ``shardings`` says."""
     import jax
-    return jax.jit(lambda: tuple(jax.numpy.zeros((rows, *s), d) for s, d in specs), out_shardings=shardings)
+    lead = () if rows is None else (rows,)
+    return jax.jit(lambda: tuple(jax.numpy.zeros((*lead, *s), d) for s, d in specs), out_shardings=shardings)
 
 
 def put(x, sharding):

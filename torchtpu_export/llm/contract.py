@@ -111,14 +111,15 @@ def slot_inputs(layout: CacheLayout, slots: int, n: int = 1) -> dict:
 
 
 def paged_inputs(layout: CacheLayout, slots: int, n: int, pages: int, page: int) -> dict:
-    """Sample inputs of a paged step over ``slots`` sequences (``n`` tokens each): each KV cache a pool
-    ``[pages, heads, page, dim]``, and ``page_table [slots, C / page]`` int32, row ``b``'s pool page for each
-    ``page`` positions of its sequence. Pool page 0 belongs to no sequence: rows taking no part in a step
-    point there (and a chunk's padding past the cache's end is written there); it is never read unmasked."""
-    pools = {name: torch.zeros((pages, shape[1], page, shape[3]), dtype=cache.dtype)
+    """Sample inputs of a paged step over ``slots`` sequences (``n`` tokens each, row ``b``'s from position
+    ``input_pos[b]``): each KV cache a pool ``[heads, pages, page, dim]`` (the layout of JAX's paged attention
+    kernel), and ``page_table [slots, C / page]`` int32, row ``b``'s pool page for each ``page`` positions of
+    its sequence. No mask: a row attends causally to its own positions. Pool page 0 belongs to no sequence:
+    rows taking no part in a step point there (and a chunk's padding past the cache's end is written there);
+    it is never read unmasked."""
+    pools = {name: torch.zeros((shape[1], pages, page, shape[3]), dtype=cache.dtype)
              for name, cache in layout.empty().items() for shape in [cache.shape]}
     return dict(tokens=torch.zeros(slots, n, dtype=torch.int32), input_pos=torch.zeros(slots, dtype=torch.int32),
-                mask=torch.zeros(slots, 1, n, layout.length),
                 page_table=torch.zeros(slots, layout.length // page, dtype=torch.int32), **pools)
 
 

@@ -13,6 +13,7 @@ import torch
 from ..errors import InputError
 from .adapt import adapted
 from .contract import CacheLayout, state_name
+from .paged import gather_pages
 
 
 class _CacheProtocol:
@@ -79,7 +80,7 @@ class _StepCache(_CacheProtocol):
         return cache.index_copy(2, self.pos[0] + torch.arange(new.shape[2], dtype=torch.int64), new)
 
     def _write_pages(self, pool, new):
-        """A paged cache (``pool [pages, heads, page, dim]``): row ``b``'s position ``p`` is slot ``p % page`` of
+        """A paged cache (``pool [heads, pages, page, dim]``): row ``b``'s position ``p`` is slot ``p % page`` of
         pool page ``table[b, p // page]``, written as the slots' step writes (a (heads, dim) window per row and
         position). Page 0 is no sequence's (``llm.contract.paged_inputs``): rows taking no part point there,
         and so do positions past the cache's end (a chunk's padding)."""
@@ -89,21 +90,17 @@ class _StepCache(_CacheProtocol):
         pages = self.table.shape[1]
         where = self.table.gather(1, torch.clamp(pos // page, max=pages - 1))
         where = torch.where(pos < pages * page, where, torch.zeros_like(where))
-        return torch.ops.aten.index_put(pool, [where, None, pos % page], new.transpose(1, 2))
-
-    def _attended(self, cache):
-        """What attention reads: the cache itself, or a paged cache's pages of each row in sequence order
-        (``[B, heads, C, dim]``, gathered: XLA's path; positions a row has not written are masked)."""
-        if self.table is None:
-            return cache
-        b, pages = self.table.shape
-        got = cache[self.table]  # [B, pages, heads, page, dim]
-        return got.permute(0, 2, 1, 3, 4).reshape(b, cache.shape[1], pages * cache.shape[2], cache.shape[3])
+        return torch.ops.aten.index_put(pool, [None, where, pos % page], new.permute(1, 0, 2, 3))
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """The layer's new keys and values written; the whole cache to attend over (a paged cache: its pools,
+        which :func:`grouped_attention` reads through the page table)."""
         self.k[layer_idx] = self._write(self.k[layer_idx], key_states)
         self.v[layer_idx] = self._write(self.v[layer_idx], value_states)
-        return self._attended(self.k[layer_idx]), self._attended(self.v[layer_idx])
+        if self.table is not None:
+            _PAGED["pools"].update((id(self.k[layer_idx]), id(self.v[layer_idx])))
+            _PAGED["updates"] += 1
+        return self.k[layer_idx], self.v[layer_idx]
 
     # the linear-attention protocol (transformers' ``Cache``): recurrent layers' states
     def _state(self, kind: str, layer_idx: int, state_idx: int):
@@ -290,18 +287,27 @@ class CacheStep(torch.nn.Module):
             sliding = torch.where(far[:, None], torch.finfo(mask.dtype).min, mask)
         return layer_masks(self.model.config, mask, sliding)
 
-    def forward(self, tokens, input_pos, mask, **caches):
+    def forward(self, tokens, input_pos, mask=None, **caches):
         table = caches.pop("page_table", None)
         cache = _StepCache(caches, self.layout, input_pos, self.slots, self.sequential, self.padded, table)
         n = tokens.shape[1]
         positions = input_pos[:, None] + torch.arange(n, dtype=input_pos.dtype) if self.slots else input_pos[None]
+        if table is not None:  # paged: causal by position (each row's pages hold its own positions only)
+            length = self.layout.length  # the page table's positions (page_size divides it)
+            visible = torch.arange(length)[None, None, :] <= positions.to(torch.int64)[:, :, None]
+            mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)[:, None]
+            _PAGED.update(table=table, start=input_pos, mask=mask, pools=set(), updates=0, attended=0)
         _GROUP_MASKS.clear()  # each trace of a step makes its own
         try:
             with adapted(self.model):
                 out = self.model(input_ids=tokens, attention_mask=self._masks(mask, positions),
                                  position_ids=positions, use_cache=True, **{self.cache_kw: cache})
+            if table is not None and _PAGED["attended"] != _PAGED["updates"]:
+                raise InputError(f"{type(self.model).__name__} attends to its cache outside transformers' attention "
+                                 "interface: a paged cache cannot be read there", hint="export without kv_pages")
         finally:
             _GROUP_MASKS.clear()
+            _PAGED.clear()
         result = {"logits": out.logits} if self.logits else {}
         for i in self.layout.attention_layers():
             result[f"kv_cache_k_{i}"], result[f"kv_cache_v_{i}"] = cache.k[i], cache.v[i]
@@ -322,6 +328,13 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    if _PAGED and id(key) in _PAGED["pools"]:  # a paged step's pools
+        _PAGED["attended"] += 1
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if attention_mask is _PAGED["mask"] and softcap is None and sinks is None:  # causal: one paged attention op
+            out = torch.ops.tte.paged_attention(query, key, value, _PAGED["table"], _PAGED["start"], scale)
+            return out.transpose(1, 2).contiguous(), None
+        key, value = gather_pages(key, _PAGED["table"]), gather_pages(value, _PAGED["table"])  # a mask of its own
     if key.dtype != query.dtype:  # a bf16 cache under a float32 trace (the bf16 recipe makes it all bf16)
         key, value = key.to(query.dtype), value.to(query.dtype)
     b, heads, n, d = query.shape
@@ -371,6 +384,10 @@ def _group_mask(attention_mask, rep: int, length: int):
         _GROUP_MASKS[key] = (attention_mask, mask)
     return mask
 
+
+# while a paged step is traced: its page table, first positions, causal mask, and the pools its cache gave the
+# layers (by id), with the count of cache updates and of attentions that read them
+_PAGED: dict = {}
 
 _ATTENTION = "tte_grouped"
 

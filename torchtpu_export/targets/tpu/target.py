@@ -349,7 +349,7 @@ def _pages_line(desc: dict, llm: dict) -> str:
                        if len(i["shape"]) == 4 and all(isinstance(d, int) for d in i["shape"]))
     slots = llm.get("slots", 1)
     if paged and all(len(i["shape"]) == 4 and all(isinstance(d, int) for d in i["shape"]) for i in paged):
-        pages, page = paged[0]["shape"][0], paged[0]["shape"][2]
+        pages, page = paged[0]["shape"][1], paged[0]["shape"][2]  # [kv heads, pages, page, dim]
         mib = sum(int(np.prod(i["shape"])) * itemsize(i["dtype"]) for i in paged) / 2 ** 20
         full = (pages - 1) * page // llm["cache_length"]
         return (f"serving: paged KV cache of {pages} pages of {page} positions ({mib:.1f} MiB on the device) shared "
