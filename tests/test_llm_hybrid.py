@@ -59,7 +59,8 @@ def test_hybrid_bundles_give_transformers_tokens_in_litert_lm(family, tmp_path):
     states (named as it carries caches) and pads a prompt's last chunk with token 0 at position 0; the steps
     count the real tokens and keep each state as it was after the last of them. No prefill_1 is needed; the
     export's self-check runs a padded chunk; the bundle's graph driven as LiteRT-LM drives it, and LiteRT-LM
-    itself (one engine, two prompts: a new session starts from zero states), give transformers' tokens."""
+    itself (one engine, two prompts: a new session starts from zero states, also when its prompt is the start
+    token alone and its first step a decode), give transformers' tokens."""
     from conftest import export_folder
     model, tok = hf_llms.moe(family)
     out = tmp_path / f"{family}.litertlm"
@@ -73,6 +74,10 @@ def test_hybrid_bundles_give_transformers_tokens_in_litert_lm(family, tmp_path):
         assert host_generate(bundle.edge, ids, len(want), padded=True) == want
         # LiteRT-LM's Python API gives text as C strings: a NUL character (a byte-level token) is left out
         assert bundle.generate(prompt, STEPS).text == tok.decode(want).replace("\x00", ""), prompt
+    ids = tok("")["input_ids"]
+    if len(ids) == 1:  # the start token alone: LiteRT-LM decodes at position 0, twice on one engine
+        want = tok.decode(_greedy(model, ids, 12)).replace("\x00", "")
+        assert [bundle.generate("", 12).text for _ in range(2)] == [want, want]
 
 
 def test_slots_keep_their_own_states_and_the_tpu_compiler_takes_the_program():

@@ -261,6 +261,8 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     if not layout.states and recurrent_layers(source.model):
         refuse_recurrent(source.name, source.model, target, "their states are kept outside transformers' cache "
                          "protocol (get/update_conv_state, get/update_recurrent_state), which the steps carry")
+    if t.check_llm_layout is not None:
+        t.check_llm_layout(source, layout)
     padded = t.pads_prompts  # the runtime pads a prompt's last chunk: the steps find the real tokens
     if layout.states and not padded and 1 not in lengths:  # recurrent states: prompts are never padded
         lengths = [1, *lengths]  # (llm.contract)
@@ -276,7 +278,8 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     for n in lengths:
         sigs.signature(PREFILL.format(n), CacheStep(source.model, layout, logits=False, padded=padded), (),
                        step_inputs(layout, n))
-    sigs.signature(DECODE, CacheStep(source.model, layout, logits=True), (), step_inputs(layout, 1))
+    # (a padded runtime's decode at position 0 starts a sequence too: a one-token prompt)
+    sigs.signature(DECODE, CacheStep(source.model, layout, logits=True, padded=padded), (), step_inputs(layout, 1))
     if pages:
         sigs.signature(DECODE_PAGED, CacheStep(source.model, layout, logits=True, slots=True), (),
                        paged_inputs(layout, batch_size, 1, pages, page_size))

@@ -51,14 +51,15 @@ def _dbrx_experts(self, hidden_states, top_k_index, top_k_weights):
     k = top_k_index.shape[-1]
     ids = top_k_index.reshape(-1)
     ids_sorted, order = torch.sort(ids)
-    rows = x[order // k]
+    token = order // k  # each sorted pair's token
+    rows = x[token]
     offs = _counts(ids_sorted, experts)
     mlp = self.mlp
     gate = _grouped_mm(rows, mlp.w1.view(experts, ffn, hidden).transpose(1, 2), offs)
     up = _grouped_mm(rows, mlp.v1.view(experts, ffn, hidden).transpose(1, 2), offs)
     down = _grouped_mm(mlp.activation_fn(gate) * up, mlp.w2.view(experts, ffn, hidden), offs)
     down = down * top_k_weights.reshape(-1)[order][:, None].to(down.dtype)
-    out = torch.zeros_like(x).index_add(0, order // k, down)
+    out = torch.zeros_like(x).index_add(0, token, down)
     return out.view(batch, -1, self.hidden_size)
 
 

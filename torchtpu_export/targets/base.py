@@ -59,6 +59,9 @@ class Target:
     # and whether the target takes only LLMs (its CLI input is a model folder, not a module)
     program_target: str | None = None
     from_llm: Callable | None = None
+    # (source, cache layout) -> None, or InputError for a model whose cache this target's runtime cannot use
+    # (checked before anything is exported)
+    check_llm_layout: Callable | None = None
     # (source, cache layout, prefill lengths) -> build options through which the programs carry what an LLM
     # artifact needs (the tpu target's manifest: donated caches, tokenizer, chat template)
     llm_options: Callable | None = None

@@ -733,7 +733,8 @@ def _summary(msg) -> dict:
 
 # ---- the target record ------------------------------------------------------------------------
 
-def from_llm(edge, source, layout, prefill_lengths) -> LitertLmBundle:
+def check_llm_layout(source, layout) -> None:
+    """What a bundle needs before anything is exported: the tokenizer, and a cache LiteRT-LM can find."""
     if source.tokenizer is None:
         raise InputError(f"{source.name}: a .litertlm bundle needs the tokenizer",
                          hint="pass tokenizer= (a folder with tokenizer.json, or a fast tokenizer)")
@@ -741,6 +742,10 @@ def from_llm(edge, source, layout, prefill_lengths) -> LitertLmBundle:
         raise InputError(f"{source.name}: LiteRT-LM finds a model's caches by its first layer's (kv_cache_k_0 or "
                          "kv_cache_c_0), and this model's layer 0 keeps no cache (neither attention nor a "
                          "convolution's state)", hint="export it with --target tpu or --target litert")
+
+
+def from_llm(edge, source, layout, prefill_lengths) -> LitertLmBundle:
+    check_llm_layout(source, layout)
     meta = {"max_num_tokens": layout.length, "prefill_lengths": ",".join(map(str, prefill_lengths)),
             "model_type": getattr(source.model.config, "model_type", "?")}
     return LitertLmBundle(edge, source.tokenizer, meta)
@@ -811,7 +816,7 @@ TARGET = Target(
     converter="litert", runtime="litertlm", suffix=".litertlm", runnable=LitertLmBundle, signature="decode",
     build=build, load=load, describe=describe, cli_options=cli_options, debuggable=False,
     recipes=LITERT.recipes, magic=lambda head, names: head == b"LITERTLM",
-    program_target="litert", from_llm=from_llm, llm_only=True,
+    program_target="litert", from_llm=from_llm, check_llm_layout=check_llm_layout, llm_only=True,
     # LiteRT-LM's executor (0.18.1) carries the tensors named kv_cache_k_*, kv_cache_v_* and kv_cache_c_* from
     # step to step (one buffer, in place, on CPU), so recurrent states too (kv_cache_c_<i>, kv_cache_c_ssm_<i>);
     # it finds a model's caches by kv_cache_k_0 or kv_cache_c_0. It pads a prompt's last chunk with token 0 at
