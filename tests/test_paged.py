@@ -54,7 +54,8 @@ def _run(engine, prompts, n, waves=3):
 def test_paged_engine_gives_transformers_tokens_for_mixed_lengths_and_arrivals(llm):
     """Ten requests of 1 to 70 prompt tokens arriving in waves on 4 rows, the pool holding two full-length
     sequences: each request gets transformers' greedy tokens (as the slot engine does), prompts are prefilled
-    in place several rows per call, and when all have ended every page is back (none held, none reserved)."""
+    in place several rows per call, arrivals' chunks ride in the decode steps (mixed steps), and when all
+    have ended every page is back (none held, none reserved)."""
     model, path = llm
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 300, k).tolist() for k in (1, 9, 70, 33, 5, 17, 2, 48, 12, 26)]
@@ -63,7 +64,8 @@ def test_paged_engine_gives_transformers_tokens_for_mixed_lengths_and_arrivals(l
     assert isinstance(engine, PagedEngine) and (engine.slots, engine.pages, engine.page_size) == (4, PAGES, 16)
     assert _run(engine, prompts, 14) == wants
     s = engine.stats
-    assert s["prefill_row_chunks"] > s["batched_prefill_calls"] and s["decode_steps"] < s["tokens"]
+    assert s["prefill_row_chunks"] > s["batched_prefill_calls"] + s["mixed_steps"] and s["decode_steps"] < s["tokens"]
+    assert s["mixed_steps"] > 0  # arrivals while others decode: their chunks and the decode tokens in one call
     assert s["most_pages_in_use"] <= PAGES - 1 and s["prefix_hit_tokens"] == 0
     assert engine._pool.in_use() == 0 and engine._pool.reserved == 0 and engine._pool.cached() == 0
     # the one-slot programs serve the same file without the pages (batched=False)
@@ -127,7 +129,7 @@ def test_paged_export_is_inspected_and_bad_page_options_are_refused(llm, tmp_pat
     with pytest.raises(InputError, match="page_size must be a positive integer dividing"):
         tte.export_llm(model, target="tpu", cache_length=96, prefill_lengths=(8,), kv_pages="auto", page_size=10)
     with pytest.raises(InputError, match="kv_pages .* applies to target='tpu'"):
-        tte.export_llm(model, target="litertlm", cache_length=96, prefill_lengths=(8,), kv_pages="auto")
+        tte.export_llm(model, target="litert", cache_length=96, prefill_lengths=(8,), kv_pages="auto")
     with pytest.raises(InputError, match="prefix_pages sizes the slots' prefix pool"):
         Engine(tte.load(path), prefix_pages=4)
     mamba, tok = hf_llms.moe("lfm2")

@@ -284,7 +284,9 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
         sigs.signature(DECODE_PAGED, CacheStep(source.model, layout, logits=True, slots=True), (),
                        paged_inputs(layout, batch_size, 1, pages, page_size))
         for n in lengths:
-            sigs.signature(PREFILL_PAGED.format(n), CacheStep(source.model, layout, logits=False, slots=True), (),
+            # with each row's first token's logits: the engine's mixed steps (prompt chunks and decode tokens)
+            sigs.signature(PREFILL_PAGED.format(n), CacheStep(source.model, layout, logits=True, slots=True,
+                                                              first=True), (),
                            paged_inputs(layout, batch_size, n, pages, page_size))
     elif batch_size > 1:
         sigs.signature(DECODE_BATCH, CacheStep(source.model, layout, logits=True, slots=True), (),

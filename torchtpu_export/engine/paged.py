@@ -7,8 +7,11 @@ when it ends, so memory holds live tokens, not rows x cache length. :class:`Page
 processors and thread are the engine's. What differs:
 
 - prompts are prefilled in place, in their rows' pages: every row still filling advances by one chunk per
-  call (``prefill_paged_<N>``, each row from its own start), within the per-step token budget while others
-  decode; rows taking no part point at page 0, which no sequence owns;
+  call (``prefill_paged_<N>``, each row from its own start); rows taking no part point at page 0, which no
+  sequence owns. While rows decode, a step is one call for all (a mixed step, as vLLM TPU's): the filling
+  rows' next chunks and the decoding rows' next tokens (at column 0 of their rows, sampled from the
+  program's first-column logits), so the weights are read once per step (``prefill_budget`` does not
+  apply: a step carries one chunk per filling row);
 - prefix caching shares pages instead of copying them (:class:`.prefix.PagePool`): a prompt's full pages
   stay in the pool, keyed by a hash chain of their tokens, when their request ends; a later prompt starting
   with the same tokens reads them in place and prefills only the rest. Cached pages nobody holds are
@@ -31,8 +34,8 @@ from ..llm.contract import DECODE_PAGED, PREFILL_PAGED
 from .prefix import PagePool, page_keys
 from .request import TOP_LOGPROBS
 from .scheduler import Engine
-from .step import (cache_shardings, jit_decode, jit_prefill, jit_set_row, jit_zeros, mask_words, output_tree, state_row,
-                   state_rows)
+from .step import (cache_shardings, jit_decode, jit_mixed, jit_prefill, jit_set_row, jit_zeros, mask_words, output_tree,
+                   state_row, state_rows)
 
 log = logging.getLogger("torchtpu_export")
 
@@ -107,11 +110,12 @@ class PagedEngine(Engine):
         self._fns = {sig: jit_prefill(r, output_tree(program, sig), self.length, self.cache_names, slots=True)
                      for sig, r in self.runners.items()}
         self._decodes: dict = {}
+        self._mixeds: dict = {}  # (prefill signature, alternatives reported) -> jitted mixed step
         self._set_row = jit_set_row()
         self._solo = None
         self.stats = {"decode_steps": 0, "tokens": 0, "prefill_tokens": 0, "requests": 0,
                       "decode_bytes_to_device": 0, "decode_bytes_to_host": 0, "busy_slot_steps": 0,
-                      "batched_prefill_calls": 0, "prefill_row_chunks": 0, "most_pages_in_use": 0}
+                      "batched_prefill_calls": 0, "prefill_row_chunks": 0, "mixed_steps": 0, "most_pages_in_use": 0}
         self._pool_zeros = jit_zeros(None, [(tuple(spec[n].shape), np.dtype(spec[n].dtype)) for n in self.cache_names],
                                      cache_shardings(self.decode_runner, self.cache_names, self._small))
         self._caches = self._pool_zeros()
@@ -129,35 +133,83 @@ class PagedEngine(Engine):
     # ---- the scheduler ------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """One scheduler step: admit what the pool holds, prefill within the budget, then one decode step of
-        every decoding row. Returns whether there was anything to do."""
-        jax = self._jax
+        """One scheduler step: admit what the pool holds; then, while rows decode, one call for all (a mixed
+        step: each filling row's next prompt chunk and each decoding row's next token, the weights read once),
+        or with none decoding the prompts prefilled and one decode step. Returns whether there was anything
+        to do."""
         if not self._sync():
             return False
-        decoding = any(r.decoding for r in self._slots)
         self._admit()
-        self._prefill_rows(self.prefill_budget if decoding else None)
         busy = [i for i, r in enumerate(self._slots) if r.decoding]
+        if busy and self._filling():
+            self._mixed(busy)
+            return True
+        if not busy:
+            self._prefill_rows()
+            busy = [i for i, r in enumerate(self._slots) if r.decoding]
         if not busy:
             return self.busy
+        top, asked = self._top(busy)
+        table = self._decode_table(busy)
+        if top not in self._decodes:
+            self._decodes[top] = jit_decode(self.decode_runner, output_tree(self.program, DECODE_PAGED), self.length,
+                                            self.cache_names, True, top)
+        out, self._state, self._caches = self._decodes[top](self.decode_runner.weights, self._state, self._caches,
+                                                            self._allowed(), self._put(table))
+        self.stats["decode_steps"] += 1
+        self._hand_out(busy, out, asked)
+        return True
+
+    def _mixed(self, busy: list[int]) -> None:
+        """One call of ``prefill_paged_<N>`` carrying every filling row's next chunk and every decoding row's next
+        token (at column 0, sampled from the first column's logits)."""
+        rows = self._filling()
+        top, asked = self._top(busy)
+        n, tokens, start, table, takes = self._chunk(rows)
+        table[busy] = self._decode_table(busy)[busy]
+        decoding = np.zeros(self.slots, bool)
+        decoding[busy] = True
+        sig = PREFILL_PAGED.format(n)
+        key = (sig, top)
+        if key not in self._mixeds:
+            self._mixeds[key] = jit_mixed(self.runners[sig], output_tree(self.program, sig), self.length,
+                                          self.cache_names, top)
+        with self._alone([i for i, _ in rows] + busy):
+            out, self._state, self._caches = self._mixeds[key](
+                self.runners[sig].weights, self._state, self._caches, self._allowed(), self._put(table),
+                self._put(tokens), self._put(start), self._put(decoding))
+            self._filled(rows, takes)
+            self.stats["mixed_steps"] += 1
+            self.stats["decode_steps"] += 1
+            self._hand_out(busy, out, asked)
+        self._filling()  # rows whose prompt is in now enter the decode batch
+
+    def _top(self, busy: list[int]):
+        """How many alternatives the step reports (0 unless a decoding request asked for logprobs), and
+        whether any asked for logprobs."""
         asked = [self._slots[i].request.params.logprobs for i in busy
                  if self._slots[i].request.params.logprobs is not None]
-        top = TOP_LOGPROBS if any(asked) else 0
-        table = np.zeros((self.slots, self._max_pages), np.int32)  # rows not decoding: page 0
+        return (TOP_LOGPROBS if any(asked) else 0), bool(asked)
+
+    def _decode_table(self, busy: list[int]) -> np.ndarray:
+        """The page table of a decode step: each decoding row's pages (one more taken where its next position
+        starts a page), the other rows' page 0."""
+        table = np.zeros((self.slots, self._max_pages), np.int32)
         for i in busy:
             row = self._slots[i]
             self._grow(row, row.position + 1)
             table[i, :len(row.pages)] = row.pages
+        return table
+
+    def _allowed(self):
         mask = self._mask()
-        if top not in self._decodes:
-            self._decodes[top] = jit_decode(self.decode_runner, output_tree(self.program, DECODE_PAGED), self.length,
-                                            self.cache_names, True, top)
-        allowed = self._everything if mask is None else self._put(mask)
-        out, self._state, self._caches = self._decodes[top](self.decode_runner.weights, self._state, self._caches,
-                                                            allowed, self._put(table))
+        return self._everything if mask is None else self._put(mask)
+
+    def _hand_out(self, busy: list[int], out, asked: bool) -> None:
+        """A step's sampled tokens (and log-probabilities where asked) to the decoding rows' requests."""
+        jax = self._jax
         tokens = np.asarray(jax.device_get(out[0]))
         logprobs = jax.device_get(out[1:]) if asked else None
-        self.stats["decode_steps"] += 1
         self.stats["decode_bytes_to_host"] += tokens.nbytes + (sum(a.nbytes for a in logprobs) if asked else 0)
         for i in busy:
             row = self._slots[i]
@@ -167,7 +219,6 @@ class PagedEngine(Engine):
             lp = None if k is None else (float(logprobs[0][i]), [(int(t), float(v)) for t, v in
                                                               zip(logprobs[2][i][:k], logprobs[1][i][:k])])
             self._deliver(i, row, int(tokens[i]), lp)
-        return True
 
     def _needed(self, request) -> int:
         """The pages of a request's whole length: its prompt before the last token, then a position per new
@@ -208,46 +259,61 @@ class PagedEngine(Engine):
             self._pool.reserved -= 1
         self.stats["most_pages_in_use"] = max(self.stats["most_pages_in_use"], self._pool.in_use())
 
-    def _prefill_rows(self, budget) -> None:
-        """Every row still filling advances by one chunk per call, in place, within ``budget`` tokens (None:
-        all); a row whose prompt is in enters the decode batch."""
+    def _filling(self) -> list:
+        """The rows with prompt tokens left to prefill, as ``(row index, row)``; on the way, cancelled requests
+        leave and rows whose prompt is in enter the decode batch."""
+        rows = []
+        for i, r in enumerate(self._slots):
+            if r.request is None or r.decoding:
+                continue
+            if r.request.dropped:
+                self._free(i, "cancelled")
+            elif r.filled == len(r.request.prompt) - 1:
+                with self._alone([i]):
+                    self._activate(i, r)
+            else:
+                rows.append((i, r))
+        return rows
+
+    def _chunk(self, rows):
+        """One call's prompt chunks for ``rows``: its length ``N`` (the longest that the longest prompt left
+        fills, else the shortest that holds it: little padding), tokens ``[B, N]``, each row's start, the page
+        table (pages taken for the chunk), and how many tokens each row takes."""
+        left = {i: len(r.request.prompt) - 1 - r.filled for i, r in rows}
+        most = max(left.values())
+        n = max((k for k in self.lengths if k <= most), default=self.lengths[0])
+        tokens = np.zeros((self.slots, n), np.int32)
+        start = np.zeros(self.slots, np.int32)
+        table = np.zeros((self.slots, self._max_pages), np.int32)
+        takes = {}
+        for i, r in rows:
+            takes[i] = take = min(n, left[i])
+            tokens[i, :take] = r.request.prompt[r.filled:r.filled + take]
+            start[i] = r.filled
+            self._grow(r, r.filled + take)
+            table[i, :len(r.pages)] = r.pages
+        return n, tokens, start, table, takes
+
+    def _filled(self, rows, takes) -> None:
+        for i, r in rows:
+            r.filled += takes[i]
+            self.stats["prefill_tokens"] += takes[i]
+        self.stats["prefill_row_chunks"] += len(rows)
+
+    def _prefill_rows(self) -> None:
+        """With no row decoding: every filling row advances one chunk per call, in place, until every prompt
+        is in (nobody waits for it); each row then enters the decode batch."""
         while True:
-            rows = [(i, r) for i, r in enumerate(self._slots) if r.request is not None and not r.decoding]
-            for i, r in rows:
-                if r.request.dropped:
-                    self._free(i, "cancelled")
-            rows = [(i, r) for i, r in rows if r.request is not None]
-            left = {i: len(r.request.prompt) - 1 - r.filled for i, r in rows}
-            for i, r in rows:
-                if not left[i]:
-                    with self._alone([i]):
-                        self._activate(i, r)
-            rows = [(i, r) for i, r in rows if left[i] and r.request is not None]
-            if not rows or (budget is not None and budget <= 0):
+            rows = self._filling()
+            if not rows:
                 return
-            # the longest length that the longest prompt fills, else the shortest that holds it: little padding
-            most = max(left[i] for i, _ in rows)
-            n = max((k for k in self.lengths if k <= most), default=self.lengths[0])
-            tokens = np.zeros((self.slots, n), np.int32)
-            start = np.zeros(self.slots, np.int32)
-            table = np.zeros((self.slots, self._max_pages), np.int32)
-            for i, r in rows:
-                take = min(n, left[i])
-                tokens[i, :take] = r.request.prompt[r.filled:r.filled + take]
-                start[i] = r.filled
-                self._grow(r, r.filled + take)
-                table[i, :len(r.pages)] = r.pages
+            n, tokens, start, table, takes = self._chunk(rows)
             sig = PREFILL_PAGED.format(n)
             with self._alone([i for i, _ in rows]):
                 self._caches = self._fns[sig](self.runners[sig].weights, self._put(tokens), self._put(start),
                                               self._caches, self._put(table))
-                for i, r in rows:
-                    r.filled += min(n, left[i])
-                    self.stats["prefill_tokens"] += min(n, left[i])
+                self._filled(rows, takes)
                 self.stats["batched_prefill_calls"] += 1
-                self.stats["prefill_row_chunks"] += len(rows)
-            if budget is not None:
-                budget -= n * len(rows)
 
     def _activate(self, i: int, row: _Row) -> None:
         """A prefilled request into the decode batch: its state row set, its full prompt pages kept for

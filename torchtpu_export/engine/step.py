@@ -83,32 +83,58 @@ def jit_put_row():
 
 def _decode_body(runner, out_spec, length: int, cache_names: list[str], slots: bool, top: int):
     """The traced body of :func:`jit_decode`."""
-    import jax
     call = program_call(runner, out_spec, length, cache_names, slots)
-    last = length - 1
 
     def decode(weights, state, caches, allowed, *table):
-        import jax.numpy as jnp
-        tokens, pos, keys, temp, top_k, top_p, presence, frequency, repetition, counts, seen, bias = state
-        logits, caches = call(weights, tokens[:, None], pos, caches, *table)
-        keys = jax.vmap(jax.random.split)(keys)  # [B, 2, 2]: the slot's next key, this step's key
-        raw = logits[:, -1].astype(jnp.float32)
-        x = process(raw, allowed, presence, frequency, repetition, counts, seen, bias)
-        nxt = jax.lax.cond(jnp.any(temp > 0),
-                           lambda: jax.vmap(sample)(x, keys[:, 1], temp, top_k, top_p),
-                           lambda: jnp.argmax(x, axis=-1).astype(jnp.int32))
-        rows = jnp.arange(nxt.shape[0])
-        logp = jax.nn.log_softmax(raw, axis=-1)
-        picked = logp[rows, nxt]
-        if top:
-            top_values, top_ids = jax.lax.top_k(logp, top)
-        else:
-            top_values, top_ids = jnp.zeros((nxt.shape[0], 0), jnp.float32), jnp.zeros((nxt.shape[0], 0), jnp.int32)
-        counts = counts.at[rows, nxt].add(1)
-        state = (nxt, jnp.minimum(pos + 1, last), keys[:, 0], temp, top_k, top_p, presence, frequency, repetition,
-                 counts, seen, bias)
-        return (nxt, picked, top_values, top_ids.astype(jnp.int32)), state, caches
+        logits, caches = call(weights, state[0][:, None], state[1], caches, *table)
+        outs, state = _sampled(logits[:, -1], state, allowed, top, length - 1)
+        return outs, state, caches
     return decode
+
+
+def jit_mixed(runner, out_spec, length: int, cache_names: list[str], top: int = 0):
+    """``mixed(weights, state, caches, allowed, page_table, chunk, start, decoding) -> (outputs, state,
+    caches)``, state and caches donated: one call of a paged prefill program (``prefill_paged_<N>``, whose
+    logits are each row's first token's) carrying both prompt chunks and decode steps: a row with
+    ``decoding`` set runs its next token at column 0 from its state's position (the rest of its row is
+    padding, written past its position) and is sampled as :func:`jit_decode` samples; the other rows prefill
+    ``chunk`` from ``start`` and keep their state."""
+    import jax
+    call = program_call(runner, out_spec, length, cache_names, slots=True)
+
+    def mixed(weights, state, caches, allowed, table, chunk, start, decoding):
+        import jax.numpy as jnp
+        tokens = jnp.where(decoding[:, None], chunk.at[:, 0].set(state[0]), chunk)
+        logits, caches = call(weights, tokens, jnp.where(decoding, state[1], start), caches, table)
+        outs, stepped = _sampled(logits[:, 0], state, allowed, top, length - 1)
+        keep = lambda new, old: jnp.where(decoding.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
+        return outs, tuple(map(keep, stepped, state)), caches
+    return jax.jit(mixed, donate_argnums=(1, 2))
+
+
+def _sampled(logits, state, allowed, top: int, last: int):
+    """Each row's next token from its logits ``[B, V]`` (:func:`process`, then :func:`sample` with its own
+    key), its log-probability (and the ``top`` most likely), and the state after the step."""
+    import jax
+    import jax.numpy as jnp
+    tokens, pos, keys, temp, top_k, top_p, presence, frequency, repetition, counts, seen, bias = state
+    keys = jax.vmap(jax.random.split)(keys)  # [B, 2, 2]: the slot's next key, this step's key
+    raw = logits.astype(jnp.float32)
+    x = process(raw, allowed, presence, frequency, repetition, counts, seen, bias)
+    nxt = jax.lax.cond(jnp.any(temp > 0),
+                       lambda: jax.vmap(sample)(x, keys[:, 1], temp, top_k, top_p),
+                       lambda: jnp.argmax(x, axis=-1).astype(jnp.int32))
+    rows = jnp.arange(nxt.shape[0])
+    logp = jax.nn.log_softmax(raw, axis=-1)
+    picked = logp[rows, nxt]
+    if top:
+        top_values, top_ids = jax.lax.top_k(logp, top)
+    else:
+        top_values, top_ids = jnp.zeros((nxt.shape[0], 0), jnp.float32), jnp.zeros((nxt.shape[0], 0), jnp.int32)
+    counts = counts.at[rows, nxt].add(1)
+    state = (nxt, jnp.minimum(pos + 1, last), keys[:, 0], temp, top_k, top_p, presence, frequency, repetition,
+             counts, seen, bias)
+    return (nxt, picked, top_values, top_ids.astype(jnp.int32)), state
 
 
 def process(logits, allowed, presence, frequency, repetition, counts, seen, bias):

@@ -264,17 +264,21 @@ class CacheStep(torch.nn.Module):
 
     With ``slots`` (batched steps for serving), each batch row is a separate sequence:
     ``(tokens [B,N], input_pos [B] (each row's first position), mask [B,1,N,C], caches [B,...])``; writes
-    past the cache's end are dropped (the engine parks rows that take no part at position C). Given a
+    past the cache's end are dropped (the engine parks rows that take no part at position C). ``first``: the
+    logits of each row's first token only (``[B, 1, V]``: a paged prefill carrying decode steps). Given a
     ``page_table [B, C / page]`` input as well (``llm.contract.paged_inputs``), each cache is a pool of pages
     shared by the rows (``[pages, heads, page, dim]``) and each row's positions are in its table's pages."""
 
-    def __init__(self, model, layout: CacheLayout, logits: bool, slots: bool = False, padded: bool = False):
+    def __init__(self, model, layout: CacheLayout, logits: bool, slots: bool = False, padded: bool = False,
+                 first: bool = False):
         super().__init__()
         self.model, self.layout, self.logits, self.slots, self.padded = model, layout, logits, slots, padded
+        self.first = first
         config = model.config
         self.window = getattr(config, "sliding_window", None)
         params = inspect.signature(model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.keep_kw = "logits_to_keep" in params
         self.sequential = sequential_layers(model) if layout.states else frozenset()
 
     def _masks(self, mask, positions):
@@ -299,16 +303,17 @@ class CacheStep(torch.nn.Module):
             _PAGED.update(table=table, start=input_pos, mask=mask, pools=set(), updates=0, attended=0)
         _GROUP_MASKS.clear()  # each trace of a step makes its own
         try:
+            keep = {"logits_to_keep": torch.zeros(1, dtype=torch.int64)} if self.first and self.keep_kw else {}
             with adapted(self.model):
                 out = self.model(input_ids=tokens, attention_mask=self._masks(mask, positions),
-                                 position_ids=positions, use_cache=True, **{self.cache_kw: cache})
+                                 position_ids=positions, use_cache=True, **{self.cache_kw: cache}, **keep)
             if table is not None and _PAGED["attended"] != _PAGED["updates"]:
                 raise InputError(f"{type(self.model).__name__} attends to its cache outside transformers' attention "
                                  "interface: a paged cache cannot be read there", hint="export without kv_pages")
         finally:
             _GROUP_MASKS.clear()
             _PAGED.clear()
-        result = {"logits": out.logits} if self.logits else {}
+        result = {"logits": out.logits[:, :1] if self.first else out.logits} if self.logits else {}
         for i in self.layout.attention_layers():
             result[f"kv_cache_k_{i}"], result[f"kv_cache_v_{i}"] = cache.k[i], cache.v[i]
         result.update(cache.states)
