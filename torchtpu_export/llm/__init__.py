@@ -7,17 +7,19 @@ project's own, exported as prefill and decode programs for any target (``tte.exp
 - :mod:`.text`: the tokenizer, special tokens and chat template an artifact carries;
 - :mod:`.source`: loading a model folder (checked first, :mod:`.hf_folder`), a factory or a model object;
 - :mod:`.step`: :class:`CacheStep`, the transformers model with the step's cache in place of its own;
+- :mod:`.paged`: attention over a paged cache as one op (``tte::paged_attention``);
 - :mod:`.host`: the host loop, the reference that drives any target's programs.
 
 So no architecture is re-authored: one that transformers builds from these blocks works.
 """
-from .contract import (DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, CacheLayout, cache_shardings, prefill_chunks,
-                       prefill_lengths, slot_inputs, step_inputs)
+from .contract import (DECODE, DECODE_BATCH, DECODE_PAGED, PREFILL, PREFILL_BATCH, PREFILL_PAGED, CacheLayout,
+                       cache_shardings, paged_inputs, prefill_chunks, prefill_lengths, slot_inputs, step_inputs)
 from .host import HostLoop, host_generate, next_token_logits
 from .source import LlmSource, load_source
 from .step import CacheStep
 from .text import LlmTokenizer, parts_template
 
-__all__ = ["DECODE", "DECODE_BATCH", "PREFILL", "PREFILL_BATCH", "CacheLayout", "CacheStep", "HostLoop", "LlmSource",
-           "LlmTokenizer", "cache_shardings", "host_generate", "load_source", "next_token_logits", "parts_template",
-           "prefill_chunks", "prefill_lengths", "slot_inputs", "step_inputs"]
+__all__ = ["DECODE", "DECODE_BATCH", "DECODE_PAGED", "PREFILL", "PREFILL_BATCH", "PREFILL_PAGED", "CacheLayout",
+           "CacheStep", "HostLoop", "LlmSource", "LlmTokenizer", "cache_shardings", "host_generate", "load_source",
+           "next_token_logits", "paged_inputs", "parts_template", "prefill_chunks", "prefill_lengths", "slot_inputs",
+           "step_inputs"]
