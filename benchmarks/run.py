@@ -36,6 +36,7 @@ BENCHMARKS = {
     "families": ("families", ["-o", "RESULTS-families.md"]),
     "serving-tpu": ("serving", ["--concurrency", "", "--topologies", "v5e,v6e", "-o", "RESULTS-serving-tpu.md"]),
     "decode-cost": ("plain_decode", ["-o", "RESULTS-decode-cost.md"]),
+    "capacity": ("serving", ["--concurrency", "", "--prefix", "0", "--capacity", "v5e", "-o", "RESULTS-capacity.md"]),
 }
 
 

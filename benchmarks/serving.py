@@ -1,14 +1,18 @@
 """Serving throughput on this machine's CPU PJRT: the continuous-batching engine against sequential
 serving of the same programs, the old host round-trip loop, and transformers' generate (torch eager).
 
-    python -m benchmarks.serving [--configs llama-30m] [--concurrency 1,4,16] [--new-tokens 64] [-o RESULTS-serving.md]
+    python -m benchmarks.serving [--configs llama-30m] [--concurrency 1,4,16,64] [--new-tokens 64]
+                                 [-o RESULTS-serving.md]
+    python -m benchmarks.serving --concurrency '' --prefix 0 --capacity v5e    # sequences one chip holds
 
 For each config (a Llama built from a config with seeded random weights; token ids only, no tokenizer):
-the model is exported once with ``tte.export_llm(..., target="tpu", batch_size=16)`` and then, for
-1, 4 and 16 concurrent requests (prompts of 16..48 random tokens, ``--new-tokens`` greedy tokens each,
+the model is exported once with ``tte.export_llm(..., target="tpu", batch_size=64)`` (and once more with a
+paged KV cache, ``kv_pages="auto"``) and then, for 1, 4, 16 and 64 concurrent requests (prompts of 16..48
+random tokens, ``--new-tokens`` greedy tokens each,
 no early stop), we time:
 - engine: all requests submitted at once to :class:`torchtpu_export.engine.Engine` (its thread running),
-  the ``decode_batch`` program stepping every slot;
+  the ``decode_batch`` program stepping every slot; paged engine: the same over the paged export
+  (:class:`torchtpu_export.engine.PagedEngine`);
 - sequential: the same engine on the one-slot ``decode`` program, the requests one after another;
 - host loop: the requests one after another through ``llm.HostLoop`` (the KV cache goes device → host →
   device through numpy every step, as ``examples/zoo.py:generate`` did);
@@ -470,7 +474,7 @@ def main() -> int:
     from benchmarks import publish
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default="llama-30m")
-    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--topologies", default="", help="TPU topologies for the compiler's view of the serving dtypes "
                    "and the full-size decode step, e.g. v5e,v6e ('' for none)")
