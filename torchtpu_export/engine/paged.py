@@ -23,8 +23,6 @@ processors and thread are the engine's. What differs:
 Attention reads each row's pages gathered in sequence order (XLA's path, the same on every platform)."""
 from __future__ import annotations
 
-import contextlib
-import logging
 import re
 
 import numpy as np
@@ -36,8 +34,6 @@ from .request import TOP_LOGPROBS
 from .scheduler import Engine
 from .step import (cache_shardings, jit_decode, jit_mixed, jit_prefill, jit_set_row, jit_zeros, mask_words, output_tree,
                    state_row, state_rows)
-
-log = logging.getLogger("torchtpu_export")
 
 
 class _Row:
@@ -325,22 +321,6 @@ class PagedEngine(Engine):
             self._pool.publish(key, page)
         row.decoding, row.position = True, len(r.prompt) - 1
 
-    @contextlib.contextmanager
-    def _alone(self, rows: list[int]):
-        """Work for the requests in ``rows`` only: if it fails, those requests end with the error and the step
-        goes on for the others, unless the failure took the pool or the state with it (a donated call that
-        ran), which ends the step for all."""
-        try:
-            yield
-        except Exception as e:
-            leaves = self._jax.tree.leaves((self._state, self._caches))
-            if any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
-                raise
-            log.error("a request's prefill failed (%s: %s); the other requests go on", type(e).__name__, e)
-            for i in rows:
-                if self._slots[i].request is not None:
-                    self._free(i, "error", e)
-
     def _free(self, i: int, reason: str, error: BaseException | None = None) -> None:
         row = self._slots[i]
         row.request.finish(reason, error)
@@ -348,18 +328,7 @@ class PagedEngine(Engine):
         self._pool.reserved -= row.owed
         self._slots[i] = _Row()
 
-    def _reset(self, error: BaseException) -> None:
-        for i, row in enumerate(self._slots):
-            if row.request is not None:
-                self._free(i, "error", error)
-        if self._stopping or self._halted:
-            with self._cv:
-                left = list(self._waiting) + list(self._inbox)
-                self._waiting.clear()
-                self._inbox.clear()
-            for r in left:
-                r.finish("error", error)
-        self._state = self._put(state_rows(self.slots, self.vocab))
+    def _lost(self) -> None:
         if any(getattr(x, "is_deleted", lambda: False)() for x in self._caches):  # the pool went with a failed call
             self._caches = self._pool_zeros()
             self._pool.clear()

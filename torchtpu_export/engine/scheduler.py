@@ -405,8 +405,7 @@ class Engine(Following):
             log.error("a request's prefill failed (%s: %s); the other requests go on", type(e).__name__, e)
             for i in slots:
                 if self._slots[i].request is not None:
-                    self._slots[i].request.finish("error", e)
-                    self._slots[i] = _Slot()
+                    self._free(i, "error", e)
 
     def _prefill_together(self, budget):
         """Several requests at once through ``prefill_batch_<N>``, straight into their slots' rows of the
@@ -609,8 +608,7 @@ class Engine(Following):
     def _reset(self, error: BaseException) -> None:
         for i, slot in enumerate(self._slots):
             if slot.request is not None:
-                slot.request.finish("error", error)
-                self._slots[i] = _Slot()
+                self._free(i, "error", error)
         if self._stopping or self._halted:
             with self._cv:
                 left = list(self._waiting) + list(self._inbox)
@@ -619,6 +617,10 @@ class Engine(Following):
             for r in left:
                 r.finish("error", error)
         self._state = self._put(state_rows(self.slots, self.vocab))
+        self._lost()
+
+    def _lost(self) -> None:
+        """After a failed step: what the failure may have taken with it (a donated call that ran) made anew."""
         self._solo = None
         if self._prefix is not None and any(getattr(x, "is_deleted", lambda: False)() for x in self._pool):
             self._prefix_clear()
