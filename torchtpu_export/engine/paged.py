@@ -31,7 +31,7 @@ from ..errors import InputError
 from ..llm.contract import DECODE_PAGED, PREFILL_PAGED
 from .prefix import PagePool, page_keys
 from .request import TOP_LOGPROBS
-from .scheduler import Engine
+from .scheduler import Engine, decode_program
 from .step import (cache_shardings, jit_decode, jit_mixed, jit_prefill, jit_set_row, jit_zeros, mask_words, output_tree,
                    state_row, state_rows)
 
@@ -62,7 +62,6 @@ class PagedEngine(Engine):
         import threading
 
         import jax
-        import torch.utils._pytree as pytree
         from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
         self._jax = jax
         sigs = program.signatures
@@ -74,11 +73,8 @@ class PagedEngine(Engine):
             raise InputError("prefix_pages sizes the slots' prefix pool; a paged program keeps its prefix pages in its "
                              "cache's pool (kv_pages at export)")
         self.program = program
-        self.decode_runner = program.runner(DECODE_PAGED, platform)
-        spec = {s.name: s for s in self.decode_runner.inputs}
-        missing = {"tokens", "input_pos", "page_table"} - set(spec)
-        if missing:
-            raise InputError(f"program {DECODE_PAGED} has no {sorted(missing)} input: it is not an export_llm program")
+        self.decode_runner, spec, self.vocab = decode_program(program, DECODE_PAGED, platform,
+                                                              ("tokens", "input_pos", "page_table"))
         self.cache_names = [n for n in spec if n.startswith("kv_cache_")]
         pool = spec[self.cache_names[0]].shape  # [kv heads, pages, page, dim]
         self.pages, self.page_size = pool[1], pool[2]
@@ -89,10 +85,6 @@ class PagedEngine(Engine):
         self.length = self._max_pages * self.page_size
         self.exact = False
         self.prefill_budget = prefill_budget or self.lengths[-1]
-        outs = pytree.tree_unflatten(list(self.decode_runner.outputs), output_tree(program, DECODE_PAGED))
-        if not isinstance(outs, dict) or "logits" not in outs:
-            raise InputError(f"program {DECODE_PAGED} has no logits output: it is not an export_llm program")
-        self.vocab = outs["logits"].shape[-1]
         mesh = self.decode_runner.mesh
         if mesh is not None and jax.process_count() > 1:
             raise InputError("a paged cache is served by one process", hint="export without kv_pages for serve "
@@ -227,11 +219,9 @@ class PagedEngine(Engine):
         for i, row in enumerate(self._slots):
             if row.request is not None:
                 continue
-            while self._waiting and self._waiting[0].dropped:
-                self._waiting.popleft().finish("cancelled")
-            if not self._waiting:
+            request = self._next_waiting()
+            if request is None:
                 return
-            request = self._waiting[0]
             if request.page_keys is None:  # the full pages of what is prefilled (all but the last prompt token)
                 request.page_keys = page_keys(request.prompt[:-1], self.page_size)[:self._max_pages]
             hit = self._pool.match(request.page_keys)

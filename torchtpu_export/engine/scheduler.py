@@ -73,11 +73,8 @@ class Engine(Following):
                              hint="export the model with tte.export_llm(..., target='tpu')")
         self.program = program
         self.runners = {sig: program.runner(sig, platform) for sig in [PREFILL.format(n) for n in self.lengths]}
-        self.decode_runner = program.runner(decode_sig, platform)
-        spec = {s.name: s for s in self.decode_runner.inputs}
-        missing = {"tokens", "input_pos", "mask"} - set(spec)
-        if missing:
-            raise InputError(f"program {decode_sig} has no {sorted(missing)} input: it is not an export_llm program")
+        self.decode_runner, spec, self.vocab = decode_program(program, decode_sig, platform, ("tokens", "input_pos",
+                                                                                             "mask"))
         self.cache_names = [n for n in spec if n.startswith("kv_cache_")]
         # recurrent states (Mamba, linear attention): a padding token would move them, so a prompt is cut into
         # chunks it fills exactly, and never prefilled in the batch's rows (whose other rows would step too)
@@ -85,11 +82,6 @@ class Engine(Following):
         self.slots = spec["tokens"].shape[0]
         self.length = spec["mask"].shape[-1]
         self.prefill_budget = prefill_budget or self.lengths[-1]
-        import torch.utils._pytree as pytree
-        outs = pytree.tree_unflatten(list(self.decode_runner.outputs), output_tree(program, decode_sig))
-        if not isinstance(outs, dict) or "logits" not in outs:
-            raise InputError(f"program {decode_sig} has no logits output: it is not an export_llm program")
-        self.vocab = outs["logits"].shape[-1]
         weights = self.decode_runner.weights
         self.device = next(iter(weights.values())).devices().pop() if weights else jax.devices()[0]
         # where the engine's arrays live: one device, or for a sharded program its mesh (token ids and
@@ -351,6 +343,12 @@ class Engine(Following):
         slot.request.finish(reason, error)
         self._slots[i] = _Slot()
 
+    def _next_waiting(self) -> Request | None:
+        """The first waiting request (cancelled ones before it end here), or None."""
+        while self._waiting and self._waiting[0].dropped:
+            self._waiting.popleft().finish("cancelled")
+        return self._waiting[0] if self._waiting else None
+
     def _admit(self, budget) -> None:
         """Waiting requests into free slots while the prefill budget lasts."""
         for i, slot in enumerate(self._slots):
@@ -358,9 +356,7 @@ class Engine(Following):
                 return
             if slot.request is not None:
                 continue
-            while self._waiting and self._waiting[0].dropped:
-                self._waiting.popleft().finish("cancelled")
-            if not self._waiting:
+            if self._next_waiting() is None:
                 return
             request = self._waiting.popleft()
             self._slots[i] = _Slot(request, *self._prefix_start(request))
@@ -421,9 +417,8 @@ class Engine(Following):
         if not ongoing and len(fresh) + min(len(free), len(self._waiting)) < max(2, self.slots // 4):
             return budget
         for i in free:
-            while self._waiting and self._waiting[0].dropped:
-                self._waiting.popleft().finish("cancelled")
-            if not self._waiting or self._waiting[0].siblings or self._prefix_hit(self._waiting[0]):
+            nxt = self._next_waiting()
+            if nxt is None or nxt.siblings or self._prefix_hit(nxt):
                 break  # n > 1 shares a cache of its own, a prefix hit starts from the pool's pages: not in place
             self._slots[i] = _Slot(self._waiting.popleft(), None, 0, False, direct=True)
         for slot in self._slots:
@@ -624,6 +619,21 @@ class Engine(Following):
         self._solo = None
         if self._prefix is not None and any(getattr(x, "is_deleted", lambda: False)() for x in self._pool):
             self._prefix_clear()
+
+
+def decode_program(program, sig: str, platform, inputs: Sequence[str]):
+    """``(runner, its inputs by name, vocabulary)`` of an LLM's decode program ``sig``, checked to be an
+    ``export_llm`` step (``inputs`` among its inputs, logits among its outputs)."""
+    import torch.utils._pytree as pytree
+    runner = program.runner(sig, platform)
+    spec = {s.name: s for s in runner.inputs}
+    missing = set(inputs) - set(spec)
+    if missing:
+        raise InputError(f"program {sig} has no {sorted(missing)} input: it is not an export_llm program")
+    outs = pytree.tree_unflatten(list(runner.outputs), output_tree(program, sig))
+    if not isinstance(outs, dict) or "logits" not in outs:
+        raise InputError(f"program {sig} has no logits output: it is not an export_llm program")
+    return runner, spec, outs["logits"].shape[-1]
 
 
 @functools.lru_cache(maxsize=4096)
