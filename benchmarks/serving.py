@@ -332,7 +332,8 @@ def capacity(name: str, topology: str, cache: int = 2048, page: int = 16, slot_b
     with a cache per slot (``decode_batch``: every slot holds ``cache`` positions, whatever its sequence's
     length) and with a paged cache (``decode_paged`` over ``rows`` rows: a sequence holds its own pages).
     Each program's HBM is compiled at two sizes (slots, pool pages); bytes per slot and per page are the
-    slope, the rest the intercept; the paged program is then compiled again at the pool that fills the chip."""
+    slope, the rest the intercept (the pool that fills the chip is not compiled itself: exporting it takes
+    its sample caches in host memory, more than this machine has)."""
     import torchtpu_export as tte
     from torchtpu_export import llm
     kind, config = TPU_CONFIGS[name]
@@ -354,22 +355,19 @@ def capacity(name: str, topology: str, cache: int = 2048, page: int = 16, slot_b
     (p1, q1), (p2, q2) = paged.items()
     per_page = (q2["hbm"] - q1["hbm"]) / (p2 - p1)
     pool = int((chip - (q1["hbm"] - p1 * per_page)) // per_page)
-    full = hbm(llm.DECODE_PAGED, batch_size=rows, kv_pages=pool, page_size=page)
-    while not full["fits"] and pool > p2:  # the linear fit was optimistic: step down until the compiler agrees
-        pool -= max(1, pool // 50)
-        full = hbm(llm.DECODE_PAGED, batch_size=rows, kv_pages=pool, page_size=page)
     lengths = np.random.default_rng(0).integers(mix[0], mix[1] + 1, 100_000)
     used = np.cumsum(-(-lengths // page))  # pages of the first k sequences (page 0 is no sequence's)
     by_pages = int(np.searchsorted(used, pool - 1, side="right"))
     return dict(name=name, topology=topology, cache=cache, page=page, recipe=recipe, mix=mix, rows=rows,
                 chip=chip, per_slot=per_slot, slots_fit=slots_fit, slots=slots, per_page=per_page, pool=pool,
-                paged=full, by_pages=by_pages, paged_fit=min(by_pages, rows), mean=float(lengths.mean()),
+                paged=paged, by_pages=by_pages, paged_fit=min(by_pages, rows), mean=float(lengths.mean()),
                 params=sum(p.numel() for p in model.parameters()))
 
 
 def capacity_text(c: dict, args) -> str:
     gib = 2 ** 30
     s1 = next(iter(c["slots"].values()))
+    p, q = next(iter(c["paged"].items()))
     lines = [f"## Capacity: {c['name']} on one {c['topology']} chip ({datetime.date.today()}, libtpu's memory analysis "
              f"ahead of time on {os.cpu_count()} CPU cores)", "",
              f"`python -m benchmarks.serving --concurrency '' --prefix 0 --capacity {c['topology']}`", "",
@@ -384,13 +382,15 @@ def capacity_text(c: dict, args) -> str:
              f"{(s1['hbm'] - next(iter(c['slots'])) * c['per_slot']) / gib:.2f} GiB | {c['slots_fit']} slots | "
              f"**{c['slots_fit']}** |",
              f"| paged ({c['rows']} rows) | {c['per_page'] / 2 ** 20:.2f} MiB per page | "
-             f"{(c['paged']['hbm'] - c['pool'] * c['per_page']) / gib:.2f} GiB | {c['pool']:,} pages | "
+             f"{(q['hbm'] - p * c['per_page']) / gib:.2f} GiB | {c['pool']:,} pages | "
              f"**{c['paged_fit']}**" + (f" (the pages hold {c['by_pages']}; rows cap it)" if c['by_pages'] > c['rows']
                                         else "") + " |", "",
-             f"The paged step compiled at {c['pool']:,} pages: {c['paged']['hbm'] / gib:.2f} GiB of "
-             f"{c['chip'] / gib:.0f} GiB, fits: {'yes' if c['paged']['fits'] else 'NO'}. Paged attention here "
-             "gathers each row's pages (XLA), so the step's temporaries grow with its rows x cache length; that is "
-             "in the fixed HBM above.", ""]
+             "Compiled: " + "; ".join(f"{sig} at {n:,} {unit}: {st['hbm'] / gib:.2f} GiB (aliased "
+                                      f"{st['aliased'] / gib:.2f})" for sig, unit, group in (
+                                          ("`decode_batch`", "slots", c["slots"]), ("`decode_paged`", "pages",
+                                                                                     c["paged"]))
+                                      for n, st in group.items())
+             + f", of the chip's {c['chip'] / gib:.1f} GiB. Units on the chip extrapolate those lines.", ""]
     return "\n".join(lines)
 
 
