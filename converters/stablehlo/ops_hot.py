@@ -249,7 +249,7 @@ def paged_attention_xla(ctx, q, k_pages, v_pages, table, start, scale):
     """``q [B, H, n, d]`` against each row's pages of ``k_pages`` / ``v_pages [Hkv, pages, page, d]`` (``table
     [B, T]``), causally from position ``start [B]``: the pages gathered in sequence order (every page of the
     table), then grouped attention as ``scaled_dot_product_attention``'s rule computes it."""
-    b, heads, n, d = q.shape
+    b, _, n, _ = q.shape
     hkv, _, page, _ = k_pages.shape
     t = table.shape[1]
     table = table.astype(jnp.int32)
@@ -257,16 +257,10 @@ def paged_attention_xla(ctx, q, k_pages, v_pages, table, start, scale):
     def gathered(pages):  # [Hkv, B, T, page, d] -> [B, Hkv, T * page, d]
         return jnp.take(pages, table, axis=1).transpose(1, 0, 2, 3, 4).reshape(b, hkv, t * page, pages.shape[-1])
 
-    k, v = gathered(k_pages).astype(q.dtype), gathered(v_pages).astype(q.dtype)
-    rep = heads // hkv
-    scores = jnp.einsum("bgrqd,bgkd->bgrqk", q.reshape(b, hkv, rep, n, d), k,
-                        preferred_element_type=jnp.float32) * scale
     positions = start.astype(jnp.int32)[:, None] + jnp.arange(n, dtype=jnp.int32)  # [B, n]
-    visible = jnp.arange(t * page, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)  # position 0 is always visible: no empty row
-    weights = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bgrqk,bgkd->bgrqd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, heads, n, v.shape[-1]).astype(ctx.out_dtype())
+    visible = jnp.arange(t * page, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # never an empty row
+    return scaled_dot_product_attention(ctx, q, gathered(k_pages).astype(q.dtype), gathered(v_pages).astype(q.dtype),
+                                        visible[:, None], scale=scale, enable_gqa=True)
 
 
 @lowers(PAGED_ATTENTION, platform="tpu")

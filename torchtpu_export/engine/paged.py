@@ -20,7 +20,9 @@ processors and thread are the engine's. What differs:
   reserved then and taken as the sequence grows, so no running request waits for memory or is preempted;
   the first waiting request that does not fit waits for pages to be given back (first come, first served).
 
-Attention reads each row's pages gathered in sequence order (XLA's path, the same on every platform)."""
+Attention reads each row's pages through ``tte::paged_attention`` (:mod:`torchtpu_export.llm.paged`): gathered
+in sequence order by XLA, or on TPU for a decode step JAX's paged attention kernel, which fetches only each
+row's live pages."""
 from __future__ import annotations
 
 import re
