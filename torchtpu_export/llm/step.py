@@ -267,7 +267,7 @@ class CacheStep(torch.nn.Module):
     past the cache's end are dropped (the engine parks rows that take no part at position C). ``first``: the
     logits of each row's first token only (``[B, 1, V]``: a paged prefill carrying decode steps). Given a
     ``page_table [B, C / page]`` input as well (``llm.contract.paged_inputs``), each cache is a pool of pages
-    shared by the rows (``[pages, heads, page, dim]``) and each row's positions are in its table's pages."""
+    shared by the rows (``[heads, pages, page, dim]``) and each row's positions are in its table's pages."""
 
     def __init__(self, model, layout: CacheLayout, logits: bool, slots: bool = False, padded: bool = False,
                  first: bool = False):
@@ -297,8 +297,7 @@ class CacheStep(torch.nn.Module):
         n = tokens.shape[1]
         positions = input_pos[:, None] + torch.arange(n, dtype=input_pos.dtype) if self.slots else input_pos[None]
         if table is not None:  # paged: causal by position (each row's pages hold its own positions only)
-            length = self.layout.length  # the page table's positions (page_size divides it)
-            visible = torch.arange(length)[None, None, :] <= positions.to(torch.int64)[:, :, None]
+            visible = torch.arange(self.layout.length)[None, None, :] <= positions.to(torch.int64)[:, :, None]
             mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)[:, None]
             _PAGED.update(table=table, start=input_pos, mask=mask, pools=set(), updates=0, attended=0)
         _GROUP_MASKS.clear()  # each trace of a step makes its own
