@@ -14,6 +14,7 @@ import torchtpu_export as tte
 from conftest import export_folder, run_cli
 from test_serving import Server, greedy
 from torchtpu_export.engine import Engine
+from torchtpu_export.engine.aot import compile_engine
 from torchtpu_export.engine.paged import PagedEngine
 from torchtpu_export.errors import InputError
 
@@ -153,7 +154,8 @@ def _kernel_model():
 def test_paged_programs_compile_for_tpu_with_the_kernel_where_it_pays():
     """The TPU compiler (libtpu, ahead of time, v5e) accepts the paged decode and prefill steps of a bf16 export
     with the pool updated in place (aliased); decode attention is JAX's paged attention kernel, kept because it
-    accesses fewer bytes than the gather (both figures recorded), and prefill chunks say why they have none."""
+    accesses fewer bytes than the gather (both figures recorded), and prefill chunks say why they have none. The
+    engine's calls around them (sampling, mixed steps) compile for v5e as well, for a server to load."""
     prog = tte.export_llm(_kernel_model(), None, target="tpu", prefill_lengths=(16,), cache_length=128, batch_size=4,
                           kv_pages="auto", quant_config="bf16")
     entries = {(e["program"], e["node"]): e for e in prog.kernels() if e["op"] == "tte.paged_attention.default"
@@ -167,6 +169,12 @@ def test_paged_programs_compile_for_tpu_with_the_kernel_where_it_pays():
     for sig in ("decode_paged", "prefill_paged_16"):
         stats = prog.compiled_stats("v5e:1x1", sig)
         assert stats["fits"] and stats["hbm_bytes"]["aliased"] >= pool, (sig, stats)
+    # every call of the server's engine (steps with sampling, mixed steps, row and pool work) compiles for v5e too
+    engine = compile_engine(prog, "v5e:1x1")
+    assert engine["server"] == "PagedEngine" and engine["device_kind"] == "TPU v5 lite" and engine["libtpu"]
+    assert {"decode_paged.top0", "decode_paged.top20", "prefill_paged_16", "mixed.prefill_paged_16.top0",
+            "mixed.prefill_paged_16.top20", "set_row.4", "pages_zeros"} == set(engine["calls"])
+    assert all(c["bytes"] > 0 for c in engine["calls"].values())
 
 
 def test_paged_decode_kernel_in_interpret_mode_agrees_with_the_gather():

@@ -367,3 +367,62 @@ def test_serve_refuses_a_missing_file_and_a_bad_port(cli, tmp_path):
     r = cli("serve", tmp_path / "nope.tpu", "--distributed", "--coordinator", "127.0.0.1:1", "--num-processes", "2",
             "--process-id", "2")
     assert r.returncode == 2 and "--process-id must be from 0 to 1" in r.stderr
+
+
+def _compile_events():
+    """A list that JAX's compile logging fills with one entry per backend compilation from now on."""
+    from jax import monitoring
+    from jax._src import dispatch
+    events = []
+    monitoring.register_event_duration_secs_listener(
+        lambda name, _, **kw: events.append(name) if name == dispatch.BACKEND_COMPILE_EVENT else None)
+    return events
+
+
+def _traffic(engine, prompts, n):
+    """Requests that reach every kind of engine call: one alone, several at once (logprobs, two choices,
+    a prefix the pool holds), a cancel; their results."""
+    first = engine.generate(prompts[0], n, stop=[2])
+    requests = [engine.submit(p, n, stop=[2], **({"logprobs": 2} if i % 2 else {})) for i, p in enumerate(prompts)]
+    requests += list(engine.submit_many(prompts[1], 2, 4, temperature=0.8, seed=1))
+    gone = engine.submit(prompts[2], n)
+    engine.step()
+    gone.cancel()
+    while engine.busy:
+        engine.step()
+    return [first] + [r.result() for r in requests[:len(prompts)]]
+
+
+def test_a_server_compiles_nothing_once_started_and_loads_stored_executables(llm, cli, tmp_path):
+    """Zero compilation at serve time, checked with JAX's compile logging. `compile --topology cpu` stores
+    the engine's calls for this host: an engine over that file compiles nothing at all (construction, warm,
+    then every kind of request), with transformers' tokens. Without stored executables `warm` compiles every
+    call before serving, and serving compiles nothing. A file whose stored executables are for another jax
+    is refused by `serve` with one message rather than compiled behind; other files cannot take cpu."""
+    model, _, _, path = llm
+    prompts = _prompts(5, 40, (1, 9, 30))
+    wants = [greedy(model, p, 10) for p in [prompts[0], *prompts]]
+    stored = tmp_path / "stored.tpu"
+    r = cli("compile", path, "--topology", "cpu", "-o", stored)
+    assert r.returncode == 0, r.stderr
+    assert "cpu serving engine (Engine): 18 calls stored" in r.stdout and "starts without compiling" in r.stdout
+    assert "serving engine [cpu, cpu, jax" in cli("inspect", stored).stdout
+    events = _compile_events()
+    engine = Engine(tte.load(stored))
+    engine.warm()
+    assert engine.stats["stored_executables"] == 18
+    assert _traffic(engine, prompts, 10) == wants and events == [], events
+    assert engine.stats["prefix_hit_tokens"] > 0 and engine.stats.get("one_row_steps", 0) > 0
+    plain = Engine(tte.load(path))
+    plain.warm()
+    assert plain.stats["stored_executables"] == 0 and plain.stats["warm_seconds"] > 0
+    events.clear()
+    assert _traffic(plain, prompts, 10) == wants and events == [], events
+    prog = tte.load(stored)
+    prog.manifest["llm"]["engine"]["cpu"]["jax"] = "0.0.1"
+    prog.save(tmp_path / "old.tpu")
+    r = cli("serve", tmp_path / "old.tpu", "--port", str(_free_port()))
+    assert r.returncode == 5 and "stored engine executables cannot run here" in r.stderr, r.stderr
+    assert "compiled by jax 0.0.1" in r.stderr and "Traceback" not in r.stderr
+    r = cli("compile", path, "--topology", "cpu", "--signature", "decode_batch", "-o", tmp_path / "one.tpu")
+    assert r.returncode == 2 and "the cpu topology compiles an LLM's serving engine" in r.stderr

@@ -329,7 +329,9 @@ def _inspect(args) -> int:
 def _compile_args(p):
     p.add_argument("artifact", help="a .tpu file (for TPUs) or a .tflite file (for phone NPUs)")
     p.add_argument("--topology", default=None, metavar="T[,T...]",
-                   help=".tpu: TPU topologies to compile for, e.g. v5e, v5e:2x2 or v5e:2x2,v6e-8 (no TPU needed)")
+                   help=".tpu: TPU topologies to compile for, e.g. v5e, v5e:2x2 or v5e:2x2,v6e-8 (no TPU needed); "
+                        "an LLM's file also stores its server's engine calls, and cpu compiles those for this "
+                        "host's processor")
     p.add_argument("--signature", default=None, help=".tpu: compile one program only (artifacts with several)")
     p.add_argument("--soc", default=None, metavar="VENDOR:SOC[,...]",
                    help=".tflite: NPUs to compile for through LiteRT's AOT path, e.g. qualcomm:SM8650 or "

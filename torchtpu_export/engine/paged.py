@@ -33,7 +33,7 @@ from ..errors import InputError
 from ..llm.contract import DECODE_PAGED, PREFILL_PAGED
 from .prefix import PagePool, page_keys
 from .request import TOP_LOGPROBS
-from .scheduler import Engine, decode_program
+from .scheduler import Engine, decode_program, first_device
 from .step import (cache_shardings, jit_decode, jit_mixed, jit_prefill, jit_set_row, jit_zeros, mask_words, output_tree,
                    state_row, state_rows)
 
@@ -66,6 +66,7 @@ class PagedEngine(Engine):
         import jax
         from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
         self._jax = jax
+        self._abstract = bool(getattr(program, "abstract", False))
         sigs = program.signatures
         self.lengths = sorted(int(m.group(1)) for m in (re.fullmatch(r"prefill_paged_(\d+)", s) for s in sigs) if m)
         if DECODE_PAGED not in sigs or not self.lengths:
@@ -93,7 +94,7 @@ class PagedEngine(Engine):
                              "--distributed")
         self.processes, self.lead = 1, True
         weights = self.decode_runner.weights
-        self.device = next(iter(weights.values())).devices().pop() if weights else jax.devices()[0]
+        self.device = first_device(weights)
         self._small = SingleDeviceSharding(self.device) if mesh is None else NamedSharding(mesh, PartitionSpec())
         self.runners = {PREFILL_PAGED.format(n): program.runner(PREFILL_PAGED.format(n), platform)
                         for n in self.lengths}
@@ -108,7 +109,7 @@ class PagedEngine(Engine):
                       "batched_prefill_calls": 0, "prefill_row_chunks": 0, "mixed_steps": 0, "most_pages_in_use": 0}
         self._pool_zeros = jit_zeros(None, [(tuple(spec[n].shape), np.dtype(spec[n].dtype)) for n in self.cache_names],
                                      cache_shardings(self.decode_runner, self.cache_names, self._small))
-        self._caches = self._pool_zeros()
+        self._caches = self._made(self._pool_zeros, "pages_zeros")
         self._pool = PagePool(self.pages, self.page_size, prefix_cache, self.stats)
         self._prefix = self._pool if prefix_cache else None
         self._state = self._put(state_rows(self.slots, self.vocab))
@@ -141,11 +142,9 @@ class PagedEngine(Engine):
             return self.busy
         top, asked = self._top(busy)
         table = self._decode_table(busy)
-        if top not in self._decodes:
-            self._decodes[top] = jit_decode(self.decode_runner, output_tree(self.program, DECODE_PAGED), self.length,
-                                            self.cache_names, True, top)
-        out, self._state, self._caches = self._decodes[top](self.decode_runner.weights, self._state, self._caches,
-                                                            self._allowed(), self._put(table))
+        decode = self._decode_fn(DECODE_PAGED, top)
+        out, self._state, self._caches = decode(self.decode_runner.weights, self._state, self._caches, self._allowed(),
+                                                self._put(table))
         self.stats["decode_steps"] += 1
         self._hand_out(busy, out, asked)
         return True
@@ -160,12 +159,8 @@ class PagedEngine(Engine):
         decoding = np.zeros(self.slots, bool)
         decoding[busy] = True
         sig = PREFILL_PAGED.format(n)
-        key = (sig, top)
-        if key not in self._mixeds:
-            self._mixeds[key] = jit_mixed(self.runners[sig], output_tree(self.program, sig), self.length,
-                                          self.cache_names, top)
         with self._alone([i for i, _ in rows] + busy):
-            out, self._state, self._caches = self._mixeds[key](
+            out, self._state, self._caches = self._mixed_fn(sig, top)(
                 self.runners[sig].weights, self._state, self._caches, self._allowed(), self._put(table),
                 self._put(tokens), self._put(start), self._put(decoding))
             self._filled(rows, takes)
@@ -173,6 +168,34 @@ class PagedEngine(Engine):
             self.stats["decode_steps"] += 1
             self._hand_out(busy, out, asked)
         self._filling()  # rows whose prompt is in now enter the decode batch
+
+    def _decode_fn(self, sig: str, top: int = 0):
+        if top not in self._decodes:
+            self._decodes[top] = jit_decode(self.decode_runner, output_tree(self.program, sig), self.length,
+                                            self.cache_names, True, top)
+        return self._decodes[top]
+
+    def _mixed_fn(self, sig: str, top: int):
+        if (sig, top) not in self._mixeds:
+            self._mixeds[sig, top] = jit_mixed(self.runners[sig], output_tree(self.program, sig), self.length,
+                                               self.cache_names, top)
+        return self._mixeds[sig, top]
+
+    def _calls(self):
+        B, table, i32 = self.slots, self._host((self.slots, self._max_pages)), self._host(())
+        allowed, starts = self._host((B, mask_words(self.vocab))), self._host((B,))
+        for sig, fn in self._fns.items():
+            n = int(sig.rsplit("_", 1)[1])
+            yield sig, fn, (self.runners[sig].weights, self._host((B, n)), starts, self._caches, table)
+            for top in (0, TOP_LOGPROBS):
+                yield f"mixed.{sig}.top{top}", self._mixed_fn(sig, top), (
+                    self.runners[sig].weights, self._state, self._caches, allowed, table, self._host((B, n)), starts,
+                    self._host((B,), bool))
+        for top in (0, TOP_LOGPROBS):
+            yield f"{DECODE_PAGED}.top{top}", self._decode_fn(DECODE_PAGED, top), (
+                self.decode_runner.weights, self._state, self._caches, allowed, table)
+        yield f"set_row.{B}", self._set_row, (self._state, i32, self._row_abstract())
+        yield "pages_zeros", self._pool_zeros, ()
 
     def _top(self, busy: list[int]):
         """How many alternatives the step reports (0 unless a decoding request asked for logprobs), and

@@ -65,6 +65,7 @@ class Engine(Following):
                  page_size: int = PAGE_SIZE):
         import jax
         self._jax = jax
+        self._abstract = bool(getattr(program, "abstract", False))  # aot.TopologyProgram: chips not attached
         sigs = program.signatures
         self.lengths = prefill_lengths(sigs)
         decode_sig = DECODE_BATCH if batched and DECODE_BATCH in sigs else DECODE
@@ -83,7 +84,7 @@ class Engine(Following):
         self.length = spec["mask"].shape[-1]
         self.prefill_budget = prefill_budget or self.lengths[-1]
         weights = self.decode_runner.weights
-        self.device = next(iter(weights.values())).devices().pop() if weights else jax.devices()[0]
+        self.device = first_device(weights)
         # where the engine's arrays live: one device, or for a sharded program its mesh (token ids and
         # positions replicated, each cache split as the plan says: by KV head). A sharded program under
         # several processes (jax.distributed) has one engine per process: process 0 takes the requests
@@ -95,6 +96,7 @@ class Engine(Following):
         batch_sh = cache_shardings(self.decode_runner, self.cache_names, self._small)
         slot_sh = cache_shardings(self.runners[PREFILL.format(self.lengths[0])], self.cache_names, self._small)
         self._slot_specs = [(tuple(spec[n].shape[1:]), np.dtype(spec[n].dtype)) for n in self.cache_names]
+        self._slot_sh = slot_sh
         self._fns = {sig: self._prefill_fn(sig) for sig in self.runners}
         # prefill of several slots at once, straight into the batch's cache (requests arriving together)
         self.batch_lengths = [n for n in self.lengths if decode_sig == DECODE_BATCH and PREFILL_BATCH.format(n) in sigs
@@ -119,7 +121,8 @@ class Engine(Following):
         self._everything = self._put(np.full((self.slots, mask_words(self.vocab)), -1, np.int32))  # no mask
         self.stats = {"decode_steps": 0, "tokens": 0, "prefill_tokens": 0, "requests": 0,
                       "decode_bytes_to_device": 0, "decode_bytes_to_host": 0, "busy_slot_steps": 0}
-        self._caches = jit_zeros(self.slots, self._slot_specs, batch_sh)()
+        self._batch_zeros = jit_zeros(self.slots, self._slot_specs, batch_sh)
+        self._caches = self._made(self._batch_zeros, "batch_zeros")
         self._prefix = None
         if prefix_cache and not self.exact and self.processes == 1 and 1 <= page_size <= self.length and all(
                 len(shape) == 3 and shape[1] == self.length for shape, _ in self._slot_specs):
@@ -129,8 +132,9 @@ class Engine(Following):
                 raise InputError(f"prefix_pages must be a positive integer, got {pages!r}")
             self._prefix = PrefixCache(pages, page_size, self.stats)
             self._pool_zeros = jit_zeros(pages, [((s[0], page_size, s[2]), d) for s, d in self._slot_specs], slot_sh)
-            self._pool = self._pool_zeros()
+            self._pool = self._made(self._pool_zeros, "pool_zeros")
             self._page_store = jit_page_store(page_size)
+            self._page_store_batch = jit_page_store(page_size)  # the batch's cache rows: other shapes
             self._page_load = jit_page_load(page_size, self._slot_specs, slot_sh)
         self._slots = [_Slot() for _ in range(self.slots)]
         self._waiting: collections.deque[Request] = collections.deque()  # the scheduler's (see _sync)
@@ -149,10 +153,113 @@ class Engine(Following):
         return jit_decode(self.decode_runner, output_tree(self.program, sig), self.length, self.cache_names,
                           sig == DECODE_BATCH, top)
 
+    def warm(self) -> float:
+        """Readies every device function the engine may call, for the shapes it calls it with, so that serving
+        compiles nothing (a server does this before it takes requests): the file's stored executables for these
+        devices (``torchtpu-export compile FILE --topology ...``) loaded, or where it stores none, each call
+        compiled now. Raises ArtifactError when the file stores executables that cannot run here, or lacks
+        one this engine calls. Returns the seconds taken."""
+        import time
+
+        from ..errors import ArtifactError
+        from .aot import stored_calls
+        t0 = time.perf_counter()
+        devices = self._devices()
+        stored = stored_calls(self.program, devices)
+        for name, fn, args in self._calls():
+            if stored is None:
+                fn.compile(*args)
+            elif name in stored:
+                fn.load(stored[name], *args, devices=devices)
+            else:
+                raise ArtifactError(f"the file's stored executables lack the engine call {name!r}: they were "
+                                    "compiled for the server's defaults (batched, prefix cache)",
+                                    hint="serve with the defaults, or with --no-warm to compile as it serves")
+        self.stats["warm_seconds"] = round(time.perf_counter() - t0, 3)
+        self.stats["stored_executables"] = 0 if stored is None else len(stored)
+        return self.stats["warm_seconds"]
+
+    def _host(self, shape, dtype=np.int32):
+        """The abstract value of a host array that :meth:`_put` places."""
+        return self._jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=self._small)
+
+    def _row_abstract(self) -> tuple:
+        """The abstract value of one slot's state row (:func:`state_row`)."""
+        return tuple(self._host(x.shape[1:], x.dtype) for x in state_rows(1, self.vocab))
+
+    def _calls(self):
+        """``(name, function, arguments)`` for every device function this engine may call (the arguments
+        abstract where the engine makes them per call), the functions made now where they are made on first
+        use. A name says the same call with the same shapes in every engine of one file."""
+        B, words, i32 = self.slots, mask_words(self.vocab), self._host(())
+        one = tuple(self._jax.ShapeDtypeStruct((1, *s), d, sharding=sh)
+                    for (s, d), sh in zip(self._slot_specs, self._slot_sh))
+        for n in self.lengths:
+            sig = PREFILL.format(n)
+            yield sig, self._fns[sig], (self.runners[sig].weights, self._host((1, n)), i32, one)
+        for n in self.batch_lengths:
+            sig = PREFILL_BATCH.format(n)
+            yield sig, self._fns[sig], (self.runners[sig].weights, self._host((B, n)), self._host((B,)),
+                                        self._caches)
+        for top in (0, TOP_LOGPROBS):
+            if top not in self._decodes:
+                self._decodes[top] = self._decode_fn(self._decode_sig, top)
+            yield f"{self._decode_sig}.top{top}", self._decodes[top], (self.decode_runner.weights, self._state,
+                                                                      self._caches, self._host((B, words)))
+        if self._single is not None:
+            one_state = tuple(self._host((1, *x.shape[1:]), x.dtype) for x in self._state)
+            for top in (0, TOP_LOGPROBS):
+                if top not in self._solo_decodes:
+                    self._solo_decodes[top] = jit_decode(self._single, output_tree(self.program, DECODE), self.length,
+                                                         self.cache_names, False, top)
+                yield f"{DECODE}.top{top}", self._solo_decodes[top], (self._single.weights, one_state, one,
+                                                                     self._host((1, words)))
+            yield "take_row", self._take_row, (self._state, self._caches, i32)
+            yield "put_row", self._put_row, (self._state, self._caches, one_state, one, i32)
+        yield f"set_row.{B}", self._set_row, (self._state, i32, self._row_abstract())
+        yield f"insert.{B}", self._insert, (self._state, self._caches, one, i32, self._row_abstract())
+        yield "zeros", self._zeros, ()
+        yield "batch_zeros", self._batch_zeros, ()
+        if self._prefix is not None:
+            ids = self._host((self._max_pages,))
+            yield "pool_zeros", self._pool_zeros, ()
+            yield "page_load", self._page_load, (self._pool, ids, i32)
+            yield "page_store", self._page_store, (self._pool, one, i32, ids, ids)
+            yield f"page_store.{B}", self._page_store_batch, (self._pool, self._caches, i32, ids, ids)
+
     def _put(self, x):
         """Host values (a tree of them) on the engine's devices, replicated; under several processes every
-        process passes the same values (the steps are the same everywhere)."""
+        process passes the same values (the steps are the same everywhere). An engine of chips not attached
+        (ahead-of-time compilation) has their abstract values."""
+        if self._abstract:
+            return self._jax.tree.map(lambda v: self._host(np.shape(v), np.asarray(v).dtype), x)
         return put(x, self._small)
+
+    def _made(self, fn, name: str):
+        """What ``fn()`` (the engine call ``name``) makes on the devices: through the file's stored executable
+        when it has one for these devices (the engine starts without compiling), abstract without chips."""
+        if self._abstract:
+            return fn.shapes()
+        blob = self._stored().get(name)
+        if blob is not None:
+            fn.load(blob, devices=self._devices())
+        return fn()
+
+    def _devices(self) -> list:
+        mesh = self.decode_runner.mesh
+        return [self.device] if mesh is None else list(mesh.devices.flat)
+
+    def _stored(self) -> dict:
+        """The file's stored executables for these devices (none where it has none, or none that run here:
+        :meth:`warm` says why)."""
+        if getattr(self, "_stored_calls", None) is None:
+            from ..errors import ArtifactError
+            from .aot import stored_calls
+            try:
+                self._stored_calls = stored_calls(self.program, self._devices()) or {}
+            except ArtifactError:
+                self._stored_calls = {}
+        return self._stored_calls
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -482,7 +589,7 @@ class Engine(Following):
         """Inserts a prefilled request into the batch: slot ``i``'s cache and state."""
         r = slot.request
         row = state_row(r.params, r.prompt, 0 if r.params.seed is None else int(r.params.seed), self.vocab)
-        self._prefix_store(r, *((self._caches, i) if slot.direct else (slot.caches, 0)))
+        self._prefix_store(r, *((self._caches, i, self._page_store_batch) if slot.direct else (slot.caches, 0)))
         if slot.direct:  # its cache rows are in place already
             self._state = self._set_row(self._state, self._put(np.int32(i)), self._put(row))
         else:
@@ -530,7 +637,7 @@ class Engine(Following):
         self.stats["prefix_hit_tokens"] += len(hit) * self.page_size
         return caches, len(hit) * self.page_size
 
-    def _prefix_store(self, request: Request, caches, row: int) -> None:
+    def _prefix_store(self, request: Request, caches, row: int, store=None) -> None:
         """The full pages of a prefilled prompt (cache row ``row`` of ``caches``) the pool lacks, into it."""
         if self._prefix is None:
             return
@@ -542,7 +649,8 @@ class Engine(Following):
         for j, (index, page) in enumerate(new):
             src[j], dst[j] = index, page
         try:
-            self._pool = self._page_store(self._pool, caches, self._put(np.int32(row)), self._put(src), self._put(dst))
+            self._pool = (store or self._page_store)(self._pool, caches, self._put(np.int32(row)), self._put(src),
+                                                     self._put(dst))
         except Exception as e:  # the pool is a cache: lose it, never a request
             log.error("prefix cache store failed (%s: %s); the cache starts empty", type(e).__name__, e)
             self._prefix_clear()
@@ -619,6 +727,15 @@ class Engine(Following):
         self._solo = None
         if self._prefix is not None and any(getattr(x, "is_deleted", lambda: False)() for x in self._pool):
             self._prefix_clear()
+
+
+def first_device(weights: dict):
+    """The device of the first weight (of the first of a sharded one's devices): the engine's."""
+    import jax
+    if not weights:
+        return jax.devices()[0]
+    w = next(iter(weights.values()))
+    return w.devices().pop() if hasattr(w, "devices") else min(w.sharding.device_set, key=lambda d: d.id)
 
 
 def decode_program(program, sig: str, platform, inputs: Sequence[str]):

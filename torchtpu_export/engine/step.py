@@ -4,7 +4,79 @@ rows they carry, and host values put on the engine's devices. Nothing here sched
 (:mod:`.scheduler`) decides what to call and when."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
+
+log = logging.getLogger("torchtpu_export.engine")
+
+
+class Prepared:
+    """One of the engine's jitted device functions and, once :meth:`compile` has run, its executable for the
+    argument shapes the engine calls it with (each function is called with one set of shapes). A call then
+    compiles nothing; a call whose shapes or shardings differ from the compiled ones is logged and counted
+    in ``Prepared.late`` and takes the jitted path, which compiles (never a failed request)."""
+    late = 0  # calls that compiled at serve time, every engine of the process together
+
+    __slots__ = ("jitted", "compiled")
+
+    def __init__(self, jitted):
+        self.jitted, self.compiled = jitted, None
+
+    def compile(self, *args, platforms: tuple[str, ...] | None = None):
+        """Compiles for ``args`` (arrays or ``jax.ShapeDtypeStruct`` with their shardings; ``platforms``: lower
+        for these, e.g. ``("tpu",)`` on a host without one); returns the executable."""
+        traced = self.jitted.trace(*abstract(args))
+        self.compiled = traced.lower(**({"lowering_platforms": platforms} if platforms else {})).compile()
+        return self.compiled
+
+    def shapes(self, *args):
+        """The outputs for ``args`` as ``jax.ShapeDtypeStruct`` with shardings, compiling nothing."""
+        import jax
+        return jax.tree.map(_plain, self.jitted.trace(*abstract(args)).out_info)
+
+    def load(self, blob: bytes, *args, devices: list) -> None:
+        """The executable stored for ``args`` (``aot.serialize``'s bytes), loaded for ``devices``; ArtifactError
+        when it takes other arguments than ``args``."""
+        import jax
+        from ..errors import ArtifactError
+        from ..targets.tpu.aot import load_executable
+        args = abstract(args)
+        out_tree = jax.tree.structure(self.jitted.trace(*args).out_info)
+        compiled = load_executable(blob, None, uses_x64=jax.config.jax_enable_x64, devices=devices,
+                                   trees=(jax.tree.structure((args, {})), out_tree))
+        want = [(tuple(a.shape), np.dtype(a.dtype)) for a in jax.tree.leaves(args)]
+        got = [(tuple(i.shape), np.dtype(i.dtype)) for i in jax.tree.leaves(compiled.in_avals)]
+        if want != got:
+            raise ArtifactError("a stored executable takes other arguments than this engine passes",
+                                hint="compile the file again for this server (torchtpu-export compile)")
+        self.compiled = compiled
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except (TypeError, ValueError) as e:  # raised before it runs: nothing donated is gone
+                Prepared.late += 1
+                log.warning("a device call compiles at serve time: its arguments are not the compiled ones "
+                            "(%s)", str(e).splitlines()[0][:300])
+                self.compiled = None
+        return self.jitted(*args)
+
+
+def _plain(o):
+    import jax
+    return jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=getattr(o.sharding, "sharding", o.sharding))
+
+
+def abstract(tree):
+    """Arrays (a tree of them) as ``jax.ShapeDtypeStruct`` with their shardings; abstract values as they are."""
+    import jax
+
+    def one(x):
+        return x if isinstance(x, jax.ShapeDtypeStruct) else \
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    return jax.tree.map(one, tree)
 
 
 def output_tree(program, sig: str):
@@ -45,7 +117,7 @@ def jit_prefill(runner, out_spec, length: int, cache_names: list[str], slots: bo
         import jax.numpy as jnp
         pos = start if slots else start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
         return call(weights, tokens, pos, caches, *table)[1]
-    return jax.jit(prefill, donate_argnums=(3,))
+    return Prepared(jax.jit(prefill, donate_argnums=(3,)))
 
 
 def jit_decode(runner, out_spec, length: int, cache_names: list[str], slots: bool, top: int = 0):
@@ -56,7 +128,8 @@ def jit_decode(runner, out_spec, length: int, cache_names: list[str], slots: boo
     parameters (:func:`state_rows`). ``logprobs`` is each sampled token's log-probability under the model
     (the raw logits' log-softmax); with ``top`` > 0 also the ``top`` most likely tokens and theirs."""
     import jax
-    return jax.jit(_decode_body(runner, out_spec, length, cache_names, slots, top), donate_argnums=(1, 2))
+    return Prepared(jax.jit(_decode_body(runner, out_spec, length, cache_names, slots, top),
+                            donate_argnums=(1, 2)))
 
 
 def jit_take_row():
@@ -67,7 +140,7 @@ def jit_take_row():
     def take(state, caches, row):
         one = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1, 0)  # noqa: E731
         return tuple(map(one, state)), tuple(map(one, caches))
-    return jax.jit(take)
+    return Prepared(jax.jit(take))
 
 
 def jit_put_row():
@@ -78,7 +151,7 @@ def jit_put_row():
     def put_row(state, caches, one_state, one_caches, row):
         back = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, row, 0)  # noqa: E731
         return tuple(map(back, state, one_state)), tuple(map(back, caches, one_caches))
-    return jax.jit(put_row, donate_argnums=(0, 1))
+    return Prepared(jax.jit(put_row, donate_argnums=(0, 1)))
 
 
 def _decode_body(runner, out_spec, length: int, cache_names: list[str], slots: bool, top: int):
@@ -109,7 +182,7 @@ def jit_mixed(runner, out_spec, length: int, cache_names: list[str], top: int = 
         outs, stepped = _sampled(logits[:, 0], state, allowed, top, length - 1)
         keep = lambda new, old: jnp.where(decoding.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
         return outs, tuple(map(keep, stepped, state)), caches
-    return jax.jit(mixed, donate_argnums=(1, 2))
+    return Prepared(jax.jit(mixed, donate_argnums=(1, 2)))
 
 
 def _sampled(logits, state, allowed, top: int, last: int):
@@ -161,13 +234,13 @@ def mask_words(vocab: int) -> int:
 def jit_set_row():
     """:func:`set_row` jitted, the state donated."""
     import jax
-    return jax.jit(set_row, donate_argnums=(0,))
+    return Prepared(jax.jit(set_row, donate_argnums=(0,)))
 
 
 def jit_insert():
     """:func:`insert_rows` jitted, the batch's state and caches donated."""
     import jax
-    return jax.jit(insert_rows, donate_argnums=(0, 1))
+    return Prepared(jax.jit(insert_rows, donate_argnums=(0, 1)))
 
 
 def jit_zeros(rows: int | None, specs: list, shardings: tuple):
@@ -175,7 +248,8 @@ def jit_zeros(rows: int | None, specs: list, shardings: tuple):
     with ``rows`` None each one's whole shape) where ``shardings`` says."""
     import jax
     lead = () if rows is None else (rows,)
-    return jax.jit(lambda: tuple(jax.numpy.zeros((*lead, *s), d) for s, d in specs), out_shardings=shardings)
+    return Prepared(jax.jit(lambda: tuple(jax.numpy.zeros((*lead, *s), d) for s, d in specs),
+                            out_shardings=shardings))
 
 
 def put(x, sharding):
@@ -264,7 +338,7 @@ def jit_page_store(page: int):
             pages = r[:, :whole * page].reshape(heads, whole, page, dim).transpose(1, 0, 2, 3)
             out.append(p.at[dst].set(pages[src], mode="drop"))
         return tuple(out)
-    return jax.jit(store, donate_argnums=(0,))
+    return Prepared(jax.jit(store, donate_argnums=(0,)))
 
 
 def jit_page_load(page: int, specs: list, shardings: tuple):
@@ -285,4 +359,4 @@ def jit_page_load(page: int, specs: list, shardings: tuple):
             got = jnp.where(keep[None, :, None], got, jnp.zeros((), got.dtype))
             out.append(jnp.zeros((1, heads, length, dim), dtype).at[0, :, :n * page].set(got.astype(dtype)))
         return tuple(out)
-    return jax.jit(load, out_shardings=shardings)
+    return Prepared(jax.jit(load, out_shardings=shardings))

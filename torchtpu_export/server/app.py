@@ -44,7 +44,7 @@ class Served:
     """What one served file is: its program, and for an LLM the engine and text workers."""
 
     def __init__(self, path: str, name: str | None = None, *, batched: bool = True, text_workers: int = 2,
-                 text_budget: float = 10.0, prefix_cache: bool = True):
+                 text_budget: float = 10.0, prefix_cache: bool = True, warm: bool = False):
         from ..api import load
         self.path = os.fspath(path)
         self.name = name or os.path.splitext(os.path.basename(self.path))[0]
@@ -59,6 +59,8 @@ class Served:
         if self.llm is not None:
             from ..engine import Engine
             self.engine = Engine(self.program, batched=batched, prefix_cache=prefix_cache)
+            if warm:  # every device call compiled now: no request waits for the compiler
+                self.engine.warm()
             self.limits = Limits.for_cache(self.engine.length)
             self.stop_ids = tuple(self.llm.get("stop_ids", ()))
             special = [i for i in (*self.stop_ids, self.llm.get("bos_id"), self.llm.get("pad_id")) if i is not None]
@@ -102,14 +104,18 @@ class Served:
 
 
 def serve(path, *, name: str | None = None, host: str = "127.0.0.1", port: int = 8080,
-          batched: bool = True, allow_origins=(), text_budget: float = 10.0, prefix_cache: bool = True) -> None:
+          batched: bool = True, allow_origins=(), text_budget: float = 10.0, prefix_cache: bool = True,
+          warm: bool = True) -> None:
     """Serves one artifact until interrupted (SIGINT/SIGTERM). Under several processes (jax.distributed,
     a sharded LLM program) process 0 serves HTTP and the others run the steps its engine schedules,
     until it stops."""
     kserve = import_kserve()
     from kserve.model_server import ModelServer, app
-    served = Served(path, name, batched=batched, text_budget=text_budget, prefix_cache=prefix_cache)
+    served = Served(path, name, batched=batched, text_budget=text_budget, prefix_cache=prefix_cache, warm=warm)
     try:
+        if served.engine is not None and "warm_seconds" in served.engine.stats:
+            print(f"compiled the engine's device calls in {served.engine.stats['warm_seconds']:.1f} s: serving "
+                  "compiles nothing", flush=True)
         if served.processes > 1 and not served.engine.lead:
             import jax
             print(f"process {jax.process_index()} of {served.processes}: running the steps of process 0's engine "
@@ -183,6 +189,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="LLMs: prefill every prompt whole (by default the KV cache of prompts' full pages is kept on "
                         "the device and a prompt starting the same way prefills only the rest)")
+    p.add_argument("--no-warm", action="store_true",
+                   help="LLMs: compile each device call on its first use (by default every program and step the "
+                        "engine may call is compiled before the server takes requests, and serving compiles nothing)")
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="let browser pages from ORIGIN (e.g. https://app.example.com; '*' for any) call the server "
                         "(CORS); without it, requests a browser marks cross-site are refused")
@@ -232,5 +241,6 @@ def run_cli(args) -> int:
     if args.distributed:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id, token_file=args.token_file)
     serve(args.model, name=args.name, host=args.host, port=args.port, batched=not args.one_slot,
-          allow_origins=args.allow_origin, text_budget=args.text_timeout, prefix_cache=not args.no_prefix_cache)
+          allow_origins=args.allow_origin, text_budget=args.text_timeout, prefix_cache=not args.no_prefix_cache,
+          warm=not args.no_warm)
     return 0

@@ -434,8 +434,9 @@ _EXECUTABLE_CLASSES = frozenset({
 })
 
 
-def load_executable(blob: bytes, exported, *, uses_x64: bool, devices: list):
-    """A stored executable, loaded for ``devices`` (the local TPU chips), callable like ``jit(exported.call)``.
+def load_executable(blob: bytes, exported, *, uses_x64: bool, devices: list, trees=None):
+    """A stored executable, loaded for ``devices`` (the local TPU chips), callable like ``jit(exported.call)``
+    (or with ``trees``, its ``(input tree, output tree)``: the engine's calls, whose trees are its own).
 
     The container is unpickled with a class allow-list: a file that names anything else is
     refused (ArtifactError), before any of it runs.
@@ -456,8 +457,12 @@ def load_executable(blob: bytes, exported, *, uses_x64: bool, devices: list):
         except Exception as e:
             raise ArtifactError(f"the stored executable cannot be loaded ({type(e).__name__}: {str(e)[:200]})",
                                 hint="compile it again: torchtpu-export compile MODEL.tpu --topology ...") from e
-        args_info = exported.in_tree.unflatten(args_info_flat)
-        return jax.stages.Compiled(unloaded.load(), [], args_info, exported.out_tree, no_kwargs=no_kwargs)
+        in_tree, out_tree = trees or (exported.in_tree, exported.out_tree)
+        if in_tree.num_leaves != len(args_info_flat):
+            raise ArtifactError("a stored executable takes other arguments than its program",
+                                hint="compile it again: torchtpu-export compile MODEL.tpu --topology ...")
+        args_info = in_tree.unflatten(args_info_flat)
+        return jax.stages.Compiled(unloaded.load(), [], args_info, out_tree, no_kwargs=no_kwargs)
 
 
 # ---- artifacts -----------------------------------------------------------------------------

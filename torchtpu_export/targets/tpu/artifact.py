@@ -257,8 +257,10 @@ def _named_entries(manifest: dict) -> list[str]:
 
 
 def _extra_entries(manifest: dict) -> list[str]:
-    tokenizer = manifest.get("llm", {}).get("tokenizer")
-    return [tokenizer] if tokenizer else []
+    """An LLM's tokenizer and its engine's stored executables (``engine.aot``)."""
+    llm = manifest.get("llm", {})
+    calls = [c["file"] for entry in (llm.get("engine") or {}).values() for c in entry["calls"].values()]
+    return ([llm["tokenizer"]] if llm.get("tokenizer") else []) + calls
 
 
 _CHUNK = 16 << 20
@@ -299,6 +301,9 @@ def _manifest_schema():
                       {"libtpu": Opt(STR), "jax": STR, "jaxlib": STR, "device_kind": STR, "devices": Count(),
                        "executable": Opt(Record({"file": NAME, "sha256": STR}, {"bytes": Count()})),
                        "executable_reason": STR, "shapes": MapOf(Count())})
+    engine = Record({"jax": STR, "jaxlib": STR, "device_kind": STR, "devices": Count(),
+                     "calls": MapOf(Record({"file": NAME, "sha256": STR}, {"bytes": Count(), "seconds": NUMBER}))},
+                    {"libtpu": Opt(STR), "server": STR, "host": STR})
     kernel = Record({}, {k: STR for k in ("node", "op", "kernel", "detail", "reason", "platform")}
                     | {"cost": MapOf(NUMBER)})
     sharding = Record({"mode": STR, "weights": MapOf(ListOf(axis)), "inputs": ListOf(ListOf(axis)),
@@ -324,7 +329,8 @@ def _manifest_schema():
                                  {"tokenizer": NAME, "chat_template": Opt(STR), "bos_id": Opt(Count()),
                                   "pad_id": Opt(Count()), "stop_ids": ListOf(Count()), "slots": Count(),
                                   "name": STR, "recurrent_states": Record({"tensors": Count(),
-                                                                           "bytes_per_sequence": Count()})})})
+                                                                           "bytes_per_sequence": Count()}),
+                                  "engine": MapOf(engine)})})
 
 
 def donated(spec: dict) -> tuple[int, ...]:

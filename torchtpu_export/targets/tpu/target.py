@@ -110,11 +110,26 @@ class TpuProgram(Runnable):
         """Compiles the tpu program(s) for TPU topologies (``"v5e:2x2"``, ``"v5e:2x2,v6e:2x2"`` or a
         sequence) with libtpu, ahead of time (no TPU needed), and stores each executable in the
         artifact (``save`` writes them; ``load`` on a matching TPU host runs them without compiling).
-        Raises ConversionError with the compiler's message if it rejects a program."""
+        For an LLM (``export_llm``) and all its programs, the serving engine's calls are compiled and
+        stored too (``engine.aot``: a server on such chips starts without compiling); the topology
+        ``"cpu"`` compiles those for this host's processor. Raises ConversionError with the compiler's
+        message if it rejects a program."""
+        from ...engine.aot import CPU, compile_engine
         from . import aot as tpu_compile
+        names = [t.strip() for t in (topology.split(",") if isinstance(topology, str) else topology) if t.strip()]
+        on_cpu = CPU in names
+        tpus = [t for t in names if t != CPU]
+        if on_cpu and (signature_name is not None or "llm" not in self.manifest):
+            raise InputError("the cpu topology compiles an LLM's serving engine (all its programs); this is "
+                             + ("one program" if signature_name is not None else "not an export_llm file"),
+                             hint="compile for TPU topologies, e.g. v5e")
         programs = None if signature_name is None else [self.signature(signature_name)]
-        for topo in tpu_compile.parse_topologies(topology):
+        for topo in tpu_compile.parse_topologies(tpus) if tpus else ():
             tpu_compile.compile_artifact(self.artifact, topo, programs)
+            if programs is None and "llm" in self.manifest:
+                compile_engine(self, topo)
+        if on_cpu:
+            compile_engine(self, CPU)
         return self
 
     def compiled_stats(self, topology: str = "v5e:2x2", signature_name: str | None = None) -> dict:
@@ -286,6 +301,11 @@ def describe_lines(desc: dict, program: str | None) -> list[str]:
                          f"{states['bytes_per_sequence']} bytes per sequence (prompts cut into exact chunks)")
         elif llm:
             lines.append(_pages_line(desc, llm))
+        for topo, entry in sorted(((llm or {}).get("engine") or {}).items()):
+            lines.append(f"serving engine [{topo}, {entry.get('device_kind')}, jax {entry.get('jax')}"
+                         + (f", libtpu {entry['libtpu']}" if entry.get("libtpu") else "")
+                         + f"]: {len(entry.get('calls', {}))} calls stored (a matching server starts without "
+                           "compiling)")
         return lines
     prog = desc["programs"][program]
     for k in prog.get("kernels") or []:
@@ -376,10 +396,13 @@ def compile_cli(args) -> list[str]:
         if getattr(args, flag, None):
             raise InputError(f"--{flag.replace('_', '-')} applies to .tflite files (NPUs), not .tpu programs")
     output = check_writable(args.output or args.artifact)
-    topologies = tpu_compile.parse_topologies(args.topology)
-    tpu_compile.require_libtpu("torchtpu-export compile")
+    from ...engine.aot import CPU
+    names = [t.strip() for t in args.topology.split(",") if t.strip()]
+    topologies = tpu_compile.parse_topologies([t for t in names if t != CPU]) if set(names) - {CPU} else ()
+    if topologies:
+        tpu_compile.require_libtpu("torchtpu-export compile")
     prog = load(args.artifact)
-    prog.compile(topologies, signature_name=args.signature)
+    prog.compile([*topologies, *([CPU] if CPU in names else [])], signature_name=args.signature)
     prog.save(output)
     lines = []
     for topo in topologies:
@@ -388,6 +411,13 @@ def compile_cli(args) -> list[str]:
         for name, entry in sorted(prog.manifest["compiled"][topo].items()):
             stored = "executable stored" if entry.get("executable") else entry.get("executable_reason", "not stored")
             lines.append(f"{topo} {name}: {tpu_compile.describe_stats(entry['stats'])} [{stored}]")
+    for topo, entry in sorted((prog.manifest.get("llm") or {}).get("engine", {}).items()):
+        if topo in topologies or topo == CPU and CPU in names:
+            calls = entry["calls"].values()
+            lines.append(f"{topo} serving engine ({entry.get('server')}): {len(calls)} calls stored, "
+                         f"{sum(c['bytes'] for c in calls) / 2**20:.1f} MiB, compiled in "
+                         f"{sum(c['seconds'] for c in calls):.1f} s: a server on {entry['device_kind']} starts "
+                         "without compiling")
     lines.append(f"wrote {output} ({os.path.getsize(output):,} bytes)")
     return lines
 
