@@ -239,8 +239,8 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     """
     import torch
 
-    from .llm.contract import (DECODE, DECODE_BATCH, DECODE_PAGED, PREFILL, PREFILL_BATCH, PREFILL_PAGED,
-                               cache_shardings, paged_inputs, slot_inputs, step_inputs)
+    from .llm.contract import (DECODE, DECODE_BATCH, DECODE_PAGED, DECODE_PAGED_ONE, PREFILL, PREFILL_BATCH,
+                               PREFILL_PAGED, cache_shardings, paged_inputs, slot_inputs, step_inputs)
     from .llm.source import load_source, recurrent_layers, refuse_recurrent
     from .llm.step import CacheStep, grouped_attention_in, probe_layout
     from .quant import parse
@@ -283,6 +283,9 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     if pages:
         sigs.signature(DECODE_PAGED, CacheStep(source.model, layout, logits=True, slots=True), (),
                        paged_inputs(layout, batch_size, 1, pages, page_size))
+        if batch_size > 1:  # one request alone steps its own row, not the whole batch's
+            sigs.signature(DECODE_PAGED_ONE, CacheStep(source.model, layout, logits=True, slots=True), (),
+                           paged_inputs(layout, 1, 1, pages, page_size))
         for n in lengths:
             # with each row's first token's logits: the engine's mixed steps (prompt chunks and decode tokens)
             sigs.signature(PREFILL_PAGED.format(n), CacheStep(source.model, layout, logits=True, slots=True,

@@ -30,12 +30,12 @@ import re
 import numpy as np
 
 from ..errors import InputError
-from ..llm.contract import DECODE_PAGED, PREFILL_PAGED
+from ..llm.contract import DECODE_PAGED, DECODE_PAGED_ONE, PREFILL_PAGED
 from .prefix import PagePool, page_keys
 from .request import TOP_LOGPROBS
 from .scheduler import Engine, decode_program, first_device
-from .step import (cache_shardings, jit_decode, jit_mixed, jit_prefill, jit_set_row, jit_zeros, mask_words, output_tree,
-                   state_row, state_rows)
+from .step import (cache_shardings, jit_decode, jit_decode_row, jit_mixed, jit_prefill, jit_set_row, jit_zeros,
+                   mask_words, output_tree, state_row, state_rows)
 
 
 class _Row:
@@ -102,6 +102,9 @@ class PagedEngine(Engine):
                      for sig, r in self.runners.items()}
         self._decodes: dict = {}
         self._mixeds: dict = {}  # (prefill signature, alternatives reported) -> jitted mixed step
+        # one request decoding alone steps its own row through the one-row program (no idle row stepped)
+        self._one = program.runner(DECODE_PAGED_ONE, platform) if DECODE_PAGED_ONE in sigs else None
+        self._row_decodes: dict = {}
         self._set_row = jit_set_row()
         self._solo = None
         self.stats = {"decode_steps": 0, "tokens": 0, "prefill_tokens": 0, "requests": 0,
@@ -114,6 +117,7 @@ class PagedEngine(Engine):
         self._prefix = self._pool if prefix_cache else None
         self._state = self._put(state_rows(self.slots, self.vocab))
         self._everything = self._put(np.full((self.slots, mask_words(self.vocab)), -1, np.int32))
+        self._everything_one = self._put(np.full((1, mask_words(self.vocab)), -1, np.int32))
         self._slots = [_Row() for _ in range(self.slots)]
         self._waiting = collections.deque()
         self._inbox = collections.deque()
@@ -142,9 +146,12 @@ class PagedEngine(Engine):
             return self.busy
         top, asked = self._top(busy)
         table = self._decode_table(busy)
-        decode = self._decode_fn(DECODE_PAGED, top)
-        out, self._state, self._caches = decode(self.decode_runner.weights, self._state, self._caches, self._allowed(),
-                                                self._put(table))
+        if len(busy) == 1 and self._one is not None:
+            out = self._row_step(busy[0], top, table)
+        else:
+            decode = self._decode_fn(DECODE_PAGED, top)
+            out, self._state, self._caches = decode(self.decode_runner.weights, self._state, self._caches,
+                                                    self._allowed(), self._put(table))
         self.stats["decode_steps"] += 1
         self._hand_out(busy, out, asked)
         return True
@@ -175,6 +182,27 @@ class PagedEngine(Engine):
                                             self.cache_names, True, top)
         return self._decodes[top]
 
+    def _row_fn(self, top: int):
+        if top not in self._row_decodes:
+            self._row_decodes[top] = jit_decode_row(self._one, output_tree(self.program, DECODE_PAGED_ONE),
+                                                    self.length, self.cache_names, top)
+        return self._row_decodes[top]
+
+    def _row_step(self, i: int, top: int, table: np.ndarray) -> tuple:
+        """A decode step of row ``i`` alone (``decode_paged_1``); its outputs as the batch's (``[B, ...]``, the
+        other rows zero)."""
+        mask = self._mask()
+        allowed = self._everything_one if mask is None else self._put(mask[i:i + 1])
+        out, self._state, self._caches = self._row_fn(top)(self._one.weights, self._state, self._caches, allowed,
+                                                           self._put(table[i:i + 1]), self._put(np.int32(i)))
+        self.stats["one_row_steps"] = self.stats.get("one_row_steps", 0) + 1
+        full = []
+        for o in self._jax.device_get(out):
+            rows = np.zeros((self.slots, *o.shape[1:]), o.dtype)
+            rows[i] = o[0]
+            full.append(rows)
+        return tuple(full)
+
     def _mixed_fn(self, sig: str, top: int):
         if (sig, top) not in self._mixeds:
             self._mixeds[sig, top] = jit_mixed(self.runners[sig], output_tree(self.program, sig), self.length,
@@ -194,6 +222,11 @@ class PagedEngine(Engine):
         for top in (0, TOP_LOGPROBS):
             yield f"{DECODE_PAGED}.top{top}", self._decode_fn(DECODE_PAGED, top), (
                 self.decode_runner.weights, self._state, self._caches, allowed, table)
+        if self._one is not None:
+            for top in (0, TOP_LOGPROBS):
+                yield f"{DECODE_PAGED_ONE}.top{top}", self._row_fn(top), (
+                    self._one.weights, self._state, self._caches, self._host((1, allowed.shape[1])),
+                    self._host((1, self._max_pages)), i32)
         yield f"set_row.{B}", self._set_row, (self._state, i32, self._row_abstract())
         yield "pages_zeros", self._pool_zeros, ()
 

@@ -132,6 +132,21 @@ def jit_decode(runner, out_spec, length: int, cache_names: list[str], slots: boo
                             donate_argnums=(1, 2)))
 
 
+def jit_decode_row(runner, out_spec, length: int, cache_names: list[str], top: int = 0):
+    """``decode_row(weights, state, caches, allowed, page_table, row) -> (outputs, state, caches)``, state and
+    caches donated: one step of batch row ``row`` alone through a one-row paged program (``decode_paged_1``):
+    its state rows taken, stepped and sampled as :func:`jit_decode` does, and written back; the pool is the
+    batch's (``allowed`` and ``page_table`` are the row's, the outputs ``[1, ...]``)."""
+    import jax
+    body = _decode_body(runner, out_spec, length, cache_names, True, top)
+
+    def decode_row(weights, state, caches, allowed, table, row):
+        one = tuple(jax.lax.dynamic_slice_in_dim(x, row, 1, 0) for x in state)
+        outs, one, caches = body(weights, one, caches, allowed, table)
+        return outs, tuple(jax.lax.dynamic_update_slice_in_dim(x, o, row, 0) for x, o in zip(state, one)), caches
+    return Prepared(jax.jit(decode_row, donate_argnums=(1, 2)))
+
+
 def jit_take_row():
     """``take(state, caches, row) -> (state, caches)``: one slot's rows of the batch's state and caches, as the
     one-slot ``decode`` takes them (a copy of one row)."""

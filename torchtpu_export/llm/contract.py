@@ -20,6 +20,7 @@ PREFILL_BATCH = "prefill_batch_{}"  # tpu serving: N prompt tokens for each of B
 # tpu serving over a paged KV cache (``export_llm(..., paged=True)``): the same steps, the caches a pool of pages
 # shared by all rows, each row's pages in its ``page_table`` row
 DECODE_PAGED = "decode_paged"
+DECODE_PAGED_ONE = "decode_paged_1"  # one row of the batch alone (its page table's row): no idle row stepped
 PREFILL_PAGED = "prefill_paged_{}"  # its logits are each row's first token's ([B, 1, V]): mixed steps
 
 
