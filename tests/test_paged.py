@@ -171,7 +171,7 @@ def test_paged_programs_compile_for_tpu_with_the_kernel_where_it_pays():
         stats = prog.compiled_stats("v5e:1x1", sig)
         assert stats["fits"] and stats["hbm_bytes"]["aliased"] >= pool, (sig, stats)
     # every call of the server's engine (steps with sampling, mixed steps, row and pool work) compiles for v5e too
-    engine = compile_engine(prog, "v5e:1x1")
+    engine = compile_engine(prog, "v5e:1x1", Engine)
     assert engine["server"] == "PagedEngine" and engine["device_kind"] == "TPU v5 lite" and engine["libtpu"]
     assert {"decode_paged.top0", "decode_paged.top20", "prefill_paged_16", "mixed.prefill_paged_16.top0",
             "mixed.prefill_paged_16.top20", "decode_paged_1.top0", "decode_paged_1.top20", "set_row.4",

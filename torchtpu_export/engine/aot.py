@@ -96,15 +96,15 @@ class TopologyProgram:
         return self._runners[sig]
 
 
-def compile_engine(program, topology_name: str) -> dict:
+def compile_engine(program, topology_name: str, engine_class) -> dict:
     """Compiles every call of the engine that serves ``program`` by default (``serve`` without flags) for
     ``topology_name`` (a TPU topology, or ``cpu``: this host), stores the executables in the program's
     artifact and records them in its manifest; returns the manifest entry. Raises CompileError naming the
-    call the compiler rejects."""
+    call the compiler rejects. ``engine_class``: ``engine.Engine`` (which picks the server for the file)."""
     import jax
 
     from ..targets.tpu import aot
-    from . import Engine
+    Engine = engine_class
     llm = program.manifest.get("llm")
     if llm is None:
         raise InputError("only an LLM's program (tte.export_llm) has engine calls to compile for the cpu",

@@ -114,6 +114,7 @@ class TpuProgram(Runnable):
         stored too (``engine.aot``: a server on such chips starts without compiling); the topology
         ``"cpu"`` compiles those for this host's processor. Raises ConversionError with the compiler's
         message if it rejects a program."""
+        from ...engine import Engine
         from ...engine.aot import CPU, compile_engine
         from . import aot as tpu_compile
         names = [t.strip() for t in (topology.split(",") if isinstance(topology, str) else topology) if t.strip()]
@@ -127,9 +128,9 @@ class TpuProgram(Runnable):
         for topo in tpu_compile.parse_topologies(tpus) if tpus else ():
             tpu_compile.compile_artifact(self.artifact, topo, programs)
             if programs is None and "llm" in self.manifest:
-                compile_engine(self, topo)
+                compile_engine(self, topo, Engine)
         if on_cpu:
-            compile_engine(self, CPU)
+            compile_engine(self, CPU, Engine)
         return self
 
     def compiled_stats(self, topology: str = "v5e:2x2", signature_name: str | None = None) -> dict:
