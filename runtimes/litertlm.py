@@ -117,22 +117,26 @@ def _litert_lm():
 class LitertLmEngine:
     """A LiteRT-LM engine over one bundle file (CPU backend)."""
 
-    def __init__(self, path: str, threads: int | None = None):
+    def __init__(self, path: str, threads: int | None = None, vision: bool = False):
         lm = _litert_lm()
         self.path = os.fspath(path)
+        # a VLM's bundle: its image encoder runs on the CPU backend too
+        extra = dict(vision_backend=lm.Backend.CPU(thread_count=threads), max_num_images=MAX_IMAGES) if vision else {}
         try:
             with _LOCK:
-                self.engine = lm.Engine(self.path, backend=lm.Backend.CPU(thread_count=threads))
+                self.engine = lm.Engine(self.path, backend=lm.Backend.CPU(thread_count=threads), **extra)
         except RuntimeError as e:
             raise ArtifactError(f"LiteRT-LM cannot load {self.path}: {e}",
                                 hint="the bundle is damaged or was not made for this LiteRT-LM") from e
 
     def generate(self, prompt: str, max_new_tokens: int = 64, *, chat: bool = False, top_k: int | None = 1,
                  top_p: float | None = None, temperature: float | None = None, seed: int | None = None,
-                 constraint: ResponseConstraint | None = None) -> str:
+                 constraint: ResponseConstraint | None = None, images: tuple = ()) -> str:
         """The text LiteRT-LM generates after ``prompt`` (raw, or as a user message through the bundle's
         chat template with ``chat=True``); greedy by default (top-k 1). ``constraint`` (see
-        :func:`response_constraint`) constrains the reply through LiteRT-LM's constrained decoding."""
+        :func:`response_constraint`) constrains the reply through LiteRT-LM's constrained decoding.
+        ``images`` (image files, checked by :func:`check_image`): the user message shows them before the
+        prompt's text (a VLM's bundle)."""
         lm = _litert_lm()
         if max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be positive, got {max_new_tokens}")
@@ -142,6 +146,8 @@ class LitertLmEngine:
             raise InputError(f"the prompt is not valid text (character {e.start} cannot be written as UTF-8)") from None
         sampler = lm.SamplerConfig(top_k=top_k, top_p=top_p, temperature=temperature, seed=seed)
         try:
+            if images:
+                return self._converse(lm, prompt, sampler, max_new_tokens, True, constraint, images)
             if chat or constraint is not None:
                 return self._converse(lm, prompt, sampler, max_new_tokens, chat, constraint)
             with self.engine.create_session(apply_prompt_template=False, sampler_config=sampler,
@@ -168,7 +174,7 @@ class LitertLmEngine:
                                 hint="the bundle is damaged; rerun with -vv for LiteRT-LM's own log") from None
 
     def _converse(self, lm, prompt: str, sampler, max_new_tokens: int, chat: bool,
-                  constraint: ResponseConstraint | None = None) -> str:
+                  constraint: ResponseConstraint | None = None, images: tuple = ()) -> str:
         """The reply through LiteRT-LM's conversation API: the bundle's chat template with ``chat``, else
         :data:`RAW_TEMPLATE`; constrained to ``constraint`` by llguidance."""
         options = dict(sampler_config=sampler, max_output_tokens=max_new_tokens)
@@ -177,8 +183,12 @@ class LitertLmEngine:
         if constraint is not None:
             options["constrained_decoding_config"] = lm.ConstrainedDecodingConfig(
                 enable=True, provider=lm.LiteRtLmConstraintProviderType.LL_GUIDANCE)
+        message = prompt
+        if images:
+            parts = [lm.Content.ImageFile(os.path.abspath(p)) for p in images] + [lm.Content.Text(prompt)]
+            message = lm.Message(lm.Role.USER, lm.Contents.of(*parts))
         with self.engine.create_conversation(**options) as conv:
-            reply = conv.send_message(prompt, **({"response_format": constraint.litert(lm)} if constraint else {}))
+            reply = conv.send_message(message, **({"response_format": constraint.litert(lm)} if constraint else {}))
         return "".join(part.get("text", "") for part in _parts(reply))
 
     def _works(self, lm, prompt: str, chat: bool) -> bool:
@@ -209,6 +219,39 @@ class LitertLmEngine:
 
     def close(self) -> None:
         self.engine.close()
+
+
+MAX_IMAGES = 8  # images in one conversation
+MAX_IMAGE_BYTES = 64 << 20
+MAX_IMAGE_PIXELS = 64 << 20
+
+
+def check_image(path) -> str:
+    """``path`` if it is an image file LiteRT-LM can decode (PNG, JPEG, BMP or GIF, read whole by Pillow
+    first, within size bounds), else InputError: LiteRT-LM's decoder is never the first to see a file."""
+    path = os.fspath(path)
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise InputError(f"cannot read the image {path}: {e.strerror}") from None
+    if size > MAX_IMAGE_BYTES:
+        raise InputError(f"the image {path} is {size:,} bytes, more than {MAX_IMAGE_BYTES:,}")
+    try:
+        from PIL import Image
+    except ImportError as e:
+        raise InputError("reading images needs Pillow: pip install pillow") from e
+    try:
+        with Image.open(path) as im:
+            if im.format not in ("PNG", "JPEG", "BMP", "GIF"):
+                raise InputError(f"the image {path} is {im.format}; LiteRT-LM reads PNG, JPEG, BMP and GIF")
+            if im.width * im.height > MAX_IMAGE_PIXELS:
+                raise InputError(f"the image {path} is {im.width}x{im.height} pixels, more than {MAX_IMAGE_PIXELS:,}")
+            im.load()
+    except InputError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever Pillow makes of a damaged file
+        raise InputError(f"{path} is not an image that can be read ({type(e).__name__}: {str(e)[:200]})") from None
+    return path
 
 
 def _parts(message) -> list:

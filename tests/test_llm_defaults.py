@@ -28,7 +28,7 @@ def test_a_vision_language_folder_is_refused_not_truncated(tmp_path):
         "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
         "text_config": {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2},
         "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 1}}))
-    for target in ("litertlm", "tpu"):
+    for target in ("tpu",):  # (litertlm exports Gemma 3 VLMs whole: test_vlm)
         r = run_cli(folder, "--target", target, "-o", tmp_path / f"out.{target}")
         assert r.returncode == 2, r.stderr
         assert "Gemma3ForConditionalGeneration with a vision tower" in r.stderr and "Traceback" not in r.stderr

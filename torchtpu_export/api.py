@@ -193,6 +193,15 @@ def _check_llm_options(source, prefill_lengths: Sequence[int], cache_length: int
         raise InputError(f"cache length {cache_length} is above the model's max_position_embeddings {limit}",
                          hint=f"give cache_length (--cache-length) of at most {limit}, or leave it out: the default "
                               f"is the smaller of {DEFAULT_CACHE_LENGTH} and the model's limit")
+    rows = source.vision.image_tokens if source.vision is not None else 0
+    if lengths[0] < rows:
+        # LiteRT-LM prefills an image's rows in steps of its own, where they attend to one another: a step
+        # shorter than an image would split its rows (seen on 0.18.1 with prefill lengths 4 and 32 for 5 rows)
+        step = -(-rows // 8) * 8
+        if step > cache_length:
+            raise InputError(f"{source.name} puts {rows} rows into the prompt per image, more than the cache length "
+                             f"{cache_length}", hint="raise --cache-length")
+        lengths = sorted({max(n, step) for n in lengths})
     return lengths
 
 
@@ -244,11 +253,12 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     from .llm.source import load_source, recurrent_layers, refuse_recurrent
     from .llm.step import CacheStep, grouped_attention_in, probe_layout
     from .quant import parse
-    source = load_source(model_or_path, tokenizer, abstract_weights)
+    t = targets.get(target)
+    source = load_source(model_or_path, tokenizer, abstract_weights, vision=target if t.vision else None)
+    hidden = source.vision.hidden if source.vision is not None else None  # a VLM's steps take embeddings
     if cache_length is None:
         cache_length = default_cache_length(source.model.config)
     lengths = _check_llm_options(source, prefill_lengths, cache_length)
-    t = targets.get(target)
     if not t.recurrent_state:
         refuse_recurrent(source.name, source.model, target, t.recurrent_state_why or
                          "their states are not carried between this target's steps")
@@ -275,11 +285,13 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
                          "step one sequence", hint="leave batch_size out, or export with target='tpu'")
     pages = _check_pages(kv_pages, page_size, batch_size, cache_length, serving, layout)
     sigs = SignatureSet()
+    image_end = source.vision.image_end if source.vision is not None else None
     for n in lengths:
-        sigs.signature(PREFILL.format(n), CacheStep(source.model, layout, logits=False, padded=padded), (),
-                       step_inputs(layout, n))
+        sigs.signature(PREFILL.format(n), CacheStep(source.model, layout, logits=False, padded=padded,
+                                                    image_end=image_end), (), step_inputs(layout, n, hidden))
     # (a padded runtime's decode at position 0 starts a sequence too: a one-token prompt)
-    sigs.signature(DECODE, CacheStep(source.model, layout, logits=True, padded=padded), (), step_inputs(layout, 1))
+    sigs.signature(DECODE, CacheStep(source.model, layout, logits=True, padded=padded), (),
+                   step_inputs(layout, 1, hidden))
     if pages:
         sigs.signature(DECODE_PAGED, CacheStep(source.model, layout, logits=True, slots=True), (),
                        paged_inputs(layout, batch_size, 1, pages, page_size))
@@ -310,12 +322,42 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
         options.update(quant_config=quant_config, quant_report=False)
     with torch.no_grad(), grouped_attention_in(source.model):
         program = sigs.export(target=program_target, **options)
+    parts = _export_vision(source.vision, program_target) if source.vision is not None else {}
+    embed = None
+    if parts:
+        from .llm.vision import program_embed
+        embed = program_embed(parts["embedder"])
     report = _check_llm(program, source.model, lengths, layout.length, quant_config is not None, options,
-                        bool(layout.states), padded) \
+                        bool(layout.states), padded, embed) \
         if check else {"checked": False, "why": "check=False"}
-    artifact = program if t.from_llm is None else t.from_llm(program, source, layout, lengths)
+    if parts and check:
+        from .llm.vision import check_programs
+        report["vision"] = check_programs(source.vision, parts)
+    artifact = program if t.from_llm is None else \
+        t.from_llm(program, source, layout, lengths, **({"parts": parts} if parts else {}))
     artifact.llm_check = report
     return artifact
+
+
+def _export_vision(parts, program_target: str) -> dict:
+    """A VLM's image encoder, adapter and token embedder (:mod:`.llm.vision`), each a program of its own:
+    ``{"vision_encoder", "vision_adapter", "embedder"}``, float32 (a quantization recipe is the language
+    model's)."""
+    import torch
+
+    from .llm.vision import sample_image
+    image = sample_image(parts)
+    with torch.no_grad():
+        features = parts.encoder(image)["features"]
+    out = {}
+    for name, module, sample in (("vision_encoder", parts.encoder, {"images": image}),
+                                 ("vision_adapter", parts.adapter, {"soft_tokens": features}),
+                                 ("embedder", parts.embedder, {"token_ids": torch.zeros(1, 1, dtype=torch.int32)})):
+        sigs = SignatureSet()
+        sigs.signature(name, module, (), sample)
+        with torch.no_grad():
+            out[name] = sigs.export(target=program_target)
+    return out
 
 
 def _check_pages(kv_pages, page_size, batch_size: int, cache_length: int, serving: bool, layout) -> int:
@@ -343,7 +385,7 @@ LLM_CHECK_TOLERANCE = 2e-3  # float export against transformers: max logit error
 
 
 def _check_llm(program, model, lengths, cache_length: int, quantized: bool, options: dict,
-               recurrent: bool = False, padded: bool = False) -> dict:
+               recurrent: bool = False, padded: bool = False, embed=None) -> dict:
     """The exported steps against transformers on a probe prompt: a prefill of about a chunk's tokens (a full
     chunk and a padded one; with recurrent states, two full chunks, the second continuing the first's state,
     and one of 1 token, padded as the runtime pads it where it does), then decode steps, their next-token
@@ -369,7 +411,7 @@ def _check_llm(program, model, lengths, cache_length: int, quantized: bool, opti
     start = max(1, n - 4)
     probe = [(7 * i + 3) % vocab for i in range(n + 4)]
     t0 = time.perf_counter()
-    ours = np.asarray(next_token_logits(program, probe, start, padded=padded), np.float64)
+    ours = np.asarray(next_token_logits(program, probe, start, padded=padded, embed=embed), np.float64)
     with torch.no_grad():
         ref = model(torch.tensor([probe])).logits[0, start:].double().numpy()
     scale = float(np.abs(ref).max()) or 1.0

@@ -222,6 +222,15 @@ def _convert_llm(args, target) -> int:
     _out(args, f"checked against transformers on a probe prompt: max error {c['max_error']:.1e} of the logits' scale, "
                f"top-1 {c['top1']:.0%}, KL {c['kl']:.1e} over {c['positions']} positions ({c['seconds']} s)"
          if c.get("checked") else f"not checked against transformers: {c['why']}")
+    vision = getattr(artifact, "vision", None)
+    if vision is not None:
+        v = c.get("vision")
+        _out(args, f"vision ({vision.family}): a {vision.height}x{vision.width} image is {vision.image_tokens} rows of "
+                   "the prompt; the image encoder, adapter and token embedder are sections of their own"
+                   + (f"; encoder max error {v['encoder_error']:.1e}, adapter {v['adapter_error']:.1e} of their "
+                      "outputs' scale" if v else ""))
+        for note in vision.notes:
+            _out(args, f"note: {note}")
     return 0
 
 
@@ -367,6 +376,9 @@ def _run_args(p):
     p.add_argument("--prompt", default=None, help="LLM artifacts (.tpu from export_llm, .litertlm): generate text after this prompt")
     p.add_argument("--max-new-tokens", type=int, default=64, help="with --prompt: the most tokens to generate")
     p.add_argument("--chat", action="store_true", help="with --prompt: send it as a user message (chat template)")
+    p.add_argument("--image", action="append", default=None, metavar="FILE",
+                   help="with --prompt, a vision-language model's .litertlm: an image the user message shows "
+                        "before the prompt (PNG, JPEG, BMP, GIF); repeat for several")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json-schema", default=None, metavar="FILE",
                      help="with --prompt: the reply is JSON that follows this JSON schema (constrained decoding: "
@@ -388,11 +400,18 @@ def _run(args) -> int:
     if args.output:
         from .fileio import check_writable
         check_writable(args.output, inputs=(args.artifact, *_input_files(args.inputs)))
+    if args.image and args.prompt is None:
+        raise InputError("--image goes with --prompt: the image is part of the message an LLM answers")
     response_format = _response_format(args)
     art = api.load(args.artifact)
     if args.prompt is not None:
         t0 = time.perf_counter()
-        reply = art.generate(args.prompt, args.max_new_tokens, chat=args.chat, response_format=response_format)
+        images = {"images": args.image} if args.image else {}
+        import inspect as _inspect_mod
+        if images and "images" not in _inspect_mod.signature(art.generate).parameters:
+            raise InputError(f"--image goes to a vision-language model's .litertlm, not {args.artifact}")
+        reply = art.generate(args.prompt, args.max_new_tokens, chat=args.chat, response_format=response_format,
+                             **images)
         print(printable(str(reply), newlines=True))
         _out(args, f"generated in {time.perf_counter() - t0:.2f} s ({len(reply.ids)} tokens, {reply.finish_reason})")
         return 0

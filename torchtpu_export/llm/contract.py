@@ -99,10 +99,13 @@ def has_state(names) -> bool:
     return any(n.startswith(STATE_PREFIXES) for n in names)
 
 
-def step_inputs(layout: CacheLayout, n: int) -> dict:
-    """Sample inputs of an ``n``-token step (the runtime's names, shapes and dtypes)."""
-    return dict(tokens=torch.zeros(1, n, dtype=torch.int32), input_pos=torch.arange(n, dtype=torch.int32),
-                mask=torch.zeros(1, 1, n, layout.length), **layout.empty())
+def step_inputs(layout: CacheLayout, n: int, hidden: int | None = None) -> dict:
+    """Sample inputs of an ``n``-token step (the runtime's names, shapes and dtypes); with ``hidden``, the
+    step takes ``embeddings [1, n, hidden]`` instead of ``tokens`` (a VLM's: image rows merged by the runtime)."""
+    first = dict(tokens=torch.zeros(1, n, dtype=torch.int32)) if hidden is None else \
+        dict(embeddings=torch.zeros(1, n, hidden))
+    return dict(**first, input_pos=torch.arange(n, dtype=torch.int32), mask=torch.zeros(1, 1, n, layout.length),
+                **layout.empty())
 
 
 def slot_inputs(layout: CacheLayout, slots: int, n: int = 1) -> dict:

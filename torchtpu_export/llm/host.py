@@ -12,13 +12,14 @@ class HostLoop:
     """Drives a program with ``prefill_<N>`` and ``decode`` signatures (any target's runnable, or a
     ``.tflite`` made elsewhere with the same contract) from the host the way LiteRT-LM drives a bundle:
     prompt chunks padded as LiteRT-LM pads them (token 0 at position 0, the rows masked), cache writes from
-    each chunk's first position, the last prompt token decoded. A model with recurrent states gets chunks it
-    fills exactly, unless its steps are ``padded`` ones (they find the real tokens: LiteRT-LM bundles). A
-    reference loop for checks and measurements: the cache goes through the host."""
+    each chunk's first position, the last prompt token decoded. Steps that take embeddings (a VLM's) get
+    ``embed(ids)`` (``[1, n]`` int32 -> ``[1, n, D]``), as LiteRT-LM's embedder gives them. A model with
+    recurrent states gets chunks it fills exactly, unless its steps are ``padded`` ones (they find the real
+    tokens: LiteRT-LM bundles). A reference loop for checks and measurements: the cache goes through the host."""
 
-    def __init__(self, program, padded: bool = False):
+    def __init__(self, program, padded: bool = False, embed=None):
         import numpy as np
-        self.program, self.padded = program, padded
+        self.program, self.padded, self.embed = program, padded, embed
         self.lengths = prefill_lengths(program.signatures)
         specs = {s.name: s for s in program.inputs(DECODE)}
         self.length = specs["mask"].shape[-1]
@@ -34,8 +35,9 @@ class HostLoop:
         pos[:len(tokens)] = np.arange(self.pos, self.pos + len(tokens))
         mask = np.where(np.arange(self.length)[None, :] <= pos[:, None], 0.0, np.finfo(np.float32).min)
         mask[len(tokens):] = np.finfo(np.float32).min
-        feed = dict(tokens=np.array([list(tokens) + [0] * (n - len(tokens))], np.int32), input_pos=pos,
-                    mask=mask[None, None].astype(np.float32), **self.caches)
+        ids = np.array([list(tokens) + [0] * (n - len(tokens))], np.int32)
+        first = dict(tokens=ids) if self.embed is None else dict(embeddings=self.embed(ids))
+        feed = dict(**first, input_pos=pos, mask=mask[None, None].astype(np.float32), **self.caches)
         outs = self.program(signature_name=sig, **feed)
         if not isinstance(outs, dict):  # a file made elsewhere: flat outputs, named by the file
             outs = dict(zip([o.name for o in self.program.outputs(sig)], outs if isinstance(outs, tuple) else [outs]))
@@ -71,10 +73,11 @@ def host_generate(program, prompt_ids: Sequence[int], max_new_tokens: int, stop_
     return out
 
 
-def next_token_logits(program, ids: Sequence[int], start: int, padded: bool = False):
+def next_token_logits(program, ids: Sequence[int], start: int, padded: bool = False, embed=None):
     """The program's next-token logits at every position from ``start`` on, the tokens given (teacher forcing):
-    row ``i`` predicts ``ids[start + i + 1]``."""
+    row ``i`` predicts ``ids[start + i + 1]``. ``embed``: token ids ``[1, n]`` -> ``[1, n, D]``, for steps that
+    take embeddings."""
     import numpy as np
-    loop = HostLoop(program, padded)
+    loop = HostLoop(program, padded, embed)
     loop.prefill(list(ids[:start]))
     return np.stack([loop.decode(t) for t in ids[start:]])

@@ -17,20 +17,29 @@ class LlmSource:
     model: object  # a transformers causal LM (or a module with the same call), in eval mode
     tokenizer: LlmTokenizer | None
     name: str
+    vision: object = None  # llm.vision.VisionParts: a VLM's encoder, adapter and embedder (``model`` its text)
 
 
-def load_source(model_or_path, tokenizer=None, abstract: bool = False) -> LlmSource:
+def load_source(model_or_path, tokenizer=None, abstract: bool = False, vision: str | None = None) -> LlmSource:
     """The model and tokenizer from a local Hugging Face folder, ``file.py:factory`` (returning a model
-    or ``(model, tokenizer)``), or a model object. Local files only: nothing is downloaded."""
+    or ``(model, tokenizer)``), or a model object. Local files only: nothing is downloaded.
+
+    ``vision``: the target's name where it takes vision-language models (:mod:`.vision`): a VLM of a family
+    it exports comes with its parts (``LlmSource.vision``), its ``model`` the language model; elsewhere, and
+    for other families, a model with parts beside its text decoder is refused."""
     from ..models import call_factory, is_factory
 
     stop_ids: list[int] = []
+    processor = None
     if isinstance(model_or_path, torch.nn.Module):
         model, name = model_or_path, type(model_or_path).__name__
     elif isinstance(model_or_path, (str, os.PathLike)) and os.path.isdir(model_or_path):
         path = os.fspath(model_or_path)
-        model, name = _load_hf_folder(path, abstract), os.path.basename(os.path.abspath(path))
+        model, name = _load_hf_folder(path, abstract, vision), os.path.basename(os.path.abspath(path))
         tokenizer = path if tokenizer is None else tokenizer
+        if vision:
+            from . import hf_folder
+            processor = hf_folder.read_json(path, "preprocessor_config.json")
     elif isinstance(model_or_path, str) and is_factory(model_or_path):
         made = call_factory(model_or_path)
         model, name = (made[0], model_or_path.rpartition(":")[2]) if isinstance(made, tuple) else \
@@ -46,7 +55,10 @@ def load_source(model_or_path, tokenizer=None, abstract: bool = False) -> LlmSou
     config = getattr(model, "config", None)
     if config is None:
         raise InputError(f"{name} has no transformers config: export_llm takes a transformers causal LM")
-    refuse_partial(name, {k: getattr(config, k, None) for k in PARTS}, type(model).__name__)
+    raw = {k: getattr(config, k, None) for k in PARTS}
+    multimodal = vision and _vision_family({**raw, "model_type": getattr(config, "model_type", None)})
+    refuse_partial(name, {k: v for k, v in raw.items() if not (multimodal and k == "vision_config")},
+                   type(model).__name__, vision)
     why = NOT_YET.get(getattr(config, "model_type", None))
     if why:
         raise InputError(f"{name} is a {config.model_type} model: {why}",
@@ -56,7 +68,16 @@ def load_source(model_or_path, tokenizer=None, abstract: bool = False) -> LlmSou
     stop_ids += token_ids(getattr(config, "eos_token_id", None), f"{name}'s config")
     tok = LlmTokenizer.from_object(tokenizer, stop_ids) if tokenizer is not None else None
     model.eval()
+    if multimodal:
+        from .vision import vision_parts
+        parts = vision_parts(model, processor, name, tok)
+        return LlmSource(parts.text, tok, name, parts)
     return LlmSource(model, tok, name)
+
+
+def _vision_family(config: dict) -> bool:
+    from .vision import is_vision_family
+    return is_vision_family(config)
 
 
 # what a model may hold beside its text decoder, which export_llm would drop (config key -> what it is)
@@ -94,18 +115,20 @@ def refuse_recurrent(name: str, model: torch.nn.Module, target: str, why: str) -
                               "take them as inputs, driven without padding)")
 
 
-def refuse_partial(name: str, config: dict, family: str) -> None:
+def refuse_partial(name: str, config: dict, family: str, vision: str | None = None) -> None:
     """A model with parts beside its text decoder (a vision tower, an audio encoder) is refused: the export
     would carry its decoder alone, and a runtime given an image would fail or ignore it."""
     found = [what for key, what in PARTS.items() if config.get(key) is not None]
     if found:
-        raise InputError(f"{name} is a {family} with {' and '.join(dict.fromkeys(found))} beside its text decoder; "
-                         "export_llm exports text decoders only, and would drop it",
-                         hint="multimodal bundles are not supported yet: export the language model on its own "
-                              "(its text_config as a causal LM folder)")
+        from .vision import FAMILIES
+        where = f"the {vision} target exports vision-language models of the families {', '.join(sorted(FAMILIES))}" \
+            if vision else "vision-language models are exported with --target litertlm"
+        raise InputError(f"{name} is a {family} with {' and '.join(dict.fromkeys(found))} beside its text decoder, "
+                         "which this export would drop", hint=f"{where}; or export the language model on its own "
+                                                              "(its text_config as a causal LM folder)")
 
 
-def _load_hf_folder(path: str, abstract: bool = False):
+def _load_hf_folder(path: str, abstract: bool = False, vision: str | None = None):
     """A causal LM from config.json and its safetensors weights (local files only); with ``abstract``,
     from config.json alone, its parameters on the meta device (``capture.abstract_weights``).
 
@@ -121,8 +144,10 @@ def _load_hf_folder(path: str, abstract: bool = False):
                          hint="save the model there with model.save_pretrained(folder)")
     _check_raw_config(cfg_path, raw)
     archs = raw.get("architectures")
-    refuse_partial(path, raw, archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str)
-                   else str(raw.get("model_type", "model")))
+    multimodal = vision and _vision_family(raw)
+    refuse_partial(path, {k: v for k, v in raw.items() if not (multimodal and k == "vision_config")},
+                   archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str)
+                   else str(raw.get("model_type", "model")), vision)
     ckpt = None if abstract else hf_folder.checkpoint(path, raw)
     if ckpt is None and not abstract:
         try:

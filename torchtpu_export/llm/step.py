@@ -256,7 +256,9 @@ def layer_masks(config, mask, sliding=None):
 
 class CacheStep(torch.nn.Module):
     """One step of ``N`` tokens: ``(tokens [1,N] int32, input_pos [N] int32, mask [1,1,N,C] f32, caches)``
-    → ``{"logits" [1,N,V] (decode only), caches}``, the caches updated under their own names.
+    → ``{"logits" [1,N,V] (decode only), caches}``, the caches updated under their own names. Given
+    ``embeddings [1,N,D]`` instead of ``tokens``, the model takes them as its input embeddings (a VLM's
+    steps: the runtime merges an image's rows into the prompt's).
 
     With ``padded`` (steps as LiteRT-LM drives them: it pads a prompt's last chunk, and keeps its cache
     buffers from one sequence to the next), a chunk's recurrent states are kept as they were after its last
@@ -270,10 +272,12 @@ class CacheStep(torch.nn.Module):
     shared by the rows (``[heads, pages, page, dim]``) and each row's positions are in its table's pages."""
 
     def __init__(self, model, layout: CacheLayout, logits: bool, slots: bool = False, padded: bool = False,
-                 first: bool = False):
+                 first: bool = False, image_end=None):
         super().__init__()
         self.model, self.layout, self.logits, self.slots, self.padded = model, layout, logits, slots, padded
         self.first = first
+        # a VLM's (llm.vision.VisionParts.image_end): the embedding row that closes an image's rows
+        self.image_end = image_end
         config = model.config
         self.window = getattr(config, "sliding_window", None)
         params = inspect.signature(model.forward).parameters
@@ -291,20 +295,24 @@ class CacheStep(torch.nn.Module):
             sliding = torch.where(far[:, None], torch.finfo(mask.dtype).min, mask)
         return layer_masks(self.model.config, mask, sliding)
 
-    def forward(self, tokens, input_pos, mask=None, **caches):
+    def forward(self, tokens=None, input_pos=None, mask=None, **caches):
         table = caches.pop("page_table", None)
+        embeddings = caches.pop("embeddings", None)  # instead of tokens: a VLM's, image rows merged
         cache = _StepCache(caches, self.layout, input_pos, self.slots, self.sequential, self.padded, table)
-        n = tokens.shape[1]
+        n = (tokens if tokens is not None else embeddings).shape[1]
         positions = input_pos[:, None] + torch.arange(n, dtype=input_pos.dtype) if self.slots else input_pos[None]
         if table is not None:  # paged: causal by position (each row's pages hold its own positions only)
             visible = torch.arange(self.layout.length)[None, None, :] <= positions.to(torch.int64)[:, :, None]
             mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)[:, None]
             _PAGED.update(table=table, start=input_pos, mask=mask, pools=set(), updates=0, attended=0)
+        if embeddings is not None and self.image_end is not None:
+            mask = image_end_causal(mask, embeddings, positions, self.image_end)
         _GROUP_MASKS.clear()  # each trace of a step makes its own
         try:
             keep = {"logits_to_keep": torch.zeros(1, dtype=torch.int64)} if self.first and self.keep_kw else {}
             with adapted(self.model):
-                out = self.model(input_ids=tokens, attention_mask=self._masks(mask, positions),
+                given = dict(input_ids=tokens) if embeddings is None else dict(inputs_embeds=embeddings)
+                out = self.model(**given, attention_mask=self._masks(mask, positions),
                                  position_ids=positions, use_cache=True, **{self.cache_kw: cache}, **keep)
             if table is not None and _PAGED["attended"] != _PAGED["updates"]:
                 raise InputError(f"{type(self.model).__name__} attends to its cache outside transformers' attention "
@@ -317,6 +325,22 @@ class CacheStep(torch.nn.Module):
             result[f"kv_cache_k_{i}"], result[f"kv_cache_v_{i}"] = cache.k[i], cache.v[i]
         result.update(cache.states)
         return result
+
+
+def image_end_causal(mask, embeddings, positions, end):
+    """``mask [1, 1, N, C]`` with the rows equal to ``end`` (``[D]``) kept causal both ways: LiteRT-LM's
+    vision-bidirectional mask opens each image's rows to one another, the adapter's closing row (Gemma 3's
+    ``<end_of_image>``) among them, which transformers' model reads as text (``token_type_ids`` 0). Rows are
+    matched by value within 1e-5 of the row's scale, as transformers finds image rows among embeddings."""
+    end = end.to(embeddings.dtype)
+    scale = end.abs().max().clamp(min=1e-30)
+    is_end = ((embeddings[0] - end).abs().amax(-1) <= 1e-5 * scale)  # [N]
+    pos = positions[0].to(torch.int64)  # [N]
+    kv = torch.arange(mask.shape[-1], dtype=torch.int64)
+    end_at = ((kv[None, :] == pos[:, None]) & is_end[:, None]).any(0)  # [C]: positions of closing rows here
+    later = kv[None, :] > pos[:, None]
+    shut = later & (is_end[:, None] | end_at[None, :])
+    return torch.where(shut[None, None], torch.finfo(mask.dtype).min, mask)
 
 
 def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,

@@ -73,6 +73,9 @@ class Target:
     # its runtime pads a prompt's last chunk (LiteRT-LM: token 0 at position 0, the rows masked): an LLM's
     # steps then find the real tokens themselves and keep each recurrent state as it was after the last of them
     pads_prompts: bool = False
+    # its LLM artifacts take vision-language models (llm.vision): an image encoder and adapter beside the
+    # language model, whose steps take embeddings; export_llm refuses a VLM for the other targets
+    vision: bool = False
     # datacenter serving: export_llm may add batched programs (the engine's slots), and the KV cache
     # follows a bf16 recipe (on-device runtimes keep float32 caches)
     serving: bool = False

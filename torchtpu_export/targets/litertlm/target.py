@@ -42,8 +42,10 @@ class LitertLmBundle(Runnable):
     default_signature = "decode"
 
     def __init__(self, edge, tokenizer=None, metadata: dict | None = None, path: str | None = None,
-                 checked: "Checked | None" = None):
+                 checked: "Checked | None" = None, parts: dict | None = None, vision=None):
         self._edge, self.tokenizer, self.metadata, self.path = edge, tokenizer, metadata or {}, path
+        # a VLM's: the image encoder, adapter and embedder programs, and the llm.vision.VisionParts they came from
+        self.parts, self.vision = parts or {}, vision
         self._checked = checked  # what check() found in the file LiteRT-LM reads
         self._engine = None
         self._tmp = None
@@ -85,7 +87,7 @@ class LitertLmBundle(Runnable):
                     f.write(chunk)
             return
         with tempfile.TemporaryDirectory(prefix="tte-litertlm-") as tmp, atomic_open(path) as f:
-            pack(self._edge, self.tokenizer, self.metadata, tmp, f)
+            pack(self._edge, self.tokenizer, self.metadata, tmp, f, self.parts, self.vision)
 
     def _file(self) -> str:
         if self.path is None:  # made in this process: the engine reads a file
@@ -101,12 +103,12 @@ class LitertLmBundle(Runnable):
             path = self._file()
             if self._checked is None:
                 self._checked = check(path)
-            self._engine = LitertLmEngine(path, threads)
+            self._engine = LitertLmEngine(path, threads, vision=self._checked.vision)
         return self._engine
 
     def generate(self, prompt, max_new_tokens: int = 64, *, chat: bool = False, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, stop=None, seed: int | None = None,
-                 response_format: dict | None = None):
+                 response_format: dict | None = None, images=()):
         """LiteRT-LM's reply to ``prompt`` (text, or token ids the bundle's tokenizer turns into text), as a
         ``Generation`` (text, and the reply's ids as the bundle's tokenizer reads that text): greedy at
         ``temperature=0``, else top-k / top-p sampling seeded by ``seed``. ``chat=True`` sends the prompt as
@@ -119,13 +121,22 @@ class LitertLmBundle(Runnable):
         (the whole reply matches). LiteRT-LM gives llguidance its tokens' spellings, not their bytes
         (google-ai-edge/LiteRT-LM#3510): a format that requires a space or a newline cannot be met, and a
         free JSON string may take a control character; ``pattern``, ``enum`` or ``maxLength`` on strings
-        keep them to what the format allows."""
+        keep them to what the format allows.
+
+        ``images`` (image files: PNG, JPEG, BMP, GIF): a VLM's bundle sees them in the user message, before the
+        prompt's text, through the chat template (as ``chat=True``)."""
         from ...llm.contract import Generation, prompt_ids
         from ...llm.grammar import format_of
-        from ...runtimes.litertlm import response_constraint
+        from ...runtimes.litertlm import check_image, response_constraint
+        if isinstance(images, (str, os.PathLike)):
+            images = [images]
+        images = [check_image(p) for p in images or ()]
         fmt = format_of(response_format)
         constraint = None if fmt is None else response_constraint(*fmt)  # refused before the engine loads
         engine = self.engine()
+        if images and not self._checked.vision:
+            raise InputError("images go to a vision-language model's bundle; this one has no image encoder",
+                             hint="export the VLM's folder with --target litertlm")
         ids = prompt_ids(prompt)
         if ids is not None:
             if chat:
@@ -136,7 +147,7 @@ class LitertLmBundle(Runnable):
             dict(top_k=top_k, top_p=top_p, temperature=temperature, seed=seed)
         if constraint is not None:
             sampling["constraint"] = constraint
-        text = engine.generate(prompt, max_new_tokens, chat=chat, **sampling)
+        text = engine.generate(prompt, max_new_tokens, chat=chat, images=tuple(images), **sampling)
         out = engine.tokenize(text) if text else []
         cut = next((i for i, t in enumerate(out) if t in set(stop or ())), None)
         if cut is not None:
@@ -160,8 +171,14 @@ class LitertLmBundle(Runnable):
 TOOL_CALL_MODEL_TYPES = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen2": "qwen2p5", "qwen2_moe": "qwen2p5"}
 
 
-def pack(edge, tokenizer, metadata: dict, tmp: str, out) -> None:
-    """Writes the bundle to the binary stream ``out`` with litert-lm-builder (files staged in ``tmp``)."""
+# a VLM's programs (llm.vision) -> the sections LiteRT-LM loads them from
+PART_SECTIONS = {"vision_encoder": "VISION_ENCODER", "vision_adapter": "VISION_ADAPTER", "embedder": "EMBEDDER"}
+
+
+def pack(edge, tokenizer, metadata: dict, tmp: str, out, parts: dict | None = None, vision=None) -> None:
+    """Writes the bundle to the binary stream ``out`` with litert-lm-builder (files staged in ``tmp``); a VLM's
+    ``parts`` (its image encoder, adapter and embedder) as sections of their own, and the image's size and
+    tokens (``vision``: llm.vision.VisionParts) in the LlmMetadata."""
     try:
         from litert_lm_builder import litertlm_builder as lb
         from litert_lm_builder.runtime.proto import llm_metadata_pb2
@@ -180,10 +197,15 @@ def pack(edge, tokenizer, metadata: dict, tmp: str, out) -> None:
         msg.pad_token.token_ids.ids.append(tokenizer.pad_id)
     msg.max_num_tokens = metadata["max_num_tokens"]
     kind = TOOL_CALL_MODEL_TYPES.get(str(metadata.get("model_type")))
-    getattr(msg.llm_model_type, kind or "generic_model").SetInParent()
+    if vision is not None:  # the model type whose data processor puts images into the prompt
+        typed = getattr(msg.llm_model_type, vision.family)
+        typed.start_of_image_token.token_str, typed.end_of_image_token.token_str = vision.start, vision.end
+        typed.image_tensor_height, typed.image_tensor_width = vision.height, vision.width
+    else:
+        getattr(msg.llm_model_type, kind or "generic_model").SetInParent()
     if tokenizer.chat_template:
         from ...llm.text import parts_template
-        msg.jinja_prompt_template = parts_template(tokenizer.chat_template)
+        msg.jinja_prompt_template = parts_template(tokenizer.chat_template, vision.start if vision else None)
         # an app asks LiteRT-LM (ModelInfo) whether a bundle takes tools: it does where the template renders
         # them and LiteRT-LM reads the tool calls back
         msg.supports_function_calling = bool(kind) and "tools" in tokenizer.chat_template
@@ -193,9 +215,39 @@ def pack(edge, tokenizer, metadata: dict, tmp: str, out) -> None:
     builder = lb.LitertLmFileBuilder()
     builder.add_system_metadata(lb.Metadata(key="Authors", value="torchtpu-export", dtype=lb.DType.STRING))
     builder.add_tflite_model(model_path, lb.TfLiteModelType.PREFILL_DECODE, additional_metadata=info)
+    for name, program in (parts or {}).items():
+        part_path = os.path.join(tmp, f"{name}.tflite")
+        program.export(part_path)
+        builder.add_tflite_model(part_path, getattr(lb.TfLiteModelType, PART_SECTIONS[name]))
     builder.add_hf_tokenizer(tok_path)
     builder.add_llm_metadata(meta_path)
+    if vision is not None:
+        builder.add_executor_metadata(_vision_executor_metadata(edge, tmp))
     builder.build(out)
+
+
+def _vision_executor_metadata(edge, tmp: str) -> str:
+    """The ExecutorMetadata of a VLM's bundle, written in ``tmp``: an image's rows attend to one another
+    (``ATTENTION_MASK_TYPE_VISION_BIDIRECTIONAL``), as the family's model was trained to read them (the steps
+    keep the adapter's closing row causal: ``llm.step.image_end_causal``). LiteRT-LM then takes the caches from
+    the metadata's state buffers: each ``kv_cache_*`` in and out of every step, positions on axis 2, kept
+    whole (a sliding-window layer's too: the steps mask by position)."""
+    from litert_lm_builder.runtime.proto import executor_metadata_pb2 as em
+    meta = em.ExecutorMetadata()
+    llm = meta.llm_executor_metadata
+    llm.attention_mask_settings.attention_mask_type = em.ATTENTION_MASK_TYPE_VISION_BIDIRECTIONAL
+    for spec in edge.inputs("decode"):
+        if spec.name.startswith("kv_cache_"):
+            buf = llm.state_buffers.add()
+            buf.prefill_input_name = buf.prefill_output_name = spec.name
+            buf.decode_input_name = buf.decode_output_name = spec.name
+            buf.type = em.StateBuffer.TYPE_GLOBAL_KEY_CACHE if spec.name.startswith("kv_cache_k_") else \
+                em.StateBuffer.TYPE_GLOBAL_VALUE_CACHE
+            buf.sequence_axis = 2
+    path = os.path.join(tmp, "executor.pb")
+    with open(path, "wb") as f:
+        f.write(meta.SerializeToString())
+    return path
 
 
 # ---- the header, read as LiteRT-LM's C++ reads it -------------------------------------------------
@@ -208,11 +260,15 @@ MAJOR_VERSION = 1  # LITERTLM_MAJOR_VERSION: the only one LiteRT-LM reads
 SECTION_TYPES = ("NONE", "GenericBinaryData", "Deprecated", "TFLiteModel", "SP_Tokenizer", "LlmMetadataProto",
                  "HF_Tokenizer_Zlib", "TFLiteWeights", "EmbeddingMetadataProto", "ExecutorMetadataProto",
                  "TtsMetadataProto", "AsrMetadataProto")
-_TFLITE, _SP, _LLM_METADATA, _HF, _WEIGHTS = 3, 4, 5, 6, 7
+_TFLITE, _SP, _LLM_METADATA, _HF, _WEIGHTS, _EXECUTOR_METADATA = 3, 4, 5, 6, 7, 9
 _KEYED = (_TFLITE, _SP, _HF, _WEIGHTS)  # sections LiteRT-LM keys by their model_type item
 _TEXT_ITEMS = ("model_type", "backend_constraint", "prefer_activation_type")  # items it reads as text
 _STRING_VALUE = 9  # VData.StringValue
 PREFILL_DECODE = "tf_lite_prefill_decode"
+VISION_ENCODER = "tf_lite_vision_encoder"
+_ROLES = {VISION_ENCODER: "the image encoder (an image's pixels)", "tf_lite_vision_adapter":
+          "the image adapter (the encoder's features to rows of the prompt)",
+          "tf_lite_embedder": "the token embedder (the model takes embeddings)"}
 
 
 class _Flatbuffer:
@@ -435,6 +491,11 @@ class Checked:
     def model(self) -> dict:
         return self.reads["model"]
 
+    @property
+    def vision(self) -> bool:
+        """Whether the bundle has an image encoder (LiteRT-LM's engine then takes a vision backend)."""
+        return any(s["model_type"] == VISION_ENCODER for s in self.reads["tflite"])
+
     def check_prompt(self, prompt: str) -> None:
         """InputError for a prompt LiteRT-LM cannot take (not text, longer than the context);
         ArtifactError where the bundle's tokenizer fails on it (LiteRT-LM would abort)."""
@@ -472,6 +533,9 @@ def check(path: str) -> Checked:
     tok = found["tokenizer"]
     size = os.path.getsize(path)
     msg = _parse_metadata(path, found["metadata"])
+    for s in sections:
+        if s["code"] == _EXECUTOR_METADATA:
+            _parse_executor_metadata(path, s)
     if tok["code"] == _SP:
         tokenizer, text_bytes = _sp_tokenizer(path, tok, size, msg.jinja_prompt_template)
     else:
@@ -683,6 +747,30 @@ def _parse_metadata(path: str, section: dict):
     return msg
 
 
+def _parse_executor_metadata(path: str, section: dict):
+    """An ExecutorMetadataProto section (a VLM's mask policy and cache buffers), parsed as LiteRT-LM parses it,
+    its enums ones LiteRT-LM defines."""
+    from google.protobuf.message import DecodeError
+    from litert_lm_builder.runtime.proto import executor_metadata_pb2
+    msg = executor_metadata_pb2.ExecutorMetadata()
+    try:
+        msg.ParseFromString(section_bytes(path, section, limit=MAX_METADATA))
+    except (DecodeError, RecursionError, ValueError) as e:
+        raise ArtifactError(f"{path}: its ExecutorMetadata section is damaged ({_said(e)})") from None
+    llm = msg.llm_executor_metadata
+    kinds = executor_metadata_pb2.AttentionMaskType.values()
+    settings = llm.attention_mask_settings
+    for field in ("attention_mask_type", "local_attention_mask_type"):
+        if getattr(settings, field) not in kinds:
+            raise ArtifactError(f"{path}: its ExecutorMetadata's {field} is {getattr(settings, field)}, which "
+                                "LiteRT-LM does not define")
+    for buf in llm.state_buffers:
+        if buf.type not in executor_metadata_pb2.StateBuffer.Type.values() or not 0 <= buf.sequence_axis < 8:
+            raise ArtifactError(f"{path}: its ExecutorMetadata's state buffer {buf.prefill_input_name[:80]!r} has "
+                                f"type {buf.type} and sequence axis {buf.sequence_axis}, out of range")
+    return msg
+
+
 def _metadata_problem(msg, tokenizer, vocab: int, context: int | None) -> str | None:
     """Where the LlmMetadata first leaves what LiteRT-LM runs with: token ids outside the vocabulary, an
     empty token (LiteRT-LM indexes its first id), no stop token, enums it does not define, sampler
@@ -744,11 +832,14 @@ def check_llm_layout(source, layout) -> None:
                          "convolution's state)", hint="export it with --target tpu or --target litert")
 
 
-def from_llm(edge, source, layout, prefill_lengths) -> LitertLmBundle:
+def from_llm(edge, source, layout, prefill_lengths, parts: dict | None = None) -> LitertLmBundle:
     check_llm_layout(source, layout)
     meta = {"max_num_tokens": layout.length, "prefill_lengths": ",".join(map(str, prefill_lengths)),
             "model_type": getattr(source.model.config, "model_type", "?")}
-    return LitertLmBundle(edge, source.tokenizer, meta)
+    if source.vision is not None:
+        meta.update(vision=source.vision.family, image_size=f"{source.vision.height}x{source.vision.width}",
+                    image_tokens=source.vision.image_tokens)
+    return LitertLmBundle(edge, source.tokenizer, meta, parts=parts, vision=source.vision)
 
 
 def build(captures: dict, options: dict):
@@ -771,7 +862,9 @@ def _role(s: dict, checked: Checked) -> str:
     if s is found["metadata"]:
         return "the LlmMetadata"
     if any(s is t for t in found["tflite"]):
-        return "checked; loaded by models that use one"
+        return _ROLES.get(s["model_type"], "checked; loaded by models that use one")
+    if s["code"] == _EXECUTOR_METADATA:
+        return "the executor's settings (the attention mask over an image's rows, the cache buffers)"
     return "not read when generating text"
 
 
@@ -822,5 +915,5 @@ TARGET = Target(
     # it finds a model's caches by kv_cache_k_0 or kv_cache_c_0. It pads a prompt's last chunk with token 0 at
     # position 0 (PrefillInternal, GetOptimizedPrefillWorkGroups): the steps count the real tokens and keep the
     # states after the last
-    recurrent_state=True, pads_prompts=True,
+    recurrent_state=True, pads_prompts=True, vision=True,
 )
