@@ -12,7 +12,10 @@ import sys
 
 import torch
 
-from hf_llms import SMALL, tokenizer
+try:
+    from hf_llms import SMALL, tokenizer
+except ModuleNotFoundError:  # imported as examples.hf_vlms (the benchmarks)
+    from examples.hf_llms import SMALL, tokenizer
 
 # Gemma 3's image tokens (its tokenizer's boi/eoi/image tokens) and chat template, as google/gemma-3-4b-it
 # has them: an image is "<start_of_image>" in the prompt, the processor expands it to the soft tokens
@@ -61,7 +64,42 @@ def gemma3(image_size: int = 32, seed: int = 0):
                                   chat_template=GEMMA3_TEMPLATE)
 
 
-FAMILIES = {"gemma3": gemma3}
+# SmolVLM's chat template (HuggingFaceTB/SmolVLM-Instruct: Idefics3), an image as "<image>"
+IDEFICS3_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'] is string %}"
+    "{{': ' + message['content']}}{% else %}{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}"
+    "{{': '}}{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>", "<|im_start|>"]
+
+
+def idefics3(image_size: int = 32, seed: int = 0):
+    """``(model, processor)``: an Idefics3 (SmolVLM) VLM, a SigLIP tower of 2 layers over 8-pixel patches of an
+    ``image_size`` square image (16 patches at 32), pixel-shuffled by 2 to 4 image tokens, before a Llama; the
+    image processor keeps one image whole (no tiles)."""
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor,
+                              Idefics3Processor, Idefics3VisionConfig, LlamaConfig, PreTrainedTokenizerFast)
+    base = tokenizer(False).backend_tokenizer
+    base.add_special_tokens(IDEFICS3_TOKENS[:4])
+    tok = PreTrainedTokenizerFast(tokenizer_object=base, eos_token="<end_of_utterance>", pad_token="<pad>",
+                                  chat_template=IDEFICS3_TEMPLATE)
+    text = LlamaConfig(**SMALL, vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=0,
+                       bos_token_id=None, tie_word_embeddings=False)
+    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=image_size, patch_size=8, initializer_range=0.2)
+    config = Idefics3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), scale_factor=2,
+                            image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=False,
+                            pad_token_id=0)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    images = Idefics3ImageProcessor(size={"longest_edge": image_size}, max_image_size={"longest_edge": image_size},
+                                    do_image_splitting=False)
+    return model, Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4,
+                                    chat_template=IDEFICS3_TEMPLATE)
+
+
+FAMILIES = {"gemma3": gemma3, "idefics3": idefics3}
 
 
 def image(seed: int, size: int = 32):

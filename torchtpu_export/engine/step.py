@@ -56,7 +56,10 @@ class Prepared:
         if self.compiled is not None:
             try:
                 return self.compiled(*args)
-            except (TypeError, ValueError) as e:  # raised before it runs: nothing donated is gone
+            except (TypeError, ValueError) as e:  # jax's argument checks, raised before it runs
+                import jax
+                if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(args)):
+                    raise  # it ran after all, and its donated arguments are gone: never run twice
                 Prepared.late += 1
                 log.warning("a device call compiles at serve time: its arguments are not the compiled ones "
                             "(%s)", str(e).splitlines()[0][:300])

@@ -38,8 +38,7 @@ def load_source(model_or_path, tokenizer=None, abstract: bool = False, vision: s
         model, name = _load_hf_folder(path, abstract, vision), os.path.basename(os.path.abspath(path))
         tokenizer = path if tokenizer is None else tokenizer
         if vision:
-            from . import hf_folder
-            processor = hf_folder.read_json(path, "preprocessor_config.json")
+            processor = _image_processor(path)
     elif isinstance(model_or_path, str) and is_factory(model_or_path):
         made = call_factory(model_or_path)
         model, name = (made[0], model_or_path.rpartition(":")[2]) if isinstance(made, tuple) else \
@@ -73,6 +72,18 @@ def load_source(model_or_path, tokenizer=None, abstract: bool = False, vision: s
         parts = vision_parts(model, processor, name, tok)
         return LlmSource(parts.text, tok, name, parts)
     return LlmSource(model, tok, name)
+
+
+def _image_processor(path: str) -> dict | None:
+    """The image processor's config of a model folder: ``preprocessor_config.json``, or the ``image_processor`` of
+    ``processor_config.json`` (where transformers 5 saves it)."""
+    from . import hf_folder
+    found = hf_folder.read_json(path, "preprocessor_config.json")
+    if found is None:
+        found = (hf_folder.read_json(path, "processor_config.json") or {}).get("image_processor")
+    if found is not None and not isinstance(found, dict):
+        raise InputError(f"{path}: its image processor's config is not a JSON object")
+    return found
 
 
 def _vision_family(config: dict) -> bool:
@@ -166,13 +177,24 @@ def _load_hf_folder(path: str, abstract: bool = False, vision: str | None = None
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()  # what it would warn of is checked here and said once, as an error
     try:
-        return _build_from_folder(path, cfg_path, raw, jsons, ckpt, abstract)
+        return _build_from_folder(path, cfg_path, raw, jsons, ckpt, abstract, multimodal)
     finally:
         hf_logging.set_verbosity_warning()
 
 
-def _build_from_folder(path: str, cfg_path: str, raw: dict, jsons: dict, ckpt, abstract: bool):
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _auto_class(config, multimodal: bool):
+    """transformers' auto class that builds ``config``'s model: a causal LM, or for a vision-language family
+    exported whole, its image-text-to-text class where the causal LM mapping lacks it (Idefics3)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    if multimodal and type(config) not in AutoModelForCausalLM._model_mapping \
+            and type(config) in AutoModelForImageTextToText._model_mapping:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
+def _build_from_folder(path: str, cfg_path: str, raw: dict, jsons: dict, ckpt, abstract: bool,
+                       multimodal: bool = False):
+    from transformers import AutoConfig
 
     from . import hf_folder
     with hf_folder.staged(jsons, ckpt) as stage:
@@ -184,17 +206,18 @@ def _build_from_folder(path: str, cfg_path: str, raw: dict, jsons: dict, ckpt, a
             what = "transformers cannot read it" if known else "transformers does not know this architecture"
             raise InputError(f"{cfg_path}: {what} ({type(e).__name__}: {_reason(e)})",
                              hint="a newer transformers may know the architecture; it must be a causal LM") from None
-        if type(config) not in AutoModelForCausalLM._model_mapping:
+        auto = _auto_class(config, multimodal)
+        if type(config) not in auto._model_mapping:
             raise InputError(f"{cfg_path}: {config.model_type!r} is not a causal LM architecture transformers "
                              f"can build (architectures {getattr(config, 'architectures', None)})")
         _check_layout(cfg_path, config)
-        _check_against_checkpoint(cfg_path, _meta_model(cfg_path, config, ckpt), ckpt)
+        _check_against_checkpoint(cfg_path, _meta_model(cfg_path, config, ckpt, auto), ckpt)
         if abstract:
             from ..capture import abstract_weights
             with abstract_weights():
-                return _built(cfg_path, lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+                return _built(cfg_path, lambda: auto.from_config(config, dtype=torch.float32))
         try:  # its load report is checked below, not printed
-            model, info = AutoModelForCausalLM.from_pretrained(stage, local_files_only=True, dtype="float32",
+            model, info = auto.from_pretrained(stage, local_files_only=True, dtype="float32",
                                                                use_safetensors=True, output_loading_info=True)
         except Exception as e:  # the headers were checked: what is left is the checkpoint's content
             raise InputError(f"cannot load the weights in {path}: {_reason(e)}") from None
@@ -255,11 +278,12 @@ class _TooManyParameters(BaseException):  # not an Exception: transformers' own 
     pass
 
 
-def _meta_model(cfg_path: str, config, ckpt):
+def _meta_model(cfg_path: str, config, ckpt, auto=None):
     """The model config.json describes, built on the meta device (no memory for its weights), its
     construction stopped once it registers more parameters than the checkpoint could fill."""
     import threading
     from transformers import AutoModelForCausalLM
+    auto = auto or AutoModelForCausalLM
     limit = MAX_ABSTRACT_PARAMS if ckpt is None else 2 * ckpt.tensors + 1024
     me, count = threading.get_ident(), 0
 
@@ -273,7 +297,7 @@ def _meta_model(cfg_path: str, config, ckpt):
     handle = torch.nn.modules.module.register_module_parameter_registration_hook(counted)
     try:
         with torch.device("meta"):
-            return _built(cfg_path, lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+            return _built(cfg_path, lambda: auto.from_config(config, dtype=torch.float32))
     except _TooManyParameters:
         raise InputError(f"{cfg_path} describes a model of more than {limit:,} weight tensors, "
                          + ("more than any real one" if ckpt is None else

@@ -9,16 +9,14 @@ from typing import Sequence
 from ..errors import InputError
 
 
-# The runtime passes a message's content as a list of {"type": "text", "text": ...} parts (and {"type": "image"}
-# parts); HF templates expect a string. This prelude joins the parts, an image part as the text that marks an
-# image in the prompt (a VLM's: where the runtime puts its rows), so the model's own template works unchanged.
+# The runtime passes a message's content as a list of {"type": "text", "text": ...} parts; HF templates
+# expect a string. This prelude joins the parts, so the model's own template works unchanged on both.
 _PARTS_PRELUDE = (
     "{%- set _tte = namespace(msgs=[], text='') -%}"
     "{%- for _m in messages -%}"
     "{%- if _m['content'] is string -%}{%- set _tte.msgs = _tte.msgs + [_m] -%}"
     "{%- else -%}{%- set _tte.text = '' -%}"
     "{%- for _p in _m['content'] -%}{%- if _p['type'] == 'text' -%}{%- set _tte.text = _tte.text + _p['text'] -%}"
-    "IMAGE"
     "{%- endif -%}{%- endfor -%}"
     "{%- set _tte.msgs = _tte.msgs + [{'role': _m['role'], 'content': _tte.text}] -%}"
     "{%- endif -%}{%- endfor -%}"
@@ -26,12 +24,9 @@ _PARTS_PRELUDE = (
 )
 
 
-def parts_template(template: str, image: str | None = None) -> str:
-    """``template`` (an HF chat template) taking message contents as strings or lists of text parts; with
-    ``image`` (a VLM's image marker, e.g. ``<start_of_image>``), image parts read as that text."""
-    marker = "" if image is None else \
-        "{%- elif _p['type'] == 'image' -%}{%- set _tte.text = _tte.text + " + repr(str(image)) + " -%}"
-    return _PARTS_PRELUDE.replace("IMAGE", marker) + template
+def parts_template(template: str) -> str:
+    """``template`` (an HF chat template) taking message contents as strings or lists of text parts."""
+    return _PARTS_PRELUDE + template
 
 
 @dataclasses.dataclass

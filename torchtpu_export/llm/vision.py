@@ -67,8 +67,10 @@ class Embedder(torch.nn.Module):
 @dataclasses.dataclass
 class VisionParts:
     """A VLM split for export: ``text`` (its language model as a causal LM: the same modules), the
-    ``encoder``, ``adapter`` and ``embedder`` modules, the image size the encoder takes, the image tokens
-    the runtime's prompt names (``start``, ``end``: token text), and ``hidden`` (D)."""
+    ``encoder``, ``adapter`` and ``embedder`` modules, the image size the encoder takes, ``hidden`` (D),
+    ``marker`` (the text a chat template puts where an image is, where LiteRT-LM puts its rows) and the
+    LlmMetadata's model type for the family (``model_type``, a field of ``LlmModelType``, and its
+    ``fields``: a token's as its text)."""
 
     family: str
     text: torch.nn.Module
@@ -78,10 +80,14 @@ class VisionParts:
     height: int
     width: int
     hidden: int
-    start: str
-    end: str
-    image_tokens: int  # rows the adapter gives per image (its soft tokens and the end-of-image row)
-    image_end: torch.Tensor | None = None  # [D]: the adapter's last row, text to the model (llm.step.CacheStep)
+    marker: str
+    image_tokens: int  # rows the adapter gives per image
+    model_type: str
+    fields: dict
+    # [D]: the adapter's closing row (Gemma 3's <end_of_image>), text to the model; with it an image's rows
+    # attend to one another (LiteRT-LM's vision-bidirectional mask), the closing row kept causal
+    # (llm.step.CacheStep)
+    image_end: torch.Tensor | None = None
     notes: tuple = ()  # what the bundle does otherwise than the family's image processor, said at export
 
 
@@ -130,28 +136,88 @@ def _gemma3(vlm, processor: dict, name: str, tokenizer) -> VisionParts:
     vision = config.vision_config
     mean, std = _normalization(processor, name)
     embed = core.language_model.embed_tokens
-    tokens = {}
-    for key, attr in (("start", "boi_token_index"), ("end", "eoi_token_index")):
-        token_id = getattr(config, attr, None)
-        text = _token_text(tokenizer, token_id)
-        if text is None:
-            raise InputError(f"{name}: its tokenizer has no token {token_id} ({attr}), the image's "
-                             f"{'start' if key == 'start' else 'end'} token")
-        tokens[key] = text
+    start = _token(tokenizer, config, "boi_token_index", name)
+    end_text = _token(tokenizer, config, "eoi_token_index", name)
     size = processor.get("size") or {}
     height, width = size.get("height", vision.image_size), size.get("width", vision.image_size)
-    if (height, width) != (vision.image_size, vision.image_size):
-        raise InputError(f"{name}: its image processor resizes to {height}x{width}, its vision tower takes "
-                         f"{vision.image_size}x{vision.image_size}")
-    notes = ("LiteRT-LM resizes an image with a Catmull-Rom filter, transformers' processor bilinearly: an "
-             f"image of another size than {height}x{width} gives the encoder slightly other pixels",)
+    _check_size(name, (height, width), vision.image_size)
+    notes = (_resize_note("bilinearly", height, width),)
     with torch.no_grad():
         end = embed(torch.tensor([[config.eoi_token_index]]))[0, 0].detach().clone()
+    fields = dict(start_of_image_token=start, end_of_image_token=end_text, image_tensor_height=height,
+                  image_tensor_width=width)
     return VisionParts("gemma3", _text_model(vlm, core.language_model, vlm.lm_head),
                        ImageEncoder(core.vision_tower, mean, std).eval(),
                        Gemma3Adapter(core.multi_modal_projector, embed, config.eoi_token_index).eval(),
-                       Embedder(embed).eval(), height, width, config.text_config.hidden_size, tokens["start"],
-                       tokens["end"], config.mm_tokens_per_image + 1, end, notes)
+                       Embedder(embed).eval(), height, width, config.text_config.hidden_size, start,
+                       config.mm_tokens_per_image + 1, "gemma3", fields, end, notes)
+
+
+class Connector(torch.nn.Module):
+    """``soft_tokens`` (the encoder's features) -> ``embeddings [1, N, D]`` through ``connector`` (Idefics3's and
+    SmolVLM's: a pixel shuffle and a projection)."""
+
+    def __init__(self, connector):
+        super().__init__()
+        self.connector = connector
+
+    def forward(self, soft_tokens):
+        return {"embeddings": self.connector(soft_tokens)}
+
+
+def _smolvlm(vlm, processor: dict, name: str, tokenizer) -> VisionParts:
+    """SmolVLM / Idefics3, one image unsplit (``do_image_splitting`` false): LiteRT-LM's generic model type puts
+    ``<fake_token_around_image><global-img>``, the image's rows and ``<fake_token_around_image>`` where the
+    template says ``<image>``, as the processor expands it."""
+    core, config = vlm.model, vlm.config
+    vision = config.vision_config
+    if processor.get("do_image_splitting", True):
+        raise InputError(f"{name}: its image processor splits an image into tiles (do_image_splitting), each an "
+                         "image of its own in the prompt; LiteRT-LM gives the encoder the whole image",
+                         hint="set do_image_splitting false in preprocessor_config.json")
+    mean, std = _normalization(processor, name)
+    edge = (processor.get("max_image_size") or {}).get("longest_edge", vision.image_size)
+    _check_size(name, (edge, edge), vision.image_size)
+    tokens = {}
+    for text in ("<fake_token_around_image>", "<global-img>", "<image>"):
+        if tokenizer is None or _token_id(tokenizer, text) is None:
+            raise InputError(f"{name}: its tokenizer has no {text} token, which a SmolVLM prompt puts around an "
+                             "image")
+        tokens[text] = text
+    per_side = vision.image_size // vision.patch_size
+    rows = per_side * per_side // (config.scale_factor ** 2)
+    fields = dict(image_enabled=True, delimiter_regex="(<image>)", image_token_regex="<image>",
+                  image_prefix="<fake_token_around_image>", start_of_image_token="<global-img>",
+                  image_suffix="<fake_token_around_image>", image_tensor_height=edge, image_tensor_width=edge)
+    embed = core.text_model.embed_tokens
+    return VisionParts(config.model_type, _text_model(vlm, core.text_model, vlm.lm_head),
+                       ImageEncoder(core.vision_model, mean, std).eval(), Connector(core.connector).eval(),
+                       Embedder(embed).eval(), edge, edge, config.text_config.hidden_size, "<image>", rows,
+                       "generic_model", fields, None, (_resize_note("with Lanczos", edge, edge),))
+
+
+def _check_size(name: str, size: tuple, tower: int) -> None:
+    if tuple(size) != (tower, tower):
+        raise InputError(f"{name}: its image processor resizes to {size[0]}x{size[1]}, its vision tower takes "
+                         f"{tower}x{tower}")
+
+
+def _resize_note(how: str, height: int, width: int) -> str:
+    return (f"LiteRT-LM resizes an image with a Catmull-Rom filter, transformers' processor {how}: an image of "
+            f"another size than {height}x{width} gives the encoder slightly other pixels")
+
+
+def _token(tokenizer, config, attr: str, name: str) -> str:
+    token_id = getattr(config, attr, None)
+    text = _token_text(tokenizer, token_id)
+    if text is None:
+        raise InputError(f"{name}: its tokenizer has no token {token_id} ({attr}), which marks an image")
+    return text
+
+
+def _token_id(tokenizer, text: str):
+    from tokenizers import Tokenizer
+    return Tokenizer.from_str(tokenizer.json).token_to_id(text)
 
 
 def _token_text(tokenizer, token_id) -> str | None:
@@ -162,7 +228,7 @@ def _token_text(tokenizer, token_id) -> str | None:
 
 
 # HF model_type -> how its parts are found
-FAMILIES = {"gemma3": _gemma3}
+FAMILIES = {"gemma3": _gemma3, "idefics3": _smolvlm}
 
 
 def is_vision_family(config: dict) -> bool:

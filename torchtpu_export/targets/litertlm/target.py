@@ -198,14 +198,18 @@ def pack(edge, tokenizer, metadata: dict, tmp: str, out, parts: dict | None = No
     msg.max_num_tokens = metadata["max_num_tokens"]
     kind = TOOL_CALL_MODEL_TYPES.get(str(metadata.get("model_type")))
     if vision is not None:  # the model type whose data processor puts images into the prompt
-        typed = getattr(msg.llm_model_type, vision.family)
-        typed.start_of_image_token.token_str, typed.end_of_image_token.token_str = vision.start, vision.end
-        typed.image_tensor_height, typed.image_tensor_width = vision.height, vision.width
+        typed = getattr(msg.llm_model_type, vision.model_type)
+        for field, value in vision.fields.items():
+            if field.endswith("_token"):
+                getattr(typed, field).token_str = value
+            else:
+                setattr(typed, field, value)
     else:
         getattr(msg.llm_model_type, kind or "generic_model").SetInParent()
     if tokenizer.chat_template:
         from ...llm.text import parts_template
-        msg.jinja_prompt_template = parts_template(tokenizer.chat_template, vision.start if vision else None)
+        # (a VLM's template takes content parts itself, images among them, as transformers gives it them)
+        msg.jinja_prompt_template = tokenizer.chat_template if vision else parts_template(tokenizer.chat_template)
         # an app asks LiteRT-LM (ModelInfo) whether a bundle takes tools: it does where the template renders
         # them and LiteRT-LM reads the tool calls back
         msg.supports_function_calling = bool(kind) and "tools" in tokenizer.chat_template
@@ -221,7 +225,7 @@ def pack(edge, tokenizer, metadata: dict, tmp: str, out, parts: dict | None = No
         builder.add_tflite_model(part_path, getattr(lb.TfLiteModelType, PART_SECTIONS[name]))
     builder.add_hf_tokenizer(tok_path)
     builder.add_llm_metadata(meta_path)
-    if vision is not None:
+    if vision is not None and vision.image_end is not None:
         builder.add_executor_metadata(_vision_executor_metadata(edge, tmp))
     builder.build(out)
 
@@ -748,15 +752,16 @@ def _parse_metadata(path: str, section: dict):
 
 
 def _parse_executor_metadata(path: str, section: dict):
-    """An ExecutorMetadataProto section (a VLM's mask policy and cache buffers), parsed as LiteRT-LM parses it,
-    its enums ones LiteRT-LM defines."""
+    """An ExecutorMetadataProto section (a VLM's mask policy and cache buffers): where it parses (LiteRT-LM
+    0.18.1 runs a bundle whose section does not, as if it had none: test_hostile_litertlm), its enums are ones
+    LiteRT-LM defines and each state buffer's sequence axis one a cache has."""
     from google.protobuf.message import DecodeError
     from litert_lm_builder.runtime.proto import executor_metadata_pb2
     msg = executor_metadata_pb2.ExecutorMetadata()
     try:
         msg.ParseFromString(section_bytes(path, section, limit=MAX_METADATA))
-    except (DecodeError, RecursionError, ValueError) as e:
-        raise ArtifactError(f"{path}: its ExecutorMetadata section is damaged ({_said(e)})") from None
+    except (DecodeError, RecursionError, ValueError):
+        return None
     llm = msg.llm_executor_metadata
     kinds = executor_metadata_pb2.AttentionMaskType.values()
     settings = llm.attention_mask_settings
@@ -765,7 +770,7 @@ def _parse_executor_metadata(path: str, section: dict):
             raise ArtifactError(f"{path}: its ExecutorMetadata's {field} is {getattr(settings, field)}, which "
                                 "LiteRT-LM does not define")
     for buf in llm.state_buffers:
-        if buf.type not in executor_metadata_pb2.StateBuffer.Type.values() or not 0 <= buf.sequence_axis < 8:
+        if buf.type not in executor_metadata_pb2.StateBuffer.Type.values() or not 0 <= buf.sequence_axis < 4:
             raise ArtifactError(f"{path}: its ExecutorMetadata's state buffer {buf.prefill_input_name[:80]!r} has "
                                 f"type {buf.type} and sequence axis {buf.sequence_axis}, out of range")
     return msg
