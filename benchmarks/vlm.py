@@ -50,8 +50,8 @@ def _folder(name: str, root: str) -> str:
                             max_position_embeddings=512, tie_word_embeddings=False)
     vision = SiglipVisionConfig(**spec["vision"], image_size=spec["image_size"], patch_size=spec["patch_size"],
                                 vision_use_head=False)
-    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=spec["tokens"],
-                          boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=spec["tokens"], boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
                           image_token_index=ids["image_token"], tie_word_embeddings=False, bos_token_id=1,
                           eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
@@ -131,7 +131,8 @@ def main(argv=None) -> int:
         sizes = " | ".join(f"{r['sections'].get(k, 0) / 2**20:.2f} MiB" for k in kinds)
         err = f"{r['check']['encoder_error']:.1e} / {r['check']['adapter_error']:.1e}" if r["check"] else "-"
         lines.append(f"| {r['config']} | {r['image']} | {r['rows']} | {r['export_s']:.1f} | {sizes} | "
-                     f"{r['encoder_ms']:.2f} | {r['adapter_ms']:.2f} | {r['reply_ms']:.0f} / {r['text_ms']:.0f} | {err} |")
+                     f"{r['encoder_ms']:.2f} | {r['adapter_ms']:.2f} | {r['reply_ms']:.0f} / {r['text_ms']:.0f} | "
+                     f"{err} |")
     with open(args.output, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
