@@ -51,7 +51,8 @@ def _folder(name: str, root: str) -> str:
     vision = SiglipVisionConfig(**spec["vision"], image_size=spec["image_size"], patch_size=spec["patch_size"],
                                 vision_use_head=False)
     config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                          mm_tokens_per_image=spec["tokens"], boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
+                          mm_tokens_per_image=spec["tokens"], boi_token_index=ids["boi_token"],
+                          eoi_token_index=ids["eoi_token"],
                           image_token_index=ids["image_token"], tie_word_embeddings=False, bos_token_id=1,
                           eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
