@@ -173,13 +173,17 @@ def build(name: str, seed: int = 0):
     return make(tok).eval(), tok
 
 
-def save_folder(name: str, path: str, seed: int = 0) -> str:
-    """Writes architecture ``name`` as a Hugging Face model folder at ``path``."""
-    model, tok = build(name, seed)
+def save(model, tok, path: str) -> str:
+    """``model`` and its tokenizer (or processor) written as a Hugging Face model folder at ``path``."""
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def save_folder(name: str, path: str, seed: int = 0) -> str:
+    """Writes architecture ``name`` as a Hugging Face model folder at ``path``."""
+    return save(*build(name, seed), path)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ import sys
 import torch
 
 try:
-    from hf_llms import SMALL, tokenizer
+    from hf_llms import SMALL, save, tokenizer
 except ModuleNotFoundError:  # imported as examples.hf_vlms (the benchmarks)
-    from examples.hf_llms import SMALL, tokenizer
+    from examples.hf_llms import SMALL, save, tokenizer
 
 # Gemma 3's image tokens (its tokenizer's boi/eoi/image tokens) and chat template, as google/gemma-3-4b-it
 # has them: an image is "<start_of_image>" in the prompt, the processor expands it to the soft tokens
@@ -120,11 +120,7 @@ def save_image(path: str, seed: int, size: int = 32) -> str:
 
 def save_folder(name: str, path: str, seed: int = 0) -> str:
     """Writes family ``name`` as a Hugging Face model folder at ``path`` (model, tokenizer, processor)."""
-    model, processor = FAMILIES[name](seed=seed)
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
-    return path
+    return save(*FAMILIES[name](seed=seed), path)
 
 
 if __name__ == "__main__":

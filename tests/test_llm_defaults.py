@@ -21,18 +21,24 @@ def test_the_default_cache_length_fits_the_model(tmp_path):
     assert r.returncode == 2 and "max_position_embeddings 512" in r.stderr and "at most 512" in r.stderr, r.stderr
 
 
-def test_a_vision_language_folder_is_refused_not_truncated(tmp_path):
-    folder = tmp_path / "gemma3-vlm"
+@pytest.mark.parametrize("family,target,says", [
+    ("gemma3", "tpu", "vision-language models are exported with --target litertlm"),
+    ("llava", "litertlm", "the litertlm target exports vision-language models of the families gemma3, idefics3")])
+def test_a_vision_language_folder_is_refused_not_truncated(tmp_path, family, target, says):
+    """A VLM folder the target cannot export whole (any for tpu; a family litertlm does not export) is refused
+    from its config.json alone, naming the part it would drop (test_vlm exports the others)."""
+    folder = tmp_path / f"{family}-vlm"
     folder.mkdir()
+    arch, text, vision = {"gemma3": ("Gemma3ForConditionalGeneration", "gemma3_text", "siglip_vision_model"),
+                          "llava": ("LlavaForConditionalGeneration", "llama", "clip_vision_model")}[family]
     (folder / "config.json").write_text(json.dumps({
-        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
-        "text_config": {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2},
-        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 1}}))
-    for target in ("tpu",):  # (litertlm exports Gemma 3 VLMs whole: test_vlm)
-        r = run_cli(folder, "--target", target, "-o", tmp_path / f"out.{target}")
-        assert r.returncode == 2, r.stderr
-        assert "Gemma3ForConditionalGeneration with a vision tower" in r.stderr and "Traceback" not in r.stderr
-        assert not (tmp_path / f"out.{target}").exists()
+        "architectures": [arch], "model_type": family,
+        "text_config": {"model_type": text, "hidden_size": 64, "num_hidden_layers": 2},
+        "vision_config": {"model_type": vision, "hidden_size": 32, "num_hidden_layers": 1}}))
+    r = run_cli(folder, "--target", target, "-o", tmp_path / f"out.{target}")
+    assert r.returncode == 2, r.stderr
+    assert f"{arch} with a vision tower" in r.stderr and says in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / f"out.{target}").exists()
 
 
 def test_export_checks_what_it_wrote_against_transformers(tmp_path, monkeypatch):
