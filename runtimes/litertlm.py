@@ -131,12 +131,12 @@ class LitertLmEngine:
 
     def generate(self, prompt: str, max_new_tokens: int = 64, *, chat: bool = False, top_k: int | None = 1,
                  top_p: float | None = None, temperature: float | None = None, seed: int | None = None,
-                 constraint: ResponseConstraint | None = None, images: tuple = ()) -> str:
+                 constraint: ResponseConstraint | None = None, images: tuple = (), lora: str | None = None) -> str:
         """The text LiteRT-LM generates after ``prompt`` (raw, or as a user message through the bundle's
         chat template with ``chat=True``); greedy by default (top-k 1). ``constraint`` (see
         :func:`response_constraint`) constrains the reply through LiteRT-LM's constrained decoding.
         ``images`` (image files, checked by :func:`check_image`): the user message shows them before the
-        prompt's text (a VLM's bundle)."""
+        prompt's text (a VLM's bundle). ``lora``: a LoRA adapter file the session applies."""
         lm = _litert_lm()
         if max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be positive, got {max_new_tokens}")
@@ -145,13 +145,14 @@ class LitertLmEngine:
         except UnicodeEncodeError as e:
             raise InputError(f"the prompt is not valid text (character {e.start} cannot be written as UTF-8)") from None
         sampler = lm.SamplerConfig(top_k=top_k, top_p=top_p, temperature=temperature, seed=seed)
+        adapter = {"lora_config": lm.LoraConfig(lora_path=os.path.abspath(lora))} if lora else {}
         try:
             if images:
-                return self._converse(lm, prompt, sampler, max_new_tokens, True, constraint, images)
+                return self._converse(lm, prompt, sampler, max_new_tokens, True, constraint, images, adapter)
             if chat or constraint is not None:
-                return self._converse(lm, prompt, sampler, max_new_tokens, chat, constraint)
+                return self._converse(lm, prompt, sampler, max_new_tokens, chat, constraint, (), adapter)
             with self.engine.create_session(apply_prompt_template=False, sampler_config=sampler,
-                                            max_output_tokens=max_new_tokens) as session:
+                                            max_output_tokens=max_new_tokens, **adapter) as session:
                 session.run_prefill([prompt])
                 # streamed: the text of a whole reply comes through a C string, cut at its first NUL character
                 # (a byte-level token can be one); a chunk's is cut alone (that character is left out)
@@ -174,10 +175,11 @@ class LitertLmEngine:
                                 hint="the bundle is damaged; rerun with -vv for LiteRT-LM's own log") from None
 
     def _converse(self, lm, prompt: str, sampler, max_new_tokens: int, chat: bool,
-                  constraint: ResponseConstraint | None = None, images: tuple = ()) -> str:
+                  constraint: ResponseConstraint | None = None, images: tuple = (),
+                  adapter: dict | None = None) -> str:
         """The reply through LiteRT-LM's conversation API: the bundle's chat template with ``chat``, else
         :data:`RAW_TEMPLATE`; constrained to ``constraint`` by llguidance."""
-        options = dict(sampler_config=sampler, max_output_tokens=max_new_tokens)
+        options = dict(sampler_config=sampler, max_output_tokens=max_new_tokens, **(adapter or {}))
         if not chat:
             options["chat_template"] = RAW_TEMPLATE
         if constraint is not None:

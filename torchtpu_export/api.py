@@ -219,7 +219,7 @@ def default_cache_length(config) -> int:
 def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefill_lengths: Sequence[int] = (128,),
                cache_length: int | None = None, quant_config=None, batch_size: int | None = None,
                abstract_weights: bool = False, kv_pages: int | str | None = None, page_size: int = 16,
-               check: bool = True, **options):
+               check: bool = True, lora=None, **options):
     """Exports a causal LM's prefill (one signature per length, ``prefill_<N>``) and ``decode`` steps.
 
     ``model_or_path``: a local Hugging Face folder (config.json, safetensors weights, tokenizer.json),
@@ -245,6 +245,10 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     with transformers' on the same weights; a float export that differs is a NumericsError (never an
     artifact that generates other text); a quantized one is reported (top-1 agreement, KL). The result is
     the artifact's ``llm_check``.
+    ``lora`` (litertlm): a PEFT LoRA folder, or a rank (16 or 32): the steps take a LoRA adapter's inputs
+    (``llm.lora``; LiteRT-LM's ``LoraConfig(lora_path=...)`` fills them, zeros without an adapter); with a
+    folder, its adapter is converted too (``bundle.adapter``, written by ``bundle.save_adapter(path)``) and
+    the check runs the steps with it against transformers' model with the adapter merged.
     """
     import torch
 
@@ -273,6 +277,7 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
                          "protocol (get/update_conv_state, get/update_recurrent_state), which the steps carry")
     if t.check_llm_layout is not None:
         t.check_llm_layout(source, layout)
+    adapter, lora_layout = _lora(lora, source, t)
     padded = t.pads_prompts  # the runtime pads a prompt's last chunk: the steps find the real tokens
     if layout.states and not padded and 1 not in lengths:  # recurrent states: prompts are never padded
         lengths = [1, *lengths]  # (llm.contract)
@@ -288,10 +293,11 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     image_end = source.vision.image_end if source.vision is not None else None
     for n in lengths:
         sigs.signature(PREFILL.format(n), CacheStep(source.model, layout, logits=False, padded=padded,
-                                                    image_end=image_end), (), step_inputs(layout, n, hidden))
+                                                    image_end=image_end, lora=lora_layout), (),
+                       step_inputs(layout, n, hidden, lora_layout))
     # (a padded runtime's decode at position 0 starts a sequence too: a one-token prompt)
-    sigs.signature(DECODE, CacheStep(source.model, layout, logits=True, padded=padded), (),
-                   step_inputs(layout, 1, hidden))
+    sigs.signature(DECODE, CacheStep(source.model, layout, logits=True, padded=padded, lora=lora_layout), (),
+                   step_inputs(layout, 1, hidden, lora_layout))
     if pages:
         sigs.signature(DECODE_PAGED, CacheStep(source.model, layout, logits=True, slots=True), (),
                        paged_inputs(layout, batch_size, 1, pages, page_size))
@@ -327,16 +333,43 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     if parts:
         from .llm.vision import program_embed
         embed = program_embed(parts["embedder"])
-    report = _check_llm(program, source.model, lengths, layout.length, quant_config is not None, options,
-                        bool(layout.states), padded, embed) \
+    reference, extra = source.model, None
+    if lora_layout is not None and check:  # the adapter's inputs fed; transformers' model with it merged
+        import copy
+
+        import numpy as np
+        extra = {n: np.asarray(adapter.weights[n]) if adapter is not None and n in adapter.weights else
+                 np.zeros(lora_layout.shape(n), np.float32) for n in lora_layout.names()}
+        if adapter is not None:
+            reference = copy.deepcopy(source.model)
+            adapter.merged_into(reference)
+    report = _check_llm(program, reference, lengths, layout.length, quant_config is not None, options,
+                        bool(layout.states), padded, embed, extra) \
         if check else {"checked": False, "why": "check=False"}
     if parts and check:
         from .llm.vision import check_programs
         report["vision"] = check_programs(source.vision, parts)
-    artifact = program if t.from_llm is None else \
-        t.from_llm(program, source, layout, lengths, **({"parts": parts} if parts else {}))
+    more = {**({"parts": parts} if parts else {}), **({"adapter": adapter} if adapter is not None else {})}
+    artifact = program if t.from_llm is None else t.from_llm(program, source, layout, lengths, **more)
     artifact.llm_check = report
     return artifact
+
+
+def _lora(lora, source, t) -> tuple:
+    """``(adapter or None, LoraLayout or None)`` of export_llm's ``lora``: a PEFT folder or a rank."""
+    if lora is None:
+        return None, None
+    if not t.lora:
+        raise InputError(f"lora= applies to target='litertlm' (LiteRT-LM's LoRA adapters), not {t.name}")
+    if source.vision is not None:
+        raise InputError(f"{source.name}: LoRA adapters on a vision-language bundle are not supported yet")
+    from .llm.lora import features_of, layout_of, read_peft
+    if isinstance(lora, int) and not isinstance(lora, bool):
+        return None, layout_of(source.model, lora, source.name)
+    if isinstance(lora, (str, os.PathLike)):
+        adapter = read_peft(os.fspath(lora), features_of(source.model))
+        return adapter, layout_of(source.model, adapter.rank, source.name)
+    raise InputError(f"lora= takes a PEFT adapter folder or a rank (16 or 32), not {type(lora).__name__}")
 
 
 def _export_vision(parts, program_target: str) -> dict:
@@ -385,7 +418,7 @@ LLM_CHECK_TOLERANCE = 2e-3  # float export against transformers: max logit error
 
 
 def _check_llm(program, model, lengths, cache_length: int, quantized: bool, options: dict,
-               recurrent: bool = False, padded: bool = False, embed=None) -> dict:
+               recurrent: bool = False, padded: bool = False, embed=None, extra: dict | None = None) -> dict:
     """The exported steps against transformers on a probe prompt: a prefill of about a chunk's tokens (a full
     chunk and a padded one; with recurrent states, two full chunks, the second continuing the first's state,
     and one of 1 token, padded as the runtime pads it where it does), then decode steps, their next-token
@@ -411,7 +444,7 @@ def _check_llm(program, model, lengths, cache_length: int, quantized: bool, opti
     start = max(1, n - 4)
     probe = [(7 * i + 3) % vocab for i in range(n + 4)]
     t0 = time.perf_counter()
-    ours = np.asarray(next_token_logits(program, probe, start, padded=padded, embed=embed), np.float64)
+    ours = np.asarray(next_token_logits(program, probe, start, padded=padded, embed=embed, extra=extra), np.float64)
     with torch.no_grad():
         ref = model(torch.tensor([probe])).logits[0, start:].double().numpy()
     scale = float(np.abs(ref).max()) or 1.0

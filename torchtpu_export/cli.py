@@ -104,6 +104,9 @@ def _convert_parser() -> argparse.ArgumentParser:
                    help="with --kv-pages: positions per page (default 16)")
     p.add_argument("--no-check", action="store_true",
                    help="LLM folders: skip the check of the exported steps against transformers on a probe prompt")
+    p.add_argument("--lora", default=None, metavar="PEFT_DIR|RANK",
+                   help="LLM folders, --target litertlm: steps that take a LoRA adapter (LiteRT-LM's, rank 16 or 32); "
+                        "given a PEFT folder, its adapter is written beside the bundle too (NAME.lora.tflite)")
     p.add_argument("--abstract-weights", action="store_true",
                    help="LLM folders, tpu target: build from config.json alone and export without weight values "
                         "(compile and inspect a model larger than this machine; bind the checkpoint at load)")
@@ -132,7 +135,7 @@ def _convert(args) -> int:
     if target.llm_only or os.path.isdir(args.model):
         return _convert_llm(args, target)
     for flag in ("prefill_lengths", "cache_length", "tokenizer", "batch_size", "abstract_weights", "no_check",
-                 "kv_pages", "page_size"):
+                 "kv_pages", "page_size", "lora"):
         if getattr(args, flag) not in (None, False):
             raise InputError(f"--{flag.replace('_', '-')} applies to LLMs (a Hugging Face model folder), "
                              f"not {args.model}")
@@ -209,9 +212,16 @@ def _convert_llm(args, target) -> int:
         raise InputError("--page-size applies with --kv-pages (a paged KV cache)")
     if pages is not None:
         options.update(kv_pages=pages, page_size=args.page_size or 16)
+    if args.lora is not None:
+        options["lora"] = int(args.lora) if args.lora.isdigit() else args.lora
+        check_writable(_adapter_path(output, "nolora"), inputs=(args.model, args.lora))
     artifact = api.export_llm(args.model, args.tokenizer, target=target.name, prefill_lengths=lengths,
                               cache_length=args.cache_length, batch_size=args.batch_size,
                               abstract_weights=args.abstract_weights, check=not args.no_check, **options)
+    adapter_path = None
+    if getattr(artifact, "adapter", None) is not None:
+        adapter_path = _adapter_path(output)
+        check_writable(adapter_path, inputs=(args.model, args.lora))
     artifact.save(output)
     mask = next((s for s in artifact.inputs("decode") if s.name == "mask"), None)
     cache = f"; cache {mask.shape[-1]} positions" + ("" if args.cache_length else " (the default: the smaller of 1024 "
@@ -231,6 +241,53 @@ def _convert_llm(args, target) -> int:
                       "outputs' scale" if v else ""))
         for note in vision.notes:
             _out(args, f"note: {note}")
+    if getattr(artifact, "lora_inputs", None):  # LiteRT-LM runs a session without an adapter on stale inputs
+        from .llm.lora import zero_adapter
+        zeros = _adapter_path(output, "nolora")
+        zero_adapter(artifact.lora_inputs).save(zeros)
+        _out(args, f"wrote {zeros}, the adapter of zeros (the base model): give LiteRT-LM an adapter in every "
+                   "session, this one for the base model, as generate and run do")
+    if adapter_path is not None:
+        artifact.save_adapter(adapter_path)
+        a = artifact.adapter
+        _out(args, f"wrote the LoRA adapter {adapter_path} ({_human(os.path.getsize(adapter_path))}; rank {a.r} "
+                   f"as LiteRT-LM's {a.rank}, {len(a.weights) // 2} projections): generate(lora=...) or "
+                   f"run --lora {adapter_path}" + (" (checked: the steps with it against transformers' model with "
+                                                  "it merged)" if c.get("checked") else ""))
+    return 0
+
+
+def _adapter_path(output: str, kind: str = "lora") -> str:
+    stem = output[:-len(".litertlm")] if output.endswith(".litertlm") else output
+    return f"{stem}.{kind}.tflite"
+
+
+def _adapter_args(p):
+    p.add_argument("peft", help="a PEFT LoRA folder (adapter_config.json, adapter_model.safetensors)")
+    p.add_argument("--base", required=True, help="the .litertlm exported with --lora (its steps take the adapter)")
+    p.add_argument("-o", "--output", default=None, help="the adapter file (default: PEFT folder name + .lora.tflite)")
+
+
+def _adapter(args) -> int:
+    """A PEFT LoRA folder as LiteRT-LM's adapter file for a LoRA-ready bundle (``--base``), its shapes and
+    rank read from the bundle's LoRA inputs."""
+    from . import api
+    from .fileio import check_writable
+    from .llm.lora import features_of_inputs, read_peft
+    base = api.load(args.base)
+    inputs = getattr(base, "lora_inputs", None)
+    if inputs is None:
+        raise InputError(f"--base takes a .litertlm bundle, not {args.base}")
+    if not inputs:
+        raise InputError(f"{args.base} takes no LoRA adapter: its steps have no LoRA inputs",
+                         hint="export the model with --lora PEFT_DIR (or --lora 16)")
+    features, rank = features_of_inputs(inputs)
+    output = args.output or os.path.basename(os.path.normpath(args.peft)) + ".lora.tflite"
+    check_writable(output, inputs=(args.peft, args.base))
+    adapter = read_peft(args.peft, features, rank)
+    adapter.save(output)
+    _out(args, f"wrote {output} ({_human(os.path.getsize(output))}; rank {adapter.r} as {adapter.rank}, "
+               f"{len(adapter.weights) // 2} projections) for {args.base}")
     return 0
 
 
@@ -376,6 +433,8 @@ def _run_args(p):
     p.add_argument("--prompt", default=None, help="LLM artifacts (.tpu from export_llm, .litertlm): generate text after this prompt")
     p.add_argument("--max-new-tokens", type=int, default=64, help="with --prompt: the most tokens to generate")
     p.add_argument("--chat", action="store_true", help="with --prompt: send it as a user message (chat template)")
+    p.add_argument("--lora", default=None, metavar="FILE",
+                   help="with --prompt, a .litertlm exported with --lora: the LoRA adapter file to apply")
     p.add_argument("--image", action="append", default=None, metavar="FILE",
                    help="with --prompt, a vision-language model's .litertlm: an image the user message shows "
                         "before the prompt (PNG, JPEG, BMP, GIF); repeat for several")
@@ -402,16 +461,20 @@ def _run(args) -> int:
         check_writable(args.output, inputs=(args.artifact, *_input_files(args.inputs)))
     if args.image and args.prompt is None:
         raise InputError("--image goes with --prompt: the image is part of the message an LLM answers")
+    if args.lora and args.prompt is None:
+        raise InputError("--lora goes with --prompt: the adapter applies to the text an LLM generates")
     response_format = _response_format(args)
     art = api.load(args.artifact)
     if args.prompt is not None:
         t0 = time.perf_counter()
-        images = {"images": args.image} if args.image else {}
+        extra = {**({"images": args.image} if args.image else {}), **({"lora": args.lora} if args.lora else {})}
         import inspect as _inspect_mod
-        if images and "images" not in _inspect_mod.signature(art.generate).parameters:
-            raise InputError(f"--image goes to a vision-language model's .litertlm, not {args.artifact}")
+        takes = _inspect_mod.signature(art.generate).parameters
+        for key in extra:
+            if key not in takes:
+                raise InputError(f"--{key.rstrip('s')} goes to a .litertlm bundle, not {args.artifact}")
         reply = art.generate(args.prompt, args.max_new_tokens, chat=args.chat, response_format=response_format,
-                             **images)
+                             **extra)
         print(printable(str(reply), newlines=True))
         _out(args, f"generated in {time.perf_counter() - t0:.2f} s ({len(reply.ids)} tokens, {reply.finish_reason})")
         return 0
@@ -497,6 +560,7 @@ COMMANDS: dict[str, tuple[Callable, Callable, str]] = {
     "compile": (_compile_args, _compile,
                 "compile a .tpu for TPU topologies (libtpu), or a .tflite for phone NPUs (LiteRT's AOT compilers)"),
     "run": (_run_args, _run, "run an artifact on inputs and print (or save) the outputs"),
+    "adapter": (_adapter_args, _adapter, "a PEFT LoRA folder as LiteRT-LM's adapter file for a .litertlm"),
     "coverage": (coverage_cli.add_arguments, coverage_cli.run, coverage_cli.HELP),
     "debug": (debugger.add_arguments, debugger.run_cli, debugger.HELP),
     "serve-web": (web.add_arguments, web.run_cli, web.HELP),

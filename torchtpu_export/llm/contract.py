@@ -99,13 +99,14 @@ def has_state(names) -> bool:
     return any(n.startswith(STATE_PREFIXES) for n in names)
 
 
-def step_inputs(layout: CacheLayout, n: int, hidden: int | None = None) -> dict:
+def step_inputs(layout: CacheLayout, n: int, hidden: int | None = None, lora=None) -> dict:
     """Sample inputs of an ``n``-token step (the runtime's names, shapes and dtypes); with ``hidden``, the
-    step takes ``embeddings [1, n, hidden]`` instead of ``tokens`` (a VLM's: image rows merged by the runtime)."""
+    step takes ``embeddings [1, n, hidden]`` instead of ``tokens`` (a VLM's: image rows merged by the runtime);
+    with ``lora`` (an ``llm.lora.LoraLayout``), a LoRA adapter's inputs after the caches."""
     first = dict(tokens=torch.zeros(1, n, dtype=torch.int32)) if hidden is None else \
         dict(embeddings=torch.zeros(1, n, hidden))
     return dict(**first, input_pos=torch.arange(n, dtype=torch.int32), mask=torch.zeros(1, 1, n, layout.length),
-                **layout.empty())
+                **layout.empty(), **(lora.zeros() if lora is not None else {}))
 
 
 def slot_inputs(layout: CacheLayout, slots: int, n: int = 1) -> dict:

@@ -17,9 +17,10 @@ class HostLoop:
     recurrent states gets chunks it fills exactly, unless its steps are ``padded`` ones (they find the real
     tokens: LiteRT-LM bundles). A reference loop for checks and measurements: the cache goes through the host."""
 
-    def __init__(self, program, padded: bool = False, embed=None):
+    def __init__(self, program, padded: bool = False, embed=None, extra: dict | None = None):
         import numpy as np
         self.program, self.padded, self.embed = program, padded, embed
+        self.extra = extra or {}  # inputs every step takes as they are (a LoRA adapter's)
         self.lengths = prefill_lengths(program.signatures)
         specs = {s.name: s for s in program.inputs(DECODE)}
         self.length = specs["mask"].shape[-1]
@@ -37,7 +38,7 @@ class HostLoop:
         mask[len(tokens):] = np.finfo(np.float32).min
         ids = np.array([list(tokens) + [0] * (n - len(tokens))], np.int32)
         first = dict(tokens=ids) if self.embed is None else dict(embeddings=self.embed(ids))
-        feed = dict(**first, input_pos=pos, mask=mask[None, None].astype(np.float32), **self.caches)
+        feed = dict(**first, input_pos=pos, mask=mask[None, None].astype(np.float32), **self.caches, **self.extra)
         outs = self.program(signature_name=sig, **feed)
         if not isinstance(outs, dict):  # a file made elsewhere: flat outputs, named by the file
             outs = dict(zip([o.name for o in self.program.outputs(sig)], outs if isinstance(outs, tuple) else [outs]))
@@ -73,11 +74,12 @@ def host_generate(program, prompt_ids: Sequence[int], max_new_tokens: int, stop_
     return out
 
 
-def next_token_logits(program, ids: Sequence[int], start: int, padded: bool = False, embed=None):
+def next_token_logits(program, ids: Sequence[int], start: int, padded: bool = False, embed=None,
+                      extra: dict | None = None):
     """The program's next-token logits at every position from ``start`` on, the tokens given (teacher forcing):
     row ``i`` predicts ``ids[start + i + 1]``. ``embed``: token ids ``[1, n]`` -> ``[1, n, D]``, for steps that
-    take embeddings."""
+    take embeddings; ``extra``: inputs every step takes as they are."""
     import numpy as np
-    loop = HostLoop(program, padded, embed)
+    loop = HostLoop(program, padded, embed, extra)
     loop.prefill(list(ids[:start]))
     return np.stack([loop.decode(t) for t in ids[start:]])

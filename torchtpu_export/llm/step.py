@@ -272,10 +272,11 @@ class CacheStep(torch.nn.Module):
     shared by the rows (``[heads, pages, page, dim]``) and each row's positions are in its table's pages."""
 
     def __init__(self, model, layout: CacheLayout, logits: bool, slots: bool = False, padded: bool = False,
-                 first: bool = False, image_end=None):
+                 first: bool = False, image_end=None, lora=None):
         super().__init__()
         self.model, self.layout, self.logits, self.slots, self.padded = model, layout, logits, slots, padded
         self.first = first
+        self.lora = lora  # an llm.lora.LoraLayout: the step takes a LoRA adapter's inputs too
         # a VLM's (llm.vision.VisionParts.image_end): the embedding row that closes an image's rows
         self.image_end = image_end
         config = model.config
@@ -298,6 +299,7 @@ class CacheStep(torch.nn.Module):
     def forward(self, tokens=None, input_pos=None, mask=None, **caches):
         table = caches.pop("page_table", None)
         embeddings = caches.pop("embeddings", None)  # instead of tokens: a VLM's, image rows merged
+        adapter = {n: caches.pop(n) for n in self.lora.names()} if self.lora is not None else None
         cache = _StepCache(caches, self.layout, input_pos, self.slots, self.sequential, self.padded, table)
         n = (tokens if tokens is not None else embeddings).shape[1]
         positions = input_pos[:, None] + torch.arange(n, dtype=input_pos.dtype) if self.slots else input_pos[None]
@@ -310,7 +312,7 @@ class CacheStep(torch.nn.Module):
         _GROUP_MASKS.clear()  # each trace of a step makes its own
         try:
             keep = {"logits_to_keep": torch.zeros(1, dtype=torch.int64)} if self.first and self.keep_kw else {}
-            with adapted(self.model):
+            with adapted(self.model), lora_applied(self.model, self.lora, adapter):
                 given = dict(input_ids=tokens) if embeddings is None else dict(inputs_embeds=embeddings)
                 out = self.model(**given, attention_mask=self._masks(mask, positions),
                                  position_ids=positions, use_cache=True, **{self.cache_kw: cache}, **keep)
@@ -325,6 +327,15 @@ class CacheStep(torch.nn.Module):
             result[f"kv_cache_k_{i}"], result[f"kv_cache_v_{i}"] = cache.k[i], cache.v[i]
         result.update(cache.states)
         return result
+
+
+def lora_applied(model, layout, weights):
+    """``llm.lora.applied`` where the step has a LoRA layout, else nothing."""
+    import contextlib
+    if layout is None:
+        return contextlib.nullcontext()
+    from .lora import applied
+    return applied(model, layout, weights)
 
 
 def image_end_causal(mask, embeddings, positions, end):

@@ -76,6 +76,8 @@ class Target:
     # its LLM artifacts take vision-language models (llm.vision): an image encoder and adapter beside the
     # language model, whose steps take embeddings; export_llm refuses a VLM for the other targets
     vision: bool = False
+    # its LLM artifacts take LoRA adapters (llm.lora): export_llm(lora=) makes LoRA-ready steps
+    lora: bool = False
     # datacenter serving: export_llm may add batched programs (the engine's slots), and the KV cache
     # follows a bf16 recipe (on-device runtimes keep float32 caches)
     serving: bool = False

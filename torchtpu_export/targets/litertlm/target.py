@@ -42,10 +42,11 @@ class LitertLmBundle(Runnable):
     default_signature = "decode"
 
     def __init__(self, edge, tokenizer=None, metadata: dict | None = None, path: str | None = None,
-                 checked: "Checked | None" = None, parts: dict | None = None, vision=None):
+                 checked: "Checked | None" = None, parts: dict | None = None, vision=None, adapter=None):
         self._edge, self.tokenizer, self.metadata, self.path = edge, tokenizer, metadata or {}, path
         # a VLM's: the image encoder, adapter and embedder programs, and the llm.vision.VisionParts they came from
         self.parts, self.vision = parts or {}, vision
+        self.adapter = adapter  # llm.lora.LoraAdapter: the PEFT adapter export_llm(lora=) converted
         self._checked = checked  # what check() found in the file LiteRT-LM reads
         self._engine = None
         self._tmp = None
@@ -89,6 +90,26 @@ class LitertLmBundle(Runnable):
         with tempfile.TemporaryDirectory(prefix="tte-litertlm-") as tmp, atomic_open(path) as f:
             pack(self._edge, self.tokenizer, self.metadata, tmp, f, self.parts, self.vision)
 
+    def save_adapter(self, path) -> None:
+        """Writes the LoRA adapter ``export_llm(lora=PEFT_DIR)`` converted, as LiteRT-LM loads it
+        (``LoraConfig(lora_path=path)``; ``generate(lora=path)``)."""
+        if self.adapter is None:
+            raise InputError("this bundle was exported without a LoRA adapter", hint="export_llm(..., lora=PEFT_DIR)")
+        self.adapter.save(path)
+
+    def _zero_adapter(self) -> str:
+        """A file of this bundle's zero adapter (``llm.lora.zero_adapter``), written once."""
+        if getattr(self, "_zeros", None) is None:
+            from ...llm.lora import zero_adapter
+            self._zeros = tempfile.TemporaryDirectory(prefix="tte-lora-")
+            zero_adapter(self.lora_inputs).save(os.path.join(self._zeros.name, "zeros.lora.tflite"))
+        return os.path.join(self._zeros.name, "zeros.lora.tflite")
+
+    @property
+    def lora_inputs(self) -> dict:
+        """``{name: shape}`` of the steps' LoRA inputs (empty: the bundle takes no adapter)."""
+        return {s.name: tuple(s.shape) for s in self.edge.inputs("decode") if s.name.startswith("lora_atten_")}
+
     def _file(self) -> str:
         if self.path is None:  # made in this process: the engine reads a file
             self._tmp = tempfile.TemporaryDirectory(prefix="tte-litertlm-")
@@ -108,7 +129,7 @@ class LitertLmBundle(Runnable):
 
     def generate(self, prompt, max_new_tokens: int = 64, *, chat: bool = False, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, stop=None, seed: int | None = None,
-                 response_format: dict | None = None, images=()):
+                 response_format: dict | None = None, images=(), lora=None):
         """LiteRT-LM's reply to ``prompt`` (text, or token ids the bundle's tokenizer turns into text), as a
         ``Generation`` (text, and the reply's ids as the bundle's tokenizer reads that text): greedy at
         ``temperature=0``, else top-k / top-p sampling seeded by ``seed``. ``chat=True`` sends the prompt as
@@ -124,7 +145,8 @@ class LitertLmBundle(Runnable):
         keep them to what the format allows.
 
         ``images`` (image files: PNG, JPEG, BMP, GIF): a VLM's bundle sees them in the user message, before the
-        prompt's text, through the chat template (as ``chat=True``)."""
+        prompt's text, through the chat template (as ``chat=True``). ``lora``: a LoRA adapter file for this
+        bundle (``save_adapter``, ``torchtpu-export adapter``), checked against its LoRA inputs first."""
         from ...llm.contract import Generation, prompt_ids
         from ...llm.grammar import format_of
         from ...runtimes.litertlm import check_image, response_constraint
@@ -133,6 +155,12 @@ class LitertLmBundle(Runnable):
         images = [check_image(p) for p in images or ()]
         fmt = format_of(response_format)
         constraint = None if fmt is None else response_constraint(*fmt)  # refused before the engine loads
+        if lora is not None:
+            from ...llm.lora import check_adapter
+            lora = os.fspath(lora)
+            check_adapter(lora, self.lora_inputs)
+        elif self.lora_inputs:  # the base model: LiteRT-LM would run on whatever its LoRA inputs last held
+            lora = self._zero_adapter()
         engine = self.engine()
         if images and not self._checked.vision:
             raise InputError("images go to a vision-language model's bundle; this one has no image encoder",
@@ -147,7 +175,7 @@ class LitertLmBundle(Runnable):
             dict(top_k=top_k, top_p=top_p, temperature=temperature, seed=seed)
         if constraint is not None:
             sampling["constraint"] = constraint
-        text = engine.generate(prompt, max_new_tokens, chat=chat, images=tuple(images), **sampling)
+        text = engine.generate(prompt, max_new_tokens, chat=chat, images=tuple(images), lora=lora, **sampling)
         out = engine.tokenize(text) if text else []
         cut = next((i for i, t in enumerate(out) if t in set(stop or ())), None)
         if cut is not None:
@@ -837,14 +865,14 @@ def check_llm_layout(source, layout) -> None:
                          "convolution's state)", hint="export it with --target tpu or --target litert")
 
 
-def from_llm(edge, source, layout, prefill_lengths, parts: dict | None = None) -> LitertLmBundle:
+def from_llm(edge, source, layout, prefill_lengths, parts: dict | None = None, adapter=None) -> LitertLmBundle:
     check_llm_layout(source, layout)
     meta = {"max_num_tokens": layout.length, "prefill_lengths": ",".join(map(str, prefill_lengths)),
             "model_type": getattr(source.model.config, "model_type", "?")}
     if source.vision is not None:
         meta.update(vision=source.vision.family, image_size=f"{source.vision.height}x{source.vision.width}",
                     image_tokens=source.vision.image_tokens)
-    return LitertLmBundle(edge, source.tokenizer, meta, parts=parts, vision=source.vision)
+    return LitertLmBundle(edge, source.tokenizer, meta, parts=parts, vision=source.vision, adapter=adapter)
 
 
 def build(captures: dict, options: dict):
@@ -920,5 +948,5 @@ TARGET = Target(
     # it finds a model's caches by kv_cache_k_0 or kv_cache_c_0. It pads a prompt's last chunk with token 0 at
     # position 0 (PrefillInternal, GetOptimizedPrefillWorkGroups): the steps count the real tokens and keep the
     # states after the last
-    recurrent_state=True, pads_prompts=True, vision=True,
+    recurrent_state=True, pads_prompts=True, vision=True, lora=True,
 )
