@@ -160,3 +160,23 @@ def test_the_executor_metadata_is_checked_before_litert_lm_reads_it(vlm, tmp_pat
         r = run_cli(*args)
         assert r.returncode == 5 and "sequence axis 9, out of range" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("change,says", [
+    ({"do_pan_and_scan": True}, "pan and scan"),
+    ({"rescale_factor": "1/255"}, "scales pixels by 1/255"),
+    ({"size": [32, 32]}, "size must be a JSON object"),
+    ({"size": {"height": 64, "width": 64}}, "resizes to 64x64, its vision tower takes 32x32"),
+    ({"image_mean": "gray"}, "image_mean and image_std must be numbers")])
+def test_an_image_processor_the_encoder_cannot_follow_is_refused(gemma3, tmp_path, change, says):
+    """What the image processor's config asks that LiteRT-LM's encoder input cannot give is refused at export
+    with one message, before anything is converted."""
+    import shutil
+    folder = tmp_path / "vlm"
+    shutil.copytree(gemma3[0], folder)
+    config = json.loads((folder / "processor_config.json").read_text())
+    config["image_processor"].update(change)
+    (folder / "processor_config.json").write_text(json.dumps(config))
+    r = run_cli(folder, "--target", "litertlm", "-o", tmp_path / "out.litertlm")
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "out.litertlm").exists()

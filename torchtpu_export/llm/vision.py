@@ -116,7 +116,7 @@ def _normalization(processor: dict, name: str):
             raise InputError(f"{name}: its image processor asks for {why}", hint=f"set {key} false in "
                              "preprocessor_config.json to export the model as LiteRT-LM runs it")
     rescale = processor.get("rescale_factor", 1 / 255) if processor.get("do_rescale", True) else 1.0
-    if abs(float(rescale) * 255 - 1) > 1e-6:
+    if not isinstance(rescale, (int, float)) or isinstance(rescale, bool) or abs(rescale * 255 - 1) > 1e-6:
         raise InputError(f"{name}: its image processor scales pixels by {rescale}; LiteRT-LM gives the encoder "
                          "pixels / 255")
     mean, std = processor.get("image_mean", [0.5] * 3), processor.get("image_std", [0.5] * 3)
@@ -138,7 +138,7 @@ def _gemma3(vlm, processor: dict, name: str, tokenizer) -> VisionParts:
     embed = core.language_model.embed_tokens
     start = _token(tokenizer, config, "boi_token_index", name)
     end_text = _token(tokenizer, config, "eoi_token_index", name)
-    size = processor.get("size") or {}
+    size = _entry(processor, "size")
     height, width = size.get("height", vision.image_size), size.get("width", vision.image_size)
     _check_size(name, (height, width), vision.image_size)
     notes = (_resize_note("bilinearly", height, width),)
@@ -176,7 +176,7 @@ def _smolvlm(vlm, processor: dict, name: str, tokenizer) -> VisionParts:
                          "image of its own in the prompt; LiteRT-LM gives the encoder the whole image",
                          hint="set do_image_splitting false in preprocessor_config.json")
     mean, std = _normalization(processor, name)
-    edge = (processor.get("max_image_size") or {}).get("longest_edge", vision.image_size)
+    edge = _entry(processor, "max_image_size").get("longest_edge", vision.image_size)
     _check_size(name, (edge, edge), vision.image_size)
     tokens = {}
     for text in ("<fake_token_around_image>", "<global-img>", "<image>"):
@@ -196,8 +196,15 @@ def _smolvlm(vlm, processor: dict, name: str, tokenizer) -> VisionParts:
                        "generic_model", fields, None, (_resize_note("with Lanczos", edge, edge),))
 
 
+def _entry(processor: dict, key: str) -> dict:
+    value = processor.get(key) or {}
+    if not isinstance(value, dict):
+        raise InputError(f"the image processor's {key} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _check_size(name: str, size: tuple, tower: int) -> None:
-    if tuple(size) != (tower, tower):
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in size) or tuple(size) != (tower, tower):
         raise InputError(f"{name}: its image processor resizes to {size[0]}x{size[1]}, its vision tower takes "
                          f"{tower}x{tower}")
 
