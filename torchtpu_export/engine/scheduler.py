@@ -528,8 +528,11 @@ class Engine(Following):
             if nxt is None or nxt.siblings or self._prefix_hit(nxt):
                 break  # n > 1 shares a cache of its own, a prefix hit starts from the pool's pages: not in place
             self._slots[i] = _Slot(self._waiting.popleft(), None, 0, False, direct=True)
-        for slot in self._slots:
+            self._park(i)
+        for i, slot in enumerate(self._slots):
             if slot.request is not None and not slot.decoding and slot.filled == 0 and slot.caches is None:
+                if not slot.direct:
+                    self._park(i)
                 slot.direct = True
         with self._alone([i for i, s in enumerate(self._slots) if s.direct and not s.decoding]):
             budget = self._prefill_rows(budget)
@@ -538,6 +541,14 @@ class Engine(Following):
                 with self._alone([i]):
                     self._activate(i, s)
         return budget
+
+    def _park(self, i: int) -> None:
+        """Slot ``i``'s state row parked past the cache (position C) before its prompt is prefilled in place:
+        a decode step steps every row, and an idle row's stale position (the last request's, advancing each
+        step) would write its token's keys and values into the prompt's positions."""
+        row = tuple(np.asarray(a)[0] for a in state_rows(1, self.vocab))
+        row = (row[0], np.int32(self.length), *row[2:])
+        self._state = self._set_row(self._state, self._put(np.int32(i)), self._put(row))
 
     def _prefill_rows(self, budget):
         """``_prefill_together``'s calls: one chunk of every row started in place per call, within ``budget``."""
