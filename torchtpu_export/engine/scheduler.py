@@ -548,7 +548,8 @@ class Engine(Following):
         step) would write its token's keys and values into the prompt's positions."""
         row = tuple(np.asarray(a)[0] for a in state_rows(1, self.vocab))
         row = (row[0], np.int32(self.length), *row[2:])
-        self._state = self._set_row(self._state, self._put(np.int32(i)), self._put(row))
+        with self._alone([i]):  # failing, it ends this request only
+            self._state = self._set_row(self._state, self._put(np.int32(i)), self._put(row))
 
     def _prefill_rows(self, budget):
         """``_prefill_together``'s calls: one chunk of every row started in place per call, within ``budget``."""
