@@ -25,6 +25,7 @@ import os
 import threading
 
 from torchtpu_export.errors import ArtifactError, InputError
+from torchtpu_export.images import MAX_IMAGES, open_image
 
 _LOCK = threading.Lock()
 
@@ -223,36 +224,12 @@ class LitertLmEngine:
         self.engine.close()
 
 
-MAX_IMAGES = 8  # images in one conversation
-MAX_IMAGE_BYTES = 64 << 20
-MAX_IMAGE_PIXELS = 64 << 20
-
-
 def check_image(path) -> str:
     """``path`` if it is an image file LiteRT-LM can decode (PNG, JPEG, BMP or GIF, read whole by Pillow
-    first, within size bounds), else InputError: LiteRT-LM's decoder is never the first to see a file."""
+    first, within size bounds: ``torchtpu_export.images``), else InputError: LiteRT-LM's decoder is never the first to see
+    a file."""
     path = os.fspath(path)
-    try:
-        size = os.path.getsize(path)
-    except OSError as e:
-        raise InputError(f"cannot read the image {path}: {e.strerror}") from None
-    if size > MAX_IMAGE_BYTES:
-        raise InputError(f"the image {path} is {size:,} bytes, more than {MAX_IMAGE_BYTES:,}")
-    try:
-        from PIL import Image
-    except ImportError as e:
-        raise InputError("reading images needs Pillow: pip install pillow") from e
-    try:
-        with Image.open(path) as im:
-            if im.format not in ("PNG", "JPEG", "BMP", "GIF"):
-                raise InputError(f"the image {path} is {im.format}; LiteRT-LM reads PNG, JPEG, BMP and GIF")
-            if im.width * im.height > MAX_IMAGE_PIXELS:
-                raise InputError(f"the image {path} is {im.width}x{im.height} pixels, more than {MAX_IMAGE_PIXELS:,}")
-            im.load()
-    except InputError:
-        raise
-    except Exception as e:  # noqa: BLE001 - whatever Pillow makes of a damaged file
-        raise InputError(f"{path} is not an image that can be read ({type(e).__name__}: {str(e)[:200]})") from None
+    open_image(path, path).close()
     return path
 
 

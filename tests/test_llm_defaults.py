@@ -22,11 +22,12 @@ def test_the_default_cache_length_fits_the_model(tmp_path):
 
 
 @pytest.mark.parametrize("family,target,says", [
-    ("gemma3", "tpu", "vision-language models are exported with --target litertlm"),
+    ("gemma3", "litert", "vision-language models are exported with --target litertlm or tpu"),
+    ("llava", "tpu", "the tpu target exports vision-language models of the families gemma3, idefics3"),
     ("llava", "litertlm", "the litertlm target exports vision-language models of the families gemma3, idefics3")])
 def test_a_vision_language_folder_is_refused_not_truncated(tmp_path, family, target, says):
-    """A VLM folder the target cannot export whole (any for tpu; a family litertlm does not export) is refused
-    from its config.json alone, naming the part it would drop (test_vlm exports the others)."""
+    """A VLM folder the target cannot export whole (any for litert; a family litertlm and tpu do not export) is
+    refused from its config.json alone, naming the part it would drop (test_vlm exports the others)."""
     folder = tmp_path / f"{family}-vlm"
     folder.mkdir()
     arch, text, vision = {"gemma3": ("Gemma3ForConditionalGeneration", "gemma3_text", "siglip_vision_model"),

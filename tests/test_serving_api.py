@@ -275,6 +275,10 @@ def test_bad_combinations_get_one_400(served):
             if kw.get("stream"):
                 list(out)
         assert e.value.body and "message" in e.value.body, kw
+    # an image to a model that takes none: refused, never answered as if the text were all
+    picture = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="this model takes no images"):
+        client.chat.completions.create(model="tiny-qwen", messages=[{"role": "user", "content": picture}], max_tokens=3)
     # the server is fine afterwards
     r = client.chat.completions.create(model="tiny-qwen", messages=msgs, max_tokens=3, temperature=0)
     assert r.choices[0].message.content is not None

@@ -18,7 +18,7 @@ PACKAGES = {"torchtpu_export": "torchtpu_export", "converters": "torchtpu_export
             "runtimes": "torchtpu_export.runtimes"}
 # what converters and runtimes may rely on; it imports no target, converter, runtime or face
 CORE = {"capture", "fxnodes", "errors", "specs", "treespec", "untrusted", "fileio", "safetensors_io", "flatbuf",
-        "numerics", "quant", "core_ops", "progress", "_version", "npyfiles"}
+        "numerics", "quant", "core_ops", "progress", "_version", "npyfiles", "images"}
 FACES = ("torchtpu_export.targets", "torchtpu_export.converters", "torchtpu_export.runtimes", "torchtpu_export.api",
          "torchtpu_export.cli", "torchtpu_export.coverage", "torchtpu_export.debugger", "torchtpu_export.describe",
          "torchtpu_export.models", "torchtpu_export.llm", "torchtpu_export.engine", "torchtpu_export.server")

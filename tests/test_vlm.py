@@ -126,15 +126,6 @@ def test_run_with_an_image_and_bad_images(vlm, tmp_path):
     assert r.returncode == 2 and "--image goes with --prompt" in r.stderr
 
 
-def test_a_vlm_is_refused_where_its_image_parts_cannot_go(gemma3, tmp_path):
-    """The tpu target does not take images yet: a whole VLM folder is refused there, never exported as text
-    alone (test_llm_defaults: a family litertlm does not export)."""
-    folder = gemma3[0]
-    r = run_cli(folder, "--target", "tpu", "-o", tmp_path / "g.tpu")
-    assert r.returncode == 2 and "vision tower beside its text decoder" in r.stderr, r.stderr
-    assert "--target litertlm" in r.stderr and not (tmp_path / "g.tpu").exists()
-
-
 def test_the_executor_metadata_is_checked_before_litert_lm_reads_it(vlm, tmp_path):
     """Gemma 3's bundle carries an ExecutorMetadata (the vision-bidirectional mask, the caches as state
     buffers), a causal family's none; one whose state buffer names a sequence axis no cache has is exit 5

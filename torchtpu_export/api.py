@@ -196,7 +196,8 @@ def _check_llm_options(source, prefill_lengths: Sequence[int], cache_length: int
     rows = source.vision.image_tokens if source.vision is not None else 0
     if lengths[0] < rows:
         # LiteRT-LM prefills an image's rows in steps of its own, where they attend to one another: a step
-        # shorter than an image would split its rows (seen on 0.18.1 with prefill lengths 4 and 32 for 5 rows)
+        # shorter than an image would split its rows (seen on 0.18.1 with prefill lengths 4 and 32 for 5 rows);
+        # the tpu engine prefills an image's rows in one step too (Gemma 3's attend to one another)
         step = -(-rows // 8) * 8
         if step > cache_length:
             raise InputError(f"{source.name} puts {rows} rows into the prompt per image, more than the cache length "
@@ -261,7 +262,6 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     from .quant import parse
     t = targets.get(target)
     source = load_source(model_or_path, tokenizer, abstract_weights, vision=target if t.vision else None)
-    hidden = source.vision.hidden if source.vision is not None else None  # a VLM's steps take embeddings
     if cache_length is None:
         cache_length = default_cache_length(source.model.config)
     lengths = _check_llm_options(source, prefill_lengths, cache_length)
@@ -272,6 +272,11 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     recipe = parse(quant_config, program_target, targets.get(program_target).recipes)
     # serving in bf16 keeps the KV cache in bf16 too (half the HBM); LiteRT-LM's caches are float32
     serving = targets.get(program_target).serving
+    # a VLM: on litertlm its steps take embeddings (LiteRT-LM merges an image's rows); served (tpu), they take
+    # tokens, and prefill_image_<N> steps take an image's rows beside them (the vision program's)
+    hidden = source.vision.hidden if source.vision is not None and not serving else None
+    image = (source.vision.image_token_id, source.vision.bidirectional) \
+        if source.vision is not None and serving else None
     bf16 = serving and recipe is not None and recipe.recipe == "bf16"
     layout = probe_layout(source.model, cache_length, "bfloat16" if bf16 else "float32")
     if not layout.states and recurrent_layers(source.model):
@@ -291,8 +296,11 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
         raise InputError(f"batch_size applies to target='tpu' (the serving engine's slots); {target} programs "
                          "step one sequence", hint="leave batch_size out, or export with target='tpu'")
     pages = _check_pages(kv_pages, page_size, batch_size, cache_length, serving, layout)
+    if image is not None and (pages or options.get("mesh")):
+        raise InputError(f"{source.name}: a vision-language model is served from the engine's slots on one chip: "
+                         f"not with {'kv_pages' if pages else 'mesh'}", hint="leave kv_pages and mesh out")
     sigs = SignatureSet()
-    image_end = source.vision.image_end if source.vision is not None else None
+    image_end = source.vision.image_end if hidden is not None else None
     for n in lengths:
         sigs.signature(PREFILL.format(n), CacheStep(source.model, layout, logits=False, padded=padded,
                                                     image_end=image_end, lora=lora_layout), (),
@@ -300,6 +308,13 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     # (a padded runtime's decode at position 0 starts a sequence too: a one-token prompt)
     sigs.signature(DECODE, CacheStep(source.model, layout, logits=True, padded=padded, lora=lora_layout), (),
                    step_inputs(layout, 1, hidden, lora_layout))
+    if image is not None:
+        from .llm.contract import PREFILL_IMAGE, VISION, image_inputs
+        from .llm.vision import ImageRows, sample_image
+        for n in lengths:
+            sigs.signature(PREFILL_IMAGE.format(n), CacheStep(source.model, layout, logits=False, image=image), (),
+                           image_inputs(layout, n, source.vision.hidden))
+        sigs.signature(VISION, ImageRows(source.vision), (), {"images": sample_image(source.vision)})
     if pages:
         sigs.signature(DECODE_PAGED, CacheStep(source.model, layout, logits=True, slots=True), (),
                        paged_inputs(layout, batch_size, 1, pages, page_size))
@@ -328,9 +343,14 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
         # quality is the agreement of next tokens (benchmarks/llm.py), not the error on zero-filled samples,
         # and measuring that would run both models on every signature's full cache
         options.update(quant_config=quant_config, quant_report=False)
-    with torch.no_grad(), grouped_attention_in(source.model):
+    import contextlib
+    narrow = contextlib.nullcontext()
+    if image is not None:
+        from .llm.vision import int32_buffers
+        narrow = int32_buffers(source.vision.encoder)
+    with torch.no_grad(), grouped_attention_in(source.model), narrow:
         program = sigs.export(target=program_target, **options)
-    parts = _export_vision(source.vision, program_target) if source.vision is not None else {}
+    parts = _export_vision(source.vision, program_target) if hidden is not None else {}
     embed = None
     if parts:
         from .llm.vision import program_embed
@@ -351,6 +371,10 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     if parts and check:
         from .llm.vision import check_programs
         report["vision"] = check_programs(source.vision, parts)
+    if image is not None and report.get("checked"):
+        from .llm.vision import check_image_steps
+        report["vision"] = check_image_steps(source.vision, program, LLM_CHECK_TOLERANCE) \
+            if quant_config is None else {"checked": False, "why": "quantized (the text steps' report says how far)"}
     more = {**({"parts": parts} if parts else {}), **({"adapter": adapter} if adapter is not None else {})}
     artifact = program if t.from_llm is None else t.from_llm(program, source, layout, lengths, **more)
     artifact.llm_check = report

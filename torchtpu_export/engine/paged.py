@@ -57,6 +57,8 @@ class PagedEngine(Engine):
     def serves(cls, program, batched: bool = True, **kwargs) -> bool:
         return batched and DECODE_PAGED in getattr(program, "signatures", ())
 
+    takes_images = False  # a VLM is exported without paged programs (export_llm refuses kv_pages there)
+
     def __init__(self, program, *, platform: str | None = None, batched: bool = True,
                  prefill_budget: int | None = None, prefix_cache: bool = True, prefix_pages: int | None = None,
                  page_size: int | None = None):
@@ -67,6 +69,7 @@ class PagedEngine(Engine):
         from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
         self._jax = jax
         self._abstract = bool(getattr(program, "abstract", False))
+        self.vision = None
         sigs = program.signatures
         self.lengths = sorted(int(m.group(1)) for m in (re.fullmatch(r"prefill_paged_(\d+)", s) for s in sigs) if m)
         if DECODE_PAGED not in sigs or not self.lengths:

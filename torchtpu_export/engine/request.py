@@ -105,6 +105,7 @@ class Request:
         self.siblings: list = []  # n > 1: the other choices of the same prompt, prefilled with this one
         self.constraint = None  # a grammar's matcher (structured outputs): fill(mask row), consume(token), stopped
         self.page_keys: list[bytes] | None = None  # prefix caching: its prompt's pages' hash chain (engine's)
+        self.images: list | None = None  # a VLM's: the prompt's images, float32 [H, W, 3] in [0, 1] (engine's)
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.cancelled = False

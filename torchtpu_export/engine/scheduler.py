@@ -15,12 +15,15 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InputError
-from ..llm.contract import DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, has_state, prefill_chunks, prefill_lengths
+from ..images import MAX_IMAGES
+from ..llm.contract import (DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, PREFILL_IMAGE, VISION, has_state,
+                            prefill_chunks, prefill_lengths)
 from .follow import Following
 from .prefix import PAGE_SIZE, PrefixCache, default_pages, page_keys
 from .request import TOP_LOGPROBS, Request, SamplingParams, is_int
-from .step import (cache_shardings, jit_decode, jit_insert, jit_page_load, jit_page_store, jit_prefill, jit_set_row,
-                   jit_put_row, jit_take_row, jit_zeros, mask_words, output_tree, put, state_row, state_rows)
+from .step import (cache_shardings, jit_decode, jit_insert, jit_page_load, jit_page_store, jit_prefill,
+                   jit_prefill_image, jit_put_row, jit_set_row, jit_take_row, jit_vision, jit_zeros, mask_words,
+                   output_tree, put, state_row, state_rows)
 
 log = logging.getLogger("torchtpu_export")
 
@@ -32,6 +35,7 @@ class _Slot:
     filled: int = 0  # prompt tokens (all but the last) in that cache
     decoding: bool = False
     direct: bool = False  # prefilled in place, in the batch's cache (prefill_batch_<N>)
+    image_rows: np.ndarray | None = None  # a request with images: each prompt position's image row (``_rows``)
 
 
 class Engine(Following):
@@ -54,6 +58,8 @@ class Engine(Following):
         if cls is Engine:  # the engine for the program's programs: a subclass that says it serves them
             cls = next((sub for sub in Engine.__subclasses__() if sub.serves(program, **kwargs)), Engine)
         return super().__new__(cls)
+
+    takes_images = True  # a VLM's image requests (the paged engine's steps take none)
 
     @classmethod
     def serves(cls, program, **kwargs) -> bool:
@@ -105,6 +111,15 @@ class Engine(Following):
             sig = PREFILL_BATCH.format(n)
             self.runners[sig] = program.runner(sig, platform)
             self._fns[sig] = self._prefill_fn(sig, slots=True)
+        self.vision = vision_of(program, self.vocab, self.length) if self.takes_images else None
+        if self.vision is not None:  # a VLM (llm.contract.VISION): image requests prefill through prefill_image_<N>
+            self._vision_runner = program.runner(VISION, platform)
+            self._vision = jit_vision(self._vision_runner, output_tree(program, VISION))
+            for n in self.lengths:
+                sig = PREFILL_IMAGE.format(n)
+                self.runners[sig] = program.runner(sig, platform)
+                self._fns[sig] = jit_prefill_image(self.runners[sig], output_tree(program, sig), self.length,
+                                                   self.cache_names)
         self._set_row = jit_set_row()
         self._decode_sig = decode_sig
         self._decodes = {0: self._decode_fn(decode_sig)}  # by the number of alternatives reported (0, 20)
@@ -201,6 +216,14 @@ class Engine(Following):
             sig = PREFILL_BATCH.format(n)
             yield sig, self._fns[sig], (self.runners[sig].weights, self._host((B, n)), self._host((B,)),
                                         self._caches)
+        if self.vision is not None:
+            v = self.vision
+            for n in self.lengths:
+                sig = PREFILL_IMAGE.format(n)
+                yield sig, self._fns[sig], (self.runners[sig].weights, self._host((1, n)), i32, one,
+                                            self._host((1, n, v["hidden"]), np.float32))
+            yield VISION, self._vision, (self._vision_runner.weights,
+                                         self._host((1, v["height"], v["width"], 3), np.float32))
         for top in (0, TOP_LOGPROBS):
             if top not in self._decodes:
                 self._decodes[top] = self._decode_fn(self._decode_sig, top)
@@ -275,16 +298,19 @@ class Engine(Following):
                                 stop=stop, seed=seed, constraints=[constraint], **processors)[0]
 
     def submit_many(self, prompt_ids: Sequence[int], n: int, max_new_tokens: int = 64, *, seed: int | None = None,
-                    constraints=None, **params) -> list[Request]:
+                    constraints=None, images=None, **params) -> list[Request]:
         """``n`` generations after one prompt (OpenAI's ``n``), each with its own seed (``seed + i`` when a
         seed is given, else drawn): the prompt is prefilled once and its cache copied into each one's
-        slot (where slots are free at that step; a choice that finds none is prefilled on its own later)."""
+        slot (where slots are free at that step; a choice that finds none is prefilled on its own later).
+        ``images`` (a VLM's): float32 ``[H, W, 3]`` arrays in [0, 1] at the model's image size, one for each
+        image of the prompt (its runs of ``vision["rows"]`` image tokens, in order)."""
         ids = [int(t) for t in prompt_ids]
         if not ids:
             raise InputError("a request needs at least one prompt token")
         vocab = self.vocab
         if any(not 0 <= t < vocab for t in ids):
             raise InputError(f"prompt token ids must be in [0, {vocab})")
+        images = self._check_images(ids, images)
         if not is_int(n) or not 1 <= n <= self.slots * 16:
             raise InputError(f"n must be an integer from 1 to {self.slots * 16}, got {n!r}")
         top_k = params.get("top_k")
@@ -308,6 +334,8 @@ class Engine(Following):
             p.check(len(ids), self.length, vocab)
             requests.append(Request(ids, p))
             requests[-1].constraint = constraints[i]
+            if images:  # never a prefix cache hit: its image tokens are the same ids whatever the image
+                requests[-1].images, requests[-1].page_keys = images, []
         if not self.lead:
             raise InputError(f"this engine is process {self._jax.process_index()} of {self.processes}: requests are "
                              "taken by process 0", hint="submit on process 0; here call engine.follow()")
@@ -320,6 +348,28 @@ class Engine(Following):
             self.stats["requests"] += n
             self._cv.notify_all()
         return requests
+
+    def _check_images(self, ids: list[int], images) -> list | None:
+        """``images`` as float32 arrays, checked against the prompt's image tokens; InputError otherwise."""
+        v = self.vision
+        token = v["image_token_id"] if v is not None else None
+        places = ids.count(token) if v is not None else 0
+        if not images:
+            if places:
+                raise InputError(f"the prompt holds {places} image tokens and the request no image")
+            return None
+        if v is None:
+            raise InputError("this model takes no images (it is not a vision-language model)")
+        if not isinstance(images, (list, tuple)) or len(images) > MAX_IMAGES:
+            raise InputError(f"images must be a list of at most {MAX_IMAGES} arrays")
+        shape = (v["height"], v["width"], 3)
+        arrays = [np.asarray(im, np.float32) for im in images]
+        if any(a.shape != shape or not np.isfinite(a).all() for a in arrays):
+            raise InputError(f"each image must be a finite float32 array of shape {list(shape)} (values in [0, 1])")
+        if places != len(arrays) * v["rows"] or ids[-1] == token:
+            raise InputError(f"the prompt holds {places} image tokens, and {len(arrays)} images take "
+                             f"{len(arrays) * v['rows']} (each {v['rows']}, before the prompt's last token)")
+        return arrays
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, **params) -> list[int]:
         """One request run to its end in this thread (no background thread needed)."""
@@ -480,20 +530,68 @@ class Engine(Following):
                 continue
             with self._alone([i]):
                 todo = r.prompt[:-1]
-                for take, n in self._chunks(len(todo) - slot.filled):
+                rows = self._rows(slot) if r.images else None
+                chunks = self._chunks(len(todo) - slot.filled) if rows is None else self._image_chunks(r, slot.filled)
+                for take, n in chunks:
                     if budget is not None and budget <= 0:
                         return budget
                     chunk = np.zeros((1, n), np.int32)
                     chunk[0, :take] = todo[slot.filled:slot.filled + take]
-                    sig = PREFILL.format(n)
+                    sig = PREFILL.format(n) if rows is None else PREFILL_IMAGE.format(n)
+                    more = ()
+                    if rows is not None:  # the image rows of this chunk's positions
+                        aligned = np.zeros((1, n, rows.shape[1]), np.float32)
+                        aligned[0, :take] = rows[slot.filled:slot.filled + take]
+                        more = (self._put(aligned),)
                     slot.caches = self._fns[sig](self.runners[sig].weights, self._put(chunk),
-                                                 self._put(np.int32(slot.filled)), slot.caches)
+                                                 self._put(np.int32(slot.filled)), slot.caches, *more)
                     slot.filled += take
                     self.stats["prefill_tokens"] += take
                     if budget is not None:
                         budget -= n
                 self._activate(i, slot)
         return budget
+
+    def _rows(self, slot: _Slot) -> np.ndarray:
+        """Each prompt position's image row (``[len(prompt) - 1, D]``, zeros at text): the request's images
+        through the ``vision`` program (once per request), in the order of its image tokens."""
+        if slot.image_rows is None:
+            r, v = slot.request, self.vision
+            weights = self._vision_runner.weights
+            rows = np.concatenate([np.asarray(self._jax.device_get(self._vision(weights, self._put(im[None]))))[0]
+                                   for im in r.images]).astype(np.float32)
+            todo = np.asarray(r.prompt[:-1])
+            slot.image_rows = np.zeros((len(todo), rows.shape[1]), np.float32)
+            slot.image_rows[todo == v["image_token_id"]] = rows
+        return slot.image_rows
+
+    def _image_chunks(self, request: Request, start: int):
+        """``(tokens, prefill length)`` chunks of an image request's prompt from ``start``: the longest length
+        the rest fills, else the shortest that holds it; where the model's image rows attend to one another
+        (``vision["bidirectional"]``) a chunk ends before an image it would cut, or holds the whole image."""
+        image = np.asarray(request.prompt[:-1]) == self.vision["image_token_id"]
+        total, s, out = len(image), start, []
+        while s < total:
+            left = total - s
+            take = min(left, max((k for k in self.lengths if k <= left), default=self.lengths[0]))
+            end = s + take
+            if self.vision["bidirectional"] and end < total and image[end] and image[end - 1]:
+                first = end - 1
+                while first > s and image[first - 1]:
+                    first -= 1
+                if first > s:
+                    take = first - s
+                else:  # the chunk starts at the image: all of it in one chunk
+                    while end < total and image[end]:
+                        end += 1
+                    take = end - s
+            n = next((k for k in self.lengths if k >= take), None)
+            if n is None:
+                raise InputError(f"an image's {take} rows do not fit one prefill step of this model "
+                                 f"(at most {self.lengths[-1]})")
+            out.append((take, n))
+            s += take
+        return out
 
     @contextlib.contextmanager
     def _alone(self, slots: list[int]):
@@ -525,8 +623,9 @@ class Engine(Following):
             return budget
         for i in free:
             nxt = self._next_waiting()
-            if nxt is None or nxt.siblings or self._prefix_hit(nxt):
-                break  # n > 1 shares a cache of its own, a prefix hit starts from the pool's pages: not in place
+            if nxt is None or nxt.siblings or nxt.images or self._prefix_hit(nxt):
+                break  # n > 1 shares a cache of its own, a prefix hit starts from the pool's pages, images go
+                # through prefill_image_<N>: not in place
             self._slots[i] = _Slot(self._waiting.popleft(), None, 0, False, direct=True)
             self._park(i)
         for i, slot in enumerate(self._slots):
@@ -739,6 +838,26 @@ class Engine(Following):
         self._solo = None
         if self._prefix is not None and any(getattr(x, "is_deleted", lambda: False)() for x in self._pool):
             self._prefix_clear()
+
+
+def vision_of(program, vocab: int, length: int) -> dict | None:
+    """A VLM file's ``llm.vision`` (what puts images into a prompt), checked against its programs, or None for a
+    model without images; ArtifactError for a file whose vision entry its programs do not bear out."""
+    from ..errors import ArtifactError
+    v = (getattr(program, "manifest", None) or {}).get("llm", {}).get("vision")
+    if v is None:
+        return None
+    sigs = program.signatures
+    wanted = [VISION, *(PREFILL_IMAGE.format(n) for n in prefill_lengths(sigs))]
+    if any(s not in sigs for s in wanted):
+        raise ArtifactError(f"this file names a vision model but lacks the programs {[s for s in wanted if s not in sigs]}")
+    (images,), (rows,) = program.inputs(VISION), program.outputs(VISION)
+    if (not 0 < v["rows"] <= length or not v["image_token_id"] < vocab or not v["marker"]
+            or list(images.shape) != [1, v["height"], v["width"], 3] or list(rows.shape) != [1, v["rows"], v["hidden"]]):
+        raise ArtifactError(f"this file's vision entry ({v['rows']} rows of {v['hidden']} for a "
+                            f"{v['height']}x{v['width']} image, token {v['image_token_id']}) does not match its "
+                            f"vision program ({list(images.shape)} -> {list(rows.shape)}) and vocabulary of {vocab}")
+    return v
 
 
 def first_device(weights: dict):

@@ -97,13 +97,14 @@ def program_call(runner, out_spec, length: int, cache_names: list[str], slots: b
     names = [s.name for s in runner.inputs]
     exported, n_out = runner.exported, len(runner.outputs)
 
-    def call(weights, tokens, pos, caches, table=None):
+    def call(weights, tokens, pos, caches, table=None, image_rows=None):
         import jax.numpy as jnp
         # [B, N]: each query's position (slots: input_pos is each row's first position)
         rows = pos[:, None] + jnp.arange(tokens.shape[1], dtype=pos.dtype) if slots else pos[None]
         visible = jnp.arange(length)[None, None, :] <= rows[:, :, None]
         feed = {"tokens": tokens, "input_pos": pos, "mask": jnp.where(visible, 0.0, jnp.finfo(jnp.float32).min)
-                .astype(jnp.float32)[:, None], "page_table": table, **dict(zip(cache_names, caches))}
+                .astype(jnp.float32)[:, None], "page_table": table, "image_rows": image_rows,
+                **dict(zip(cache_names, caches))}
         outs = pytree.tree_unflatten(list(exported.call(weights, *[feed[n] for n in names]))[:n_out], out_spec)
         return outs.get("logits"), tuple(outs[n] for n in cache_names)
     return call
@@ -121,6 +122,31 @@ def jit_prefill(runner, out_spec, length: int, cache_names: list[str], slots: bo
         pos = start if slots else start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
         return call(weights, tokens, pos, caches, *table)[1]
     return Prepared(jax.jit(prefill, donate_argnums=(3,)))
+
+
+def jit_prefill_image(runner, out_spec, length: int, cache_names: list[str]):
+    """``prefill(weights, tokens, start, caches, image_rows) -> caches``, the caches donated: one request's chunk
+    from position ``start`` through ``prefill_image_<N>``, ``image_rows [1, N, D]`` put in where its tokens
+    are the image token."""
+    import jax
+    call = program_call(runner, out_spec, length, cache_names, False)
+
+    def prefill(weights, tokens, start, caches, image_rows):
+        import jax.numpy as jnp
+        return call(weights, tokens, start + jnp.arange(tokens.shape[1], dtype=jnp.int32), caches,
+                    image_rows=image_rows)[1]
+    return Prepared(jax.jit(prefill, donate_argnums=(3,)))
+
+
+def jit_vision(runner, out_spec):
+    """``vision(weights, images [1, H, W, 3]) -> [1, R, D]``: an image's rows (the ``vision`` program)."""
+    import jax
+    import torch.utils._pytree as pytree
+    exported, n_out = runner.exported, len(runner.outputs)
+
+    def vision(weights, images):
+        return pytree.tree_unflatten(list(exported.call(weights, images))[:n_out], out_spec)["embeddings"]
+    return Prepared(jax.jit(vision))
 
 
 def jit_decode(runner, out_spec, length: int, cache_names: list[str], slots: bool, top: int = 0):

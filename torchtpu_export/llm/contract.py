@@ -22,6 +22,11 @@ PREFILL_BATCH = "prefill_batch_{}"  # tpu serving: N prompt tokens for each of B
 DECODE_PAGED = "decode_paged"
 DECODE_PAGED_ONE = "decode_paged_1"  # one row of the batch alone (its page table's row): no idle row stepped
 PREFILL_PAGED = "prefill_paged_{}"  # its logits are each row's first token's ([B, 1, V]): mixed steps
+# a vision-language model on the tpu target: ``vision`` (``images [1, H, W, 3]`` in [0, 1] -> ``embeddings
+# [1, R, D]``, an image's rows) and a prefill taking ``image_rows [1, N, D]`` beside its tokens (row ``i`` put in
+# where token ``i`` is the image token, as transformers merges them)
+VISION = "vision"
+PREFILL_IMAGE = "prefill_image_{}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +112,12 @@ def step_inputs(layout: CacheLayout, n: int, hidden: int | None = None, lora=Non
         dict(embeddings=torch.zeros(1, n, hidden))
     return dict(**first, input_pos=torch.arange(n, dtype=torch.int32), mask=torch.zeros(1, 1, n, layout.length),
                 **layout.empty(), **(lora.zeros() if lora is not None else {}))
+
+
+def image_inputs(layout: CacheLayout, n: int, hidden: int) -> dict:
+    """Sample inputs of an ``n``-token ``prefill_image_<n>`` step: a one-sequence step's, and ``image_rows [1,
+    n, hidden]`` (row ``i`` the image's where token ``i`` is the image token, else unread)."""
+    return dict(step_inputs(layout, n), image_rows=torch.zeros(1, n, hidden))
 
 
 def slot_inputs(layout: CacheLayout, slots: int, n: int = 1) -> dict:

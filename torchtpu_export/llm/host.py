@@ -27,9 +27,9 @@ class HostLoop:
         self.caches = {n: np.zeros(s.shape, np.dtype(s.dtype)) for n, s in specs.items() if n.startswith("kv_cache_")}
         self.pos = 0
 
-    def _step(self, sig: str, tokens: Sequence[int]):
+    def _step(self, sig: str, tokens: Sequence[int], more: dict | None = None):
         import numpy as np
-        n = len(tokens) if sig == DECODE else int(sig.split("_")[1])
+        n = len(tokens) if sig == DECODE else int(sig.rsplit("_", 1)[1])
         if self.pos + len(tokens) > self.length:
             raise InputError(f"{self.pos + len(tokens)} tokens do not fit the cache of {self.length}")
         pos = np.zeros(n, np.int32)
@@ -38,7 +38,8 @@ class HostLoop:
         mask[len(tokens):] = np.finfo(np.float32).min
         ids = np.array([list(tokens) + [0] * (n - len(tokens))], np.int32)
         first = dict(tokens=ids) if self.embed is None else dict(embeddings=self.embed(ids))
-        feed = dict(**first, input_pos=pos, mask=mask[None, None].astype(np.float32), **self.caches, **self.extra)
+        feed = dict(**first, input_pos=pos, mask=mask[None, None].astype(np.float32), **self.caches, **self.extra,
+                    **(more or {}))
         outs = self.program(signature_name=sig, **feed)
         if not isinstance(outs, dict):  # a file made elsewhere: flat outputs, named by the file
             outs = dict(zip([o.name for o in self.program.outputs(sig)], outs if isinstance(outs, tuple) else [outs]))

@@ -133,7 +133,7 @@ def refuse_partial(name: str, config: dict, family: str, vision: str | None = No
     if found:
         from .vision import FAMILIES
         where = f"the {vision} target exports vision-language models of the families {', '.join(sorted(FAMILIES))}" \
-            if vision else "vision-language models are exported with --target litertlm"
+            if vision else "vision-language models are exported with --target litertlm or tpu"
         raise InputError(f"{name} is a {family} with {' and '.join(dict.fromkeys(found))} beside its text decoder, "
                          "which this export would drop", hint=f"{where}; or export the language model on its own "
                                                               "(its text_config as a causal LM folder)")

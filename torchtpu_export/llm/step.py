@@ -269,16 +269,22 @@ class CacheStep(torch.nn.Module):
     past the cache's end are dropped (the engine parks rows that take no part at position C). ``first``: the
     logits of each row's first token only (``[B, 1, V]``: a paged prefill carrying decode steps). Given a
     ``page_table [B, C / page]`` input as well (``llm.contract.paged_inputs``), each cache is a pool of pages
-    shared by the rows (``[heads, pages, page, dim]``) and each row's positions are in its table's pages."""
+    shared by the rows (``[heads, pages, page, dim]``) and each row's positions are in its table's pages.
+
+    ``image`` (``(token id, bidirectional)``, a VLM on the tpu target): the step takes ``image_rows [1,N,D]``
+    beside its tokens, and puts row ``i`` in where token ``i`` is the image token (transformers' merge); with
+    ``bidirectional``, the rows of one image (a run of image tokens, all in this step) attend to one another,
+    as transformers' Gemma 3 reads them (``token_type_ids``)."""
 
     def __init__(self, model, layout: CacheLayout, logits: bool, slots: bool = False, padded: bool = False,
-                 first: bool = False, image_end=None, lora=None):
+                 first: bool = False, image_end=None, lora=None, image=None):
         super().__init__()
         self.model, self.layout, self.logits, self.slots, self.padded = model, layout, logits, slots, padded
         self.first = first
         self.lora = lora  # an llm.lora.LoraLayout: the step takes a LoRA adapter's inputs too
         # a VLM's (llm.vision.VisionParts.image_end): the embedding row that closes an image's rows
         self.image_end = image_end
+        self.image = image
         config = model.config
         self.window = getattr(config, "sliding_window", None)
         params = inspect.signature(model.forward).parameters
@@ -299,6 +305,7 @@ class CacheStep(torch.nn.Module):
     def forward(self, tokens=None, input_pos=None, mask=None, **caches):
         table = caches.pop("page_table", None)
         embeddings = caches.pop("embeddings", None)  # instead of tokens: a VLM's, image rows merged
+        image_rows = caches.pop("image_rows", None)
         adapter = {n: caches.pop(n) for n in self.lora.names()} if self.lora is not None else None
         cache = _StepCache(caches, self.layout, input_pos, self.slots, self.sequential, self.padded, table)
         n = (tokens if tokens is not None else embeddings).shape[1]
@@ -309,6 +316,13 @@ class CacheStep(torch.nn.Module):
             _PAGED.update(table=table, start=input_pos, mask=mask, pools=set(), updates=0, attended=0)
         if embeddings is not None and self.image_end is not None:
             mask = image_end_causal(mask, embeddings, positions, self.image_end)
+        if image_rows is not None:
+            token_id, bidirectional = self.image
+            is_image = tokens[0] == token_id  # [N]
+            text = self.model.get_input_embeddings()(torch.where(is_image, 0, tokens).to(torch.int64))
+            embeddings, tokens = torch.where(is_image[None, :, None], image_rows.to(text.dtype), text), None
+            if bidirectional:
+                mask = images_open(mask, is_image, positions)
         _GROUP_MASKS.clear()  # each trace of a step makes its own
         try:
             keep = {"logits_to_keep": torch.zeros(1, dtype=torch.int64)} if self.first and self.keep_kw else {}
@@ -352,6 +366,19 @@ def image_end_causal(mask, embeddings, positions, end):
     later = kv[None, :] > pos[:, None]
     shut = later & (is_end[:, None] | end_at[None, :])
     return torch.where(shut[None, None], torch.finfo(mask.dtype).min, mask)
+
+
+def images_open(mask, is_image, positions):
+    """``mask [1, 1, N, C]`` with each image's rows (a run of ``is_image [N]``) open to one another both ways, as
+    transformers' ``get_block_sequence_ids_for_mask`` groups them; the rest as it was."""
+    before = torch.cat([torch.zeros(1, dtype=torch.bool), is_image[:-1]])
+    block = torch.cumsum((is_image & ~before).to(torch.int64), 0)
+    block = torch.where(is_image, block, torch.zeros_like(block))  # [N]: 1, 2, ... per image, 0 for text
+    kv = torch.arange(mask.shape[-1], dtype=torch.int64)
+    at = kv[None, :] == positions[0].to(torch.int64)[:, None]  # [N, C]: token i's cache position
+    key_block = (at.to(torch.int64) * block[:, None]).sum(0)  # [C]: the image block written there (0: none)
+    same = (block[:, None] == key_block[None, :]) & (block[:, None] > 0)
+    return torch.where(same[None, None], torch.zeros((), dtype=mask.dtype), mask)
 
 
 def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,

@@ -48,9 +48,10 @@ class TextError(Exception):
 class _Codec:
     """The tokenizer and chat template of one served file, in a worker process."""
 
-    def __init__(self, tokenizer_json: str, bos_id, eos_id, max_chars: int):
+    def __init__(self, tokenizer_json: str, bos_id, eos_id, max_chars: int, images=None):
         from tokenizers import Tokenizer
         self.tok = Tokenizer.from_str(tokenizer_json)
+        self.images = images  # a VLM's [marker, sequence]: the processor's text for each image the template marks
         self.max_chars = max_chars
         self.bos = self.tok.id_to_token(bos_id) if bos_id is not None else None
         self.eos = self.tok.id_to_token(eos_id) if eos_id is not None else None
@@ -92,7 +93,13 @@ class _Codec:
                 out.append(piece)
         except jinja2.TemplateError as e:
             raise TextError(f"the chat template fails on these messages: {e}") from None
-        return self.encode("".join(out), special=False)
+        text = "".join(out)
+        if self.images and self.images[0]:
+            marker, sequence = self.images
+            if text.count(marker) * len(sequence) > self.max_chars:
+                raise TextError(f"the images of these messages take more than {self.max_chars:,} characters")
+            text = text.replace(marker, sequence)
+        return self.encode(text, special=False)
 
 
 def _sandbox(max_items: int, extensions):
@@ -159,7 +166,8 @@ def _worker_main() -> None:
     import jinja2.ext  # noqa: F401 - imported before the memory limit is set
     import jinja2.sandbox  # noqa: F401
     try:
-        codec = _Codec(config["tokenizer"], config["bos_id"], config["eos_id"], config["max_chars"])
+        codec = _Codec(config["tokenizer"], config["bos_id"], config["eos_id"], config["max_chars"],
+                       config.get("images"))
         # what the file may take from here on: its tokenizer is loaded, the template is compiled within it
         if os.path.exists("/proc/self/statm"):
             _limit_memory(config["memory_budget"])
@@ -252,6 +260,12 @@ class _Worker:
                 pass
 
 
+def image_text(vision: dict | None) -> tuple | None:
+    """``(marker, sequence)`` of a VLM file's ``llm.vision`` (what the chat template puts for an image, and the
+    processor's text for it), or None."""
+    return (vision["marker"], vision["sequence"]) if vision else None
+
+
 class TextWorkers:
     """A small pool of text workers for one served file. ``encode``, ``chat`` and ``decode`` are
     coroutines that run in a free worker (waiting for one) and raise :class:`TextError` for the caller
@@ -259,10 +273,11 @@ class TextWorkers:
 
     def __init__(self, tokenizer_json: bytes, *, template: str | None, bos_id, eos_id, max_chars: int,
                  workers: int = 2, time_budget: float = 10.0, memory_budget: int = 128 << 20,
-                 start_budget: float = 30.0):
+                 start_budget: float = 30.0, images: tuple | None = None):
         from ..errors import ArtifactError
         config = {"tokenizer": tokenizer_json.decode("utf-8", "replace"), "template": template, "bos_id": bos_id,
-                  "eos_id": eos_id, "max_chars": max_chars, "memory_budget": memory_budget}
+                  "eos_id": eos_id, "max_chars": max_chars, "memory_budget": memory_budget,
+                  "images": list(images) if images else None}
         self._config = json.dumps(config).encode() + b"\n"
         self.time_budget, self.start_budget = time_budget, start_budget
         self._lock = threading.Lock()

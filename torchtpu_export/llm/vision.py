@@ -89,7 +89,47 @@ class VisionParts:
     # attend to one another (LiteRT-LM's vision-bidirectional mask), the closing row kept causal
     # (llm.step.CacheStep)
     image_end: torch.Tensor | None = None
+    model: torch.nn.Module | None = None  # the whole VLM (the reference of the tpu target's image check)
     notes: tuple = ()  # what the bundle does otherwise than the family's image processor, said at export
+    # where the prompt's tokens say the image is (the tpu target's steps merge the rows there, as transformers
+    # does): the token id of each image row, the chat template's marker and the text the processor puts for it
+    image_token_id: int = -1
+    expansion: tuple = ("", "")
+    bidirectional: bool = False  # an image's rows attend to one another (Gemma 3's token_type_ids)
+    resample: str = "bilinear"  # the image processor's resize filter
+
+
+class int32_buffers:
+    """Within it, ``module``'s int64 buffers (a vision tower's ``position_ids``) are int32: a program's int64
+    weights reach a jitted caller without x64 (the serving engine's) as int32, which the program refuses."""
+
+    def __init__(self, module):
+        self.found = [(m, name, b) for m in module.modules() for name, b in m.named_buffers(recurse=False)
+                      if b is not None and b.dtype == torch.int64]
+
+    def __enter__(self):
+        for m, name, b in self.found:
+            setattr(m, name, b.to(torch.int32))
+        return self
+
+    def __exit__(self, *exc):
+        for m, name, b in self.found:
+            setattr(m, name, b)
+
+
+class ImageRows(torch.nn.Module):
+    """``images [1, H, W, 3]`` in [0, 1] -> ``embeddings [1, R, D]``: the encoder then the adapter, without the
+    adapter's closing row (``VisionParts.image_end``), which the prompt's own token gives where the steps take
+    tokens (the tpu target's ``vision`` program)."""
+
+    def __init__(self, parts: "VisionParts"):
+        super().__init__()
+        self.encoder = parts.encoder
+        adapter = parts.adapter  # its projection alone (Gemma3Adapter's projector, a Connector's connector)
+        self.project = adapter.projector if isinstance(adapter, Gemma3Adapter) else adapter.connector
+
+    def forward(self, images):
+        return {"embeddings": self.project(self.encoder(images)["features"])}
 
 
 def _text_model(vlm, language_model, lm_head):
@@ -147,11 +187,16 @@ def _gemma3(vlm, processor: dict, name: str, tokenizer) -> VisionParts:
         end = embed(torch.tensor([[config.eoi_token_index]]))[0, 0].detach().clone()
     fields = dict(start_of_image_token=start, end_of_image_token=end_text, image_tensor_height=height,
                   image_tensor_width=width)
+    soft = _token(tokenizer, config, "image_token_index", name)
+    # Gemma3Processor's full_image_sequence for the template's <start_of_image>
+    sequence = f"\n\n{start}{soft * config.mm_tokens_per_image}{end_text}\n\n"
     return VisionParts("gemma3", _text_model(vlm, core.language_model, vlm.lm_head),
                        ImageEncoder(core.vision_tower, mean, std).eval(),
                        Gemma3Adapter(core.multi_modal_projector, embed, config.eoi_token_index).eval(),
                        Embedder(embed).eval(), height, width, config.text_config.hidden_size, start,
-                       config.mm_tokens_per_image + 1, "gemma3", fields, end, notes)
+                       config.mm_tokens_per_image + 1, "gemma3", fields, end, notes,
+                       image_token_id=config.image_token_index, expansion=(start, sequence), bidirectional=True,
+                       resample=_resample(processor, "bilinear"))
 
 
 class Connector(torch.nn.Module):
@@ -191,10 +236,24 @@ def _smolvlm(vlm, processor: dict, name: str, tokenizer) -> VisionParts:
                   image_prefix="<fake_token_around_image>", start_of_image_token="<global-img>",
                   image_suffix="<fake_token_around_image>", image_tensor_height=edge, image_tensor_width=edge)
     embed = core.text_model.embed_tokens
+    # Idefics3Processor's text for one image kept whole
+    sequence = "<fake_token_around_image><global-img>" + "<image>" * rows + "<fake_token_around_image>"
     return VisionParts(config.model_type, _text_model(vlm, core.text_model, vlm.lm_head),
                        ImageEncoder(core.vision_model, mean, std).eval(), Connector(core.connector).eval(),
                        Embedder(embed).eval(), edge, edge, config.text_config.hidden_size, "<image>", rows,
-                       "generic_model", fields, None, (_resize_note("with Lanczos", edge, edge),))
+                       "generic_model", fields, None, (_resize_note("with Lanczos", edge, edge),),
+                       image_token_id=config.image_token_id, expansion=("<image>", sequence),
+                       resample=_resample(processor, "lanczos"))
+
+
+# PIL's resample codes, as image processor configs save them
+_RESAMPLE = {1: "lanczos", 2: "bilinear", 3: "bicubic"}
+
+
+def _resample(processor: dict, default: str) -> str:
+    """The image processor's resize filter by name (``torchtpu_export.images.RESAMPLE``): its ``resample``
+    code, or the family's default."""
+    return _RESAMPLE.get(processor.get("resample"), default)
 
 
 def _entry(processor: dict, key: str) -> dict:
@@ -256,7 +315,9 @@ def vision_parts(model, processor: dict | None, name: str, tokenizer) -> VisionP
     if family not in FAMILIES:
         raise InputError(f"{name} is a {family} vision-language model; exported VLM families: "
                          f"{', '.join(sorted(FAMILIES))}")
-    return FAMILIES[family](model, processor or {}, name, tokenizer)
+    parts = FAMILIES[family](model, processor or {}, name, tokenizer)
+    parts.model = model
+    return parts
 
 
 def sample_image(parts: VisionParts, seed: int = 0):
@@ -287,13 +348,23 @@ def program_embed(embedder):
 VISION_TOLERANCE = 1e-4  # the encoder's and adapter's programs against torch: max error over the output's scale
 
 
+def _compare(what: str, ours, ref) -> float:
+    """The max error of ``ours`` over ``ref``'s scale; NumericsError above :data:`VISION_TOLERANCE`."""
+    import numpy as np
+
+    from ..errors import NumericsError
+    ref = np.asarray(ref, np.float64)
+    error = float(np.abs(np.asarray(ours, np.float64) - ref).max()) / (float(np.abs(ref).max()) or 1.0)
+    if error > VISION_TOLERANCE:
+        raise NumericsError(f"the exported vision {what} differs from transformers' on a probe image: max error "
+                            f"{error:.2e} of its output's scale", hint="report it with --debug")
+    return error
+
+
 def check_programs(parts: VisionParts, programs: dict) -> dict:
     """The exported encoder and adapter against torch on a seeded image (and the adapter on the torch
     encoder's features): ``{"encoder_error", "adapter_error"}`` over each output's scale; a program off by
     more than :data:`VISION_TOLERANCE` is a NumericsError."""
-    import numpy as np
-
-    from ..errors import NumericsError
     image = sample_image(parts, seed=1)
     with torch.no_grad():
         features = parts.encoder(image)["features"]
@@ -302,10 +373,51 @@ def check_programs(parts: VisionParts, programs: dict) -> dict:
     for what, sig, feed, ref in (("encoder", "vision_encoder", {"images": image.numpy()}, features),
                                  ("adapter", "vision_adapter", {"soft_tokens": features.numpy()}, rows)):
         ours = next(iter(_outputs(programs[sig], sig, **feed).values()))
-        ref = ref.double().numpy()
-        error = float(np.abs(np.asarray(ours, np.float64) - ref).max()) / (float(np.abs(ref).max()) or 1.0)
-        if error > VISION_TOLERANCE:
-            raise NumericsError(f"the exported vision {what} differs from transformers' on a probe image: max error "
-                                f"{error:.2e} of its output's scale", hint="report it with --debug")
-        report[f"{what}_error"] = error
+        report[f"{what}_error"] = _compare(what, ours, ref.double().numpy())
     return report
+
+
+def _reference_logits(parts: VisionParts, ids: list, image):
+    """transformers' whole VLM on ``ids`` (its image tokens in place) and ``image`` ([1, H, W, 3] in [0, 1]):
+    the last position's logits, as the family's processor feeds it (Gemma 3's token_type_ids)."""
+    enc = parts.encoder
+    pixels = (image.permute(0, 3, 1, 2) - enc.mean) / enc.std
+    tokens = torch.tensor([ids])
+    kw = {"token_type_ids": (tokens == parts.image_token_id).to(torch.long)} if parts.family == "gemma3" else {}
+    if parts.family != "gemma3":  # Idefics3: [batch, images, 3, H, W]
+        pixels = pixels[:, None]
+    with torch.no_grad():
+        return parts.model(input_ids=tokens, pixel_values=pixels, **kw).logits[0, -1].double().numpy()
+
+
+def check_image_steps(parts: VisionParts, program, tolerance: float) -> dict:
+    """The tpu target's image path against transformers' VLM: the ``vision`` program's rows of a seeded image
+    (against torch), merged by a ``prefill_image_<N>`` step into a probe prompt, then a decode step; its
+    next-token logits against the whole VLM's. NumericsError past ``tolerance`` (of the logits' scale)."""
+    import numpy as np
+
+    from ..errors import NumericsError
+    from .contract import PREFILL_IMAGE, VISION, prefill_lengths
+    from .host import HostLoop
+    image = sample_image(parts, seed=2)
+    rows = np.asarray(_outputs(program, VISION, images=image.numpy())["embeddings"])
+    with torch.no_grad():
+        rows_error = _compare("image rows", rows, ImageRows(parts)(image)["embeddings"].double().numpy())
+    ids = [5, 9, *[parts.image_token_id] * rows.shape[1], 7, 11, 13]
+    n = next((k for k in prefill_lengths(program.signatures) if k >= len(ids) - 1), None)
+    if n is None:
+        return {"rows_error": rows_error, "steps_checked": False, "why": "no prefill length holds an image"}
+    aligned = np.zeros((1, n, rows.shape[2]), np.float32)
+    where = [i for i, t in enumerate(ids[:-1]) if t == parts.image_token_id]
+    aligned[0, where] = rows[0]
+    loop = HostLoop(program)
+    loop._step(PREFILL_IMAGE.format(n), ids[:-1], {"image_rows": aligned})
+    ours = np.asarray(loop.decode(ids[-1]), np.float64)
+    ref = _reference_logits(parts, ids, image)
+    scale = float(np.abs(ref).max()) or 1.0
+    error = float(np.abs(ours - ref).max()) / scale
+    if error > tolerance:
+        raise NumericsError(f"the exported image prefill's next-token logits differ from transformers' VLM on a "
+                            f"probe image: max error {error:.2e} of the logits' scale",
+                            hint="report it with --debug")
+    return {"rows_error": rows_error, "steps_error": error}

@@ -70,12 +70,13 @@ class Served:
                                     f"vocabulary of {self.engine.vocab}")
             tok = self.llm.get("tokenizer")
             if tok:
-                from ..llm.textproc import TextWorkers
+                from ..llm.textproc import TextWorkers, image_text
                 self.tokenizer_json = self.program.artifact.extras[tok].decode("utf-8", "replace")
                 self.text = TextWorkers(self.program.artifact.extras[tok], template=self.llm.get("chat_template"),
                                         bos_id=self.llm.get("bos_id"),
                                         eos_id=self.stop_ids[0] if self.stop_ids else None,
-                                        max_chars=self.limits.chars, workers=text_workers, time_budget=text_budget)
+                                        max_chars=self.limits.chars, workers=text_workers, time_budget=text_budget,
+                                        images=image_text(self.engine.vision))
         else:
             sig = self.program.signature(None)
             self.limits = Limits.for_inputs(self.program.inputs(sig))

@@ -133,16 +133,21 @@ class OpenAIServer:
         tools, tool_choice = _tools(body) if chat else (None, "none")
         format_ = _response_format(body, tools, tool_choice)
         stops = self._stops(body.get("stop"))
-        ids = await (self._chat_ids(body, tools if tool_choice != "none" else None) if chat else self._prompt_ids(body))
+        found: list = []  # a chat's image_url parts, in order
+        ids = await (self._chat_ids(body, tools if tool_choice != "none" else None, found) if chat
+                     else self._prompt_ids(body))
+        images = await self._images(found) if found else None
         if max_tokens is None:
             max_tokens = 16 if not chat else max(1, self.engine.length - len(ids))
         constraints = None
         if format_ is not None:
             constraints = await self._matchers(format_, best_of)
         try:
-            requests = self.engine.submit_many(ids, best_of, max_tokens, constraints=constraints, **params)
+            requests = self.engine.submit_many(ids, best_of, max_tokens, constraints=constraints, images=images,
+                                               **params)
         except InputError as e:
-            raise OpenAIError(one_line(e), param=limit_key if "fit" in str(e) else None) from None
+            param = "messages" if "image" in str(e) else limit_key if "fit" in str(e) else None
+            raise OpenAIError(one_line(e), param=param) from None
         as_ids = _field(body, "return_tokens_as_token_ids", bool, False, None, "true or false")
         return _Job(kind, requests, n, len(ids), stops, shown, tools if tool_choice != "none" else None, as_ids)
 
@@ -219,7 +224,25 @@ class OpenAIServer:
                               param="stop")
         return stops
 
-    async def _chat_ids(self, body: dict, tools: list | None = None) -> list[int]:
+    async def _images(self, found: list) -> list:
+        """The images of a chat's ``image_url`` parts (data URLs), decoded and resized as the model's image
+        processor does, off the event loop; one bad image is a 400 naming its part."""
+        import asyncio
+
+        from ..images import MAX_IMAGES, data_url_bytes, image_pixels
+        v = self.engine.vision
+        if len(found) > MAX_IMAGES:
+            raise OpenAIError(f"{len(found)} images are more than the {MAX_IMAGES} a request may hold", param="messages")
+
+        def decode():
+            return [image_pixels(data_url_bytes(url, where), where, v["height"], v["width"], v["resample"])
+                    for where, url in found]
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, decode)
+        except InputError as e:
+            raise OpenAIError(one_line(e), param="messages") from None
+
+    async def _chat_ids(self, body: dict, tools: list | None = None, found: list | None = None) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
@@ -229,7 +252,8 @@ class OpenAIServer:
                               "positions can hold", param="messages")
         if self.text is None:
             raise OpenAIError("this model was exported without a tokenizer: chat needs one")
-        plain = [_plain_message(m) for m in messages]
+        vision = getattr(self.engine, "vision", None) is not None
+        plain = [_plain_message(m, found if vision else None, f"messages[{i}]") for i, m in enumerate(messages)]
         size = len(json.dumps(plain)) + (len(json.dumps(tools)) if tools else 0)
         if size > self.limits.chars:
             raise OpenAIError(f"the messages hold {size:,} characters, more than the model's {self.engine.length} "
@@ -535,20 +559,36 @@ def _error_response(e: OpenAIError):
     return JSONResponse(_error_object(e), status_code=e.status)
 
 
-def _plain_message(m: dict) -> dict:
+def _plain_message(m: dict, images: list | None = None, where: str = "messages") -> dict:
     """A chat message as templates take it: role, content as a string (the text parts of a list), and
     for tool use the assistant's ``tool_calls`` (arguments as objects, as HF templates read them) and a
-    tool message's ``tool_call_id`` and ``name``."""
+    tool message's ``tool_call_id`` and ``name``. With ``images`` (a vision-language model's server), a
+    list's parts stay a list (``{"type": "text", "text"}``, ``{"type": "image"}``, as VLM templates take
+    them), each ``image_url`` part's ``(where, url)`` appended to ``images``."""
     content = m.get("content")
-    if isinstance(content, list):  # OpenAI content parts: the text ones
+    if isinstance(content, list):  # OpenAI content parts
         if not all(isinstance(p, dict) for p in content):
             raise OpenAIError("a message's content parts must be objects", param="messages")
         texts = [p.get("text") for p in content if p.get("type") == "text"]
         if not all(isinstance(t, str) for t in texts):
             raise OpenAIError("a text content part's text must be a string", param="messages")
-        content = "".join(texts)
-    if content is not None and not isinstance(content, str):
-        raise OpenAIError("a message's content must be a string or a list of text parts", param="messages")
+        pictures = [p for p in content if p.get("type") == "image_url"]
+        if pictures and images is None:
+            raise OpenAIError("this model takes no images (it is not a vision-language model)", param="messages")
+        if images is None:
+            content = "".join(texts)
+        else:
+            parts = []
+            for k, p in enumerate(content):
+                if p.get("type") == "text":
+                    parts.append({"type": "text", "text": p["text"]})
+                elif p.get("type") == "image_url":
+                    url = p.get("image_url")
+                    images.append((f"{where}.content[{k}]", url.get("url") if isinstance(url, dict) else url))
+                    parts.append({"type": "image"})
+            content = parts
+    if content is not None and not isinstance(content, (str, list)):
+        raise OpenAIError("a message's content must be a string or a list of content parts", param="messages")
     out = {"role": m["role"], "content": content or ""}
     calls = m.get("tool_calls")
     if calls is not None:

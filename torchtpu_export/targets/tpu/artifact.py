@@ -288,6 +288,7 @@ def _check_digests(manifest: dict, infos: dict, f, mm, path: str) -> None:
 
 
 def _manifest_schema():
+    from ...images import RESAMPLE
     from ...untrusted import BOOL, NAME, NUMBER, STR, Count, Is, ListOf, MapOf, OneOf, Opt, Record, TupleOf
     axis = Opt(NAME)
     stats = Record({"hbm_bytes": Record({k: NUMBER for k in ("arguments", "outputs", "temporaries", "code", "total")},
@@ -310,6 +311,10 @@ def _manifest_schema():
                        "column_parallel": ListOf(NAME), "row_parallel": ListOf(NAME)},
                       {"mesh": MapOf(Count()), "outputs": ListOf(ListOf(axis)), "expert_axis": NAME,
                        "expert_parallel": ListOf(NAME)})
+    # a VLM (llm.contract.VISION): the image size, rows per image, and the text and token that place an image
+    vision = Record({k: Count() for k in ("height", "width", "rows", "hidden", "image_token_id")}
+                    | {"marker": STR, "sequence": STR, "bidirectional": BOOL, "resample": OneOf(*RESAMPLE)},
+                    {"family": STR})
     program = Record({"files": MapOf(NAME), "weights": ListOf(NAME)},
                      {"stablehlo": MapOf(NAME), "uses_x64": BOOL, "narrow_64bit": BOOL,
                       "calling_convention_version": Opt(Count()), "kernels": ListOf(kernel),
@@ -330,7 +335,7 @@ def _manifest_schema():
                                   "pad_id": Opt(Count()), "stop_ids": ListOf(Count()), "slots": Count(),
                                   "name": STR, "recurrent_states": Record({"tensors": Count(),
                                                                            "bytes_per_sequence": Count()}),
-                                  "engine": MapOf(engine)})})
+                                  "engine": MapOf(engine), "vision": vision})})
 
 
 def donated(spec: dict) -> tuple[int, ...]:

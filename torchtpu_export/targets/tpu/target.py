@@ -148,7 +148,7 @@ class TpuProgram(Runnable):
 
     def generate(self, prompt, max_new_tokens: int = 64, *, chat: bool = False, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, stop=None, seed: int | None = None,
-                 response_format: dict | None = None):
+                 response_format: dict | None = None, images=None):
         """The reply of an LLM's programs (``tte.export_llm(..., target="tpu")``) to ``prompt`` (token ids, or
         text the artifact's tokenizer encodes), as a ``Generation`` (text and ids): the KV cache kept on
         the device and updated in place (donated), sampling on the device (greedy at ``temperature=0``, else
@@ -156,17 +156,23 @@ class TpuProgram(Runnable):
         artifact's chat template. Ends at a token in ``stop`` (default: the artifact's stop tokens).
         ``response_format`` (see ``Runnable.generate``): constrained decoding with llguidance, the mask
         applied in the decode step on the device. Tokenizer and template run in a worker process under
-        time and memory budgets (they are the file's)."""
+        time and memory budgets (they are the file's). ``images`` (image files, a vision-language model's):
+        the user message shows them before the text prompt, rendered by the chat template."""
         from ...llm.contract import Generation, prompt_ids
         llm = self.manifest.get("llm")
         if llm is None:
             return super().generate(prompt)
         ids = prompt_ids(prompt)
         text = self._text() if ids is None or llm.get("tokenizer") else None
+        pixels = self._images(images, ids is None and text is not None)
         if ids is None:
             if text is None:
                 raise InputError("this .tpu carries no tokenizer: give the prompt as token ids")
-            ids = text.run("chat", [{"role": "user", "content": prompt}]) if chat else text.run("encode", prompt)
+            if pixels:  # the image parts first, as a VLM's user message shows them
+                ids = text.run("chat", [{"role": "user", "content": [*[{"type": "image"}] * len(pixels),
+                                                                     {"type": "text", "text": prompt}]}])
+            else:
+                ids = text.run("chat", [{"role": "user", "content": prompt}]) if chat else text.run("encode", prompt)
         elif chat:
             raise InputError("chat=True takes the prompt as text (the chat template renders messages)")
         if stop is None:
@@ -186,19 +192,34 @@ class TpuProgram(Runnable):
                                           self._generator.vocab, llm.get("stop_ids", ()))
             constraint = self._grammars.matcher(*fmt)
         out = self._generator.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                       stop=stop, seed=seed, constraint=constraint)
+                                       stop=stop, seed=seed, constraint=constraint, images=pixels)
         reply = text.run("decode", out, 0)[1] if text is not None else None
         return Generation(reply, out, "length" if len(out) >= max_new_tokens else "stop")
+
+    def _images(self, images, as_text: bool) -> list | None:
+        """``images`` (files) as the vision program takes them, read and resized as the model's processor does."""
+        if not images:
+            return None
+        vision = self.manifest["llm"].get("vision")
+        if vision is None:
+            raise InputError("this .tpu is not a vision-language model: it takes no images")
+        if not as_text:
+            raise InputError("images go with a text prompt (the chat template places them), not token ids")
+        from ...images import MAX_IMAGES, image_pixels
+        if len(images) > MAX_IMAGES:
+            raise InputError(f"{len(images)} images are more than the {MAX_IMAGES} a prompt may hold")
+        return [image_pixels(p, os.fspath(p), vision["height"], vision["width"], vision["resample"]) for p in images]
 
     def _text(self):
         """The artifact's tokenizer and chat template in a worker process (started once)."""
         if getattr(self, "_text_worker", None) is None:
-            from ...llm.textproc import TextWorkers
+            from ...llm.textproc import TextWorkers, image_text
             llm = self.manifest["llm"]
             stops = llm.get("stop_ids") or [None]
             self._text_worker = TextWorkers(self.artifact.extras[llm["tokenizer"]], template=llm.get("chat_template"),
                                             bos_id=llm.get("bos_id"), eos_id=stops[0],
-                                            max_chars=TextWorkers.chars_for(llm["cache_length"]), workers=1)
+                                            max_chars=TextWorkers.chars_for(llm["cache_length"]), workers=1,
+                                            images=image_text(llm.get("vision")))
         return self._text_worker
 
     def kernels(self) -> list[dict]:
@@ -296,6 +317,12 @@ def describe_lines(desc: dict, program: str | None) -> list[str]:
                          f"{', '.join(map(str, llm['prefill_lengths']))}, {llm.get('slots', 1)} decode slot(s), "
                          + (f"tokenizer (stop ids {llm.get('stop_ids', [])}, chat template "
                             f"{'yes' if llm.get('chat_template') else 'no'})" if llm.get("tokenizer") else "no tokenizer"))
+        vision = (llm or {}).get("vision")
+        if vision:  # a VLM: its images' programs
+            lines.append(f"vision ({vision.get('family', '?')}): a {vision['height']}x{vision['width']} image is "
+                         f"{vision['rows']} rows of the prompt (program vision; prefill_image_<N> puts them in, "
+                         f"{'the rows of an image attend to one another' if vision['bidirectional'] else 'causal'}); "
+                         f"resized {vision['resample']}")
         states = (llm or {}).get("recurrent_states")
         if states:
             lines.append(f"recurrent states: {states['tensors']} tensors beside the KV cache, "
@@ -457,6 +484,13 @@ def _carry_llm(artifact, llm: dict) -> None:
     source, layout = llm["source"], llm["layout"]
     info = {"name": source.name, "cache_length": layout.length, "prefill_lengths": llm["prefill_lengths"],
             "slots": next(i["shape"][0] for i in batch["inputs"] if i["name"] == "tokens") if batch else 1}
+    parts = source.vision
+    if parts is not None:  # a VLM: what the server needs to put images into a prompt (llm.contract.VISION)
+        info["vision"] = {"family": parts.family, "height": parts.height, "width": parts.width,
+                          "rows": parts.image_tokens - (parts.image_end is not None), "hidden": parts.hidden,
+                          "image_token_id": parts.image_token_id, "marker": parts.expansion[0],
+                          "sequence": parts.expansion[1], "bidirectional": parts.bidirectional,
+                          "resample": parts.resample}
     if layout.states:  # recurrent layers' states beside the KV cache (llm.contract)
         import numpy as np
         info["recurrent_states"] = {"tensors": len(layout.states), "bytes_per_sequence": sum(
@@ -487,5 +521,5 @@ TARGET = Target(
     recipes=("int8_weight_only", "bf16"), magic=lambda head, names: names is not None and "manifest.json" in names,
     zipped=True, describe_lines=describe_lines,
     local_options={"platforms": ("cpu",)}, llm_options=llm_options, serving=True, abstract_weights=True, stateful=True,
-    recurrent_state=True,
+    recurrent_state=True, vision=True,
 )
