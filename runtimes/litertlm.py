@@ -226,8 +226,8 @@ class LitertLmEngine:
 
 def check_image(path) -> str:
     """``path`` if it is an image file LiteRT-LM can decode (PNG, JPEG, BMP or GIF, read whole by Pillow
-    first, within size bounds: ``torchtpu_export.images``), else InputError: LiteRT-LM's decoder is never the first to see
-    a file."""
+    first, within size bounds: ``torchtpu_export.images``), else InputError: LiteRT-LM's decoder is never the
+    first to see a file."""
     path = os.fspath(path)
     open_image(path, path).close()
     return path

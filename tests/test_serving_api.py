@@ -276,7 +276,8 @@ def test_bad_combinations_get_one_400(served):
                 list(out)
         assert e.value.body and "message" in e.value.body, kw
     # an image to a model that takes none: refused, never answered as if the text were all
-    picture = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "hi"}]
+    picture = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+               {"type": "text", "text": "hi"}]
     with pytest.raises(openai.BadRequestError, match="this model takes no images"):
         client.chat.completions.create(model="tiny-qwen", messages=[{"role": "user", "content": picture}], max_tokens=3)
     # the server is fine afterwards

@@ -244,7 +244,8 @@ def _convert_llm(args, target) -> int:
     served = (getattr(artifact, "manifest", None) or {}).get("llm", {}).get("vision")
     if served is not None:  # the tpu target's VLM
         v = c.get("vision") or {}
-        _out(args, f"vision ({served['family']}): a {served['height']}x{served['width']} image is {served['rows']} rows "
+        _out(args, f"vision ({served['family']}): a {served['height']}x{served['width']} image is "
+                   f"{served['rows']} rows "
                    "of the prompt, from the vision program; prefill_image_<N> puts them in"
              + (f"; checked against transformers' VLM on a probe image: rows max error {v['rows_error']:.1e}, "
                 f"next-token logits {v['steps_error']:.1e}" if "steps_error" in v else ""))

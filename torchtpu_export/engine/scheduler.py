@@ -850,10 +850,12 @@ def vision_of(program, vocab: int, length: int) -> dict | None:
     sigs = program.signatures
     wanted = [VISION, *(PREFILL_IMAGE.format(n) for n in prefill_lengths(sigs))]
     if any(s not in sigs for s in wanted):
-        raise ArtifactError(f"this file names a vision model but lacks the programs {[s for s in wanted if s not in sigs]}")
+        raise ArtifactError(f"this file names a vision model but lacks the programs "
+                            f"{[s for s in wanted if s not in sigs]}")
     (images,), (rows,) = program.inputs(VISION), program.outputs(VISION)
     if (not 0 < v["rows"] <= length or not v["image_token_id"] < vocab or not v["marker"]
-            or list(images.shape) != [1, v["height"], v["width"], 3] or list(rows.shape) != [1, v["rows"], v["hidden"]]):
+            or list(images.shape) != [1, v["height"], v["width"], 3]
+            or list(rows.shape) != [1, v["rows"], v["hidden"]]):
         raise ArtifactError(f"this file's vision entry ({v['rows']} rows of {v['hidden']} for a "
                             f"{v['height']}x{v['width']} image, token {v['image_token_id']}) does not match its "
                             f"vision program ({list(images.shape)} -> {list(rows.shape)}) and vocabulary of {vocab}")

@@ -232,7 +232,8 @@ class OpenAIServer:
         from ..images import MAX_IMAGES, data_url_bytes, image_pixels
         v = self.engine.vision
         if len(found) > MAX_IMAGES:
-            raise OpenAIError(f"{len(found)} images are more than the {MAX_IMAGES} a request may hold", param="messages")
+            raise OpenAIError(f"{len(found)} images are more than the {MAX_IMAGES} a request may hold",
+                              param="messages")
 
         def decode():
             return [image_pixels(data_url_bytes(url, where), where, v["height"], v["width"], v["resample"])
