@@ -28,7 +28,7 @@ BENCHMARKS = {
     "edge-readers": ("edge_readers", []),
     "opinfo-peers": ("opinfo_peers", ["-o", "RESULTS-opinfo-peers.md"]),
     "llm": ("llm", ["--rounds", "3", "-o", "RESULTS-llm.md"]),
-    "serving": ("serving", ["-o", "RESULTS-serving.md"]),
+    "serving": ("serving", ["--start", "-o", "RESULTS-serving.md"]),
     "structured": ("structured", ["-o", "RESULTS-structured.md"]),
     "abstract-llm": ("abstract_llm", ["--configs", "llama3-8b,llama3-70b", "-o", "RESULTS-abstract-llm.md"]),
     "abstract-moe": ("abstract_llm", ["--configs", "qwen3-30b-a3b", "-o", "RESULTS-abstract-moe.md"]),

@@ -4,6 +4,7 @@ serving of the same programs, the old host round-trip loop, and transformers' ge
     python -m benchmarks.serving [--configs llama-30m] [--concurrency 1,4,16,64] [--new-tokens 64]
                                  [-o RESULTS-serving.md]
     python -m benchmarks.serving --concurrency '' --prefix 0 --capacity v5e    # sequences one chip holds
+    python -m benchmarks.serving --concurrency '' --prefix 0 --start           # a server's start: compile or load
 
 For each config (a Llama built from a config with seeded random weights; token ids only, no tokenizer):
 the model is exported once with ``tte.export_llm(..., target="tpu", batch_size=64)`` (and once more with a
@@ -231,6 +232,74 @@ def prefix_text(r: dict, args) -> str:
     lines += ["", f"Tokens with and without the prefix cache, slots and paged, equal: {'yes' if r['same'] else 'NO'}.",
               "The slot engine copies cached pages into the request's own cache; the paged engine's request reads "
               "them in place (`export_llm(..., batch_size=4, kv_pages='auto')`).", ""]
+    return "\n".join(lines) + "\n"
+
+
+# ---- a server's start: every engine call compiled, or loaded from the file -------------------------------
+
+_START = """
+import sys, time
+t0 = time.perf_counter()
+import torchtpu_export as tte
+from torchtpu_export.engine import Engine
+t1 = time.perf_counter()
+program = tte.load(sys.argv[1])
+t2 = time.perf_counter()
+engine = Engine(program)
+t3 = time.perf_counter()
+engine.warm()
+t4 = time.perf_counter()
+tokens = engine.generate(list(range(3, 40)), 4)
+t5 = time.perf_counter()
+print(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, len(list(engine._calls())))
+"""
+
+
+def start_times(name: str, repeats: int = 3) -> dict:
+    """What ``serve`` does before it takes requests, for the default tpu export (8 slots, prefix cache) of
+    ``name``, each in a fresh process: import, load the file, build the engine, ready every device call
+    (``Engine.warm``: compiled, or loaded where the file stores them, ``compile --topology cpu``), then one
+    request. Medians over ``repeats`` processes, without and with stored executables."""
+    import subprocess
+    import tempfile
+
+    import torch
+    import torchtpu_export as tte
+    config, cache, lengths = CONFIGS[name]
+    model = build(config)
+    with tempfile.TemporaryDirectory() as tmp:
+        plain, stored = os.path.join(tmp, "plain.tpu"), os.path.join(tmp, "stored.tpu")
+        with torch.no_grad():
+            program = tte.export_llm(model, None, target="tpu", prefill_lengths=lengths, cache_length=cache,
+                                     platforms=("cpu",))
+        program.save(plain)
+        t = time.perf_counter()
+        program.compile("cpu").save(stored)
+        compile_s = time.perf_counter() - t
+        out = {}
+        for key, path in (("compiled at start", plain), ("stored executables loaded", stored)):
+            runs = []
+            for _ in range(repeats):
+                r = subprocess.run([sys.executable, "-c", _START, path], capture_output=True, text=True, check=True)
+                runs.append([float(v) for v in r.stdout.split()])
+            out[key] = [float(np.median([run[i] for run in runs])) for i in range(6)]
+            sizes = os.path.getsize(path)
+            out[key].append(sizes)
+        print(f"{name} start: " + ", ".join(f"{k}: warm {v[3]:.2f} s" for k, v in out.items()), flush=True)
+    return dict(name=name, cache=cache, lengths=lengths, compile_s=compile_s, times=out)
+
+
+def start_text(r: dict, args) -> str:
+    calls = int(next(iter(r["times"].values()))[5])
+    lines = [f"## A server's start ({r['name']}, the default tpu export: 8 slots, cache {r['cache']}, prefill "
+             f"{'/'.join(map(str, r['lengths']))}; {calls} engine calls)", "",
+             "`python -m benchmarks.serving --concurrency '' --prefix 0 --start` (medians of 3 fresh processes; "
+             f"`compile --topology cpu` took {r['compile_s']:.1f} s once, at build time)", "",
+             "| file | import s | load s | engine s | warm (every call ready) s | first request (4 tokens) s | "
+             "start to ready s | file MB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for key, v in r["times"].items():
+        lines.append(f"| {key} | {v[0]:.2f} | {v[1]:.2f} | {v[2]:.2f} | {v[3]:.2f} | {v[4]:.2f} | "
+                     f"{sum(v[:4]):.2f} | {v[6] / 1e6:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -487,6 +556,8 @@ def main() -> int:
     p.add_argument("--capacity", default="", help="a TPU topology (e.g. v5e): concurrent sequences of a "
                    "100-2000 token mix one chip holds for the first --tpu-configs model, paged cache against slots "
                    "('' for none)")
+    p.add_argument("--start", action="store_true", help="a server's start for the first --configs model: every "
+                   "engine call compiled, against loaded from the file (compile --topology cpu)")
     p.add_argument("-o", "--output", default=None)
     args = p.parse_args()
     concurrency = [int(n) for n in args.concurrency.split(",") if n]
@@ -501,6 +572,8 @@ def main() -> int:
                for t in tpu_table(name, [int(b) for b in args.tpu_batches.split(",")], topologies, args.tpu_cache,
                                   "bf16")]
         text += "\n" + tpu_text(rows, names[0], tpu, topologies, args)
+    if args.start:
+        text += "\n" + start_text(start_times(names[0]), args)
     if args.capacity:
         text += "\n" + capacity_text(capacity(args.tpu_configs.split(",")[0], args.capacity), args)
     return publish(text, args.output)

@@ -121,6 +121,27 @@ def test_a_small_pool_makes_requests_wait_and_evicts_cached_pages(llm):
     assert r.finish_reason == "cancelled" and engine._pool.in_use() == 0 and engine._pool.reserved == 0
 
 
+def test_the_page_pool_counts_and_evicts_idle_cached_pages_in_the_order_they_were_let_go():
+    """PagePool's bookkeeping without an engine: a cached page held by a sequence is never evicted nor counted
+    as available; idle cached pages go in the order they were let go, a hit taking its page out of that line."""
+    from torchtpu_export.engine.prefix import PagePool
+    pool = PagePool(6, 4)
+    pages = [pool.take() for _ in range(4)]
+    for key, page in zip((b"a", b"b", b"c"), pages):
+        pool.publish(key, page)
+    assert pool.available() == 1  # page 0 is no sequence's; 4 held
+    pool.release(pages[2:])  # c cached and idle, the fourth page free (beside the one never taken)
+    pool.release(pages[:2])  # then a and b
+    assert pool.available() == 5 and pool.cached() == 3
+    assert pool.match([b"a", b"x"]) == [pages[0]]  # a held again: not evictable, not available
+    assert pool.available() == 4
+    taken = [pool.take() for _ in range(4)]  # the two free pages, then c (let go first), then b
+    assert taken[2:] == [pages[2], pages[1]] and pool.stats["prefix_evictions"] == 2
+    assert pool.available() == 0 and pool.cached() == 1
+    with pytest.raises(RuntimeError, match="exhausted"):
+        pool.take()
+
+
 def test_paged_export_is_inspected_and_bad_page_options_are_refused(llm, tmp_path):
     model, path = llm
     shown = run_cli("inspect", path)

@@ -15,7 +15,7 @@ processors and thread are the engine's. What differs:
 - prefix caching shares pages instead of copying them (:class:`.prefix.PagePool`): a prompt's full pages
   stay in the pool, keyed by a hash chain of their tokens, when their request ends; a later prompt starting
   with the same tokens reads them in place and prefills only the rest. Cached pages nobody holds are
-  evicted least recently used first when a page is wanted;
+  evicted in the order they were let go when a page is wanted;
 - a request is admitted when the pool can hold its whole length (prompt and ``max_new_tokens``): pages are
   reserved then and taken as the sequence grows, so no running request waits for memory or is preempted;
   the first waiting request that does not fit waits for pages to be given back (first come, first served).

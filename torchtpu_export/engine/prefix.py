@@ -97,7 +97,7 @@ class PagePool:
     by every sequence whose prompt starts with its tokens, never copied).
 
     Page 0 belongs to no sequence (``llm.contract.paged_inputs``). A page is free, held (a count of the live
-    sequences reading it), or cached (keyed by its hash chain, held by none, evicted least recently used first
+    sequences reading it), or cached (keyed by its hash chain, held by none, evicted in the order they were let go
     when a page is wanted). A sequence only writes pages it alone holds: a cached page is full and its
     tokens are the prompt's, so nobody writes it again. Admission reserves each request's pages for its
     whole length (prompt and ``max_new_tokens``): a running request never waits for memory nor is
@@ -109,6 +109,9 @@ class PagePool:
         self._held = [0] * pages
         self._keyed: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> page, LRU first
         self._key_of: dict[int, bytes] = {}
+        # the cached pages held by none (what ``take`` may evict), least recently let go first: counted and
+        # evicted in O(1), not by a scan of every cached page per admission
+        self._idle: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.reserved = 0  # pages promised to admitted requests and not yet taken
         self.stats = stats if stats is not None else {}
         for k in ("prefix_hit_tokens", "prefix_pages_stored", "prefix_evictions"):
@@ -116,8 +119,7 @@ class PagePool:
 
     def available(self) -> int:
         """Pages that can be taken now (free, or cached and held by none), less those reserved."""
-        idle = sum(1 for p in self._keyed.values() if not self._held[p])
-        return len(self._free) + idle - self.reserved
+        return len(self._free) + len(self._idle) - self.reserved
 
     def match(self, keys: Sequence[bytes]) -> list[int]:
         """The cached pages of the longest run of ``keys`` from the first, each now held once more."""
@@ -127,20 +129,21 @@ class PagePool:
             if p is None:
                 break
             self._keyed.move_to_end(k)
+            self._idle.pop(k, None)
             self._held[p] += 1
             found.append(p)
         return found
 
     def take(self) -> int:
-        """A page for a sequence to write (held once): a free one, else the least recently used cached page
-        that no sequence holds (its key forgotten)."""
+        """A page for a sequence to write (held once): a free one, else the cached page that no sequence holds
+        and that was let go longest ago (its key forgotten)."""
         if self._free:
             p = self._free.pop()
         else:
-            key = next((k for k, p in self._keyed.items() if not self._held[p]), None)
-            if key is None:
+            if not self._idle:
                 raise RuntimeError("the page pool is exhausted")  # admission reserves pages: never reached
-            p = self._keyed.pop(key)
+            key, p = self._idle.popitem(last=False)
+            del self._keyed[key]
             del self._key_of[p]
             self.stats["prefix_evictions"] += 1
         self._held[p] = 1
@@ -152,13 +155,19 @@ class PagePool:
         if self.prefix and key not in self._keyed and page not in self._key_of:
             self._keyed[key] = page
             self._key_of[page] = key
+            if not self._held[page]:
+                self._idle[key] = page
             self.stats["prefix_pages_stored"] += 1
 
     def release(self, pages: Sequence[int]) -> None:
         """A sequence's pages let go: each cached page stays cached, the others are free."""
         for p in pages:
             self._held[p] -= 1
-            if not self._held[p] and p not in self._key_of:
+            if self._held[p]:
+                continue
+            if p in self._key_of:
+                self._idle[self._key_of[p]] = p  # the most recently let go
+            else:
                 self._free.append(p)
 
     def in_use(self) -> int:
