@@ -26,19 +26,30 @@ def root(tmp_path_factory):
     return root, [hf_vlms.save_image(str(root / f"image{i}.png"), i) for i in (1, 2)]
 
 
-@pytest.fixture(scope="module", params=list(hf_vlms.FAMILIES))
-def served(request, root):
-    where, images = root
+@pytest.fixture(scope="module")
+def exports(root):
+    """Each family exported and served once for the module, whatever order the tests run in (a parametrized
+    module fixture is rebuilt when the scheduler alternates its parameters)."""
+    made = {}
+    yield root, made
+    for *_, server in made.values():
+        server.close()
+
+
+@pytest.fixture(params=list(hf_vlms.FAMILIES))
+def served(request, exports):
+    (where, images), made = exports
     family = request.param
-    folder = hf_vlms.save_folder(family, str(where / family))
-    out = where / f"{family}.tpu"
-    # prefill lengths 8 and 32: a prompt of about 20 tokens goes in chunks of 8, which an image must not straddle
-    r = run_cli(folder, "--target", "tpu", "--prefill-lengths", "8,32", "--cache-length", "96", "--batch-size", "2",
-                "--platforms", "cpu", "-o", out)
-    assert r.returncode == 0, r.stderr
-    server = Server(out)
-    yield family, folder, out, images, r.stdout + r.stderr, server
-    server.close()
+    if family not in made:
+        folder = hf_vlms.save_folder(family, str(where / family))
+        out = where / f"{family}.tpu"
+        # prefill lengths 8 and 32: a prompt of about 20 tokens goes in chunks of 8, which an image must not
+        # straddle
+        r = run_cli(folder, "--target", "tpu", "--prefill-lengths", "8,32", "--cache-length", "96", "--batch-size",
+                    "2", "--platforms", "cpu", "-o", out)
+        assert r.returncode == 0, r.stderr
+        made[family] = (family, folder, out, images, r.stdout + r.stderr, Server(out))
+    return made[family]
 
 
 def _data_url(path) -> str:
