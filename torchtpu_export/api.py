@@ -241,8 +241,10 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     ``cache_length``: the KV cache's positions (prompt and reply); by default the smaller of 1024 and the
     model's ``max_position_embeddings``. A vision-language model of a family ``llm.vision`` exports (Gemma 3,
     Idefics3) is exported whole for litertlm (image encoder, adapter and embedder sections; the steps take
-    embeddings); any other model with parts beside its text decoder (a vision tower, an audio encoder) is
-    refused, never exported without them.
+    embeddings) and for tpu (a ``vision`` program, and ``prefill_image_<N>`` steps taking an image's rows
+    beside the tokens, which the serving engine runs for requests with images; the check runs them against
+    transformers' whole VLM on a seeded image); any other model with parts beside its text decoder (a
+    vision tower, an audio encoder) is refused, never exported without them.
     ``check=True``: before anything is returned, the exported prefill and decode steps run a probe prompt
     (here: the tpu target's cpu program, the litert interpreter) and their next-token logits are compared
     with transformers' on the same weights; a float export that differs is a NumericsError (never an
