@@ -171,3 +171,14 @@ def test_a_vision_entry_its_programs_do_not_bear_out_is_refused(served, tmp_path
             w.writestr(info, data)
     with pytest.raises(ArtifactError, match="does not match its vision program"):
         Engine(tte.load(bad))
+
+
+def test_libtpu_compiles_a_vlms_engine_calls_ahead_of_time(tmp_path):
+    """`compile --topology v5e` on a VLM: the engine over libtpu's description of the chip (no runnable program
+    there) reads the vision entry from the manifest, and the compiler takes the vision and image prefill calls."""
+    import torchtpu_export as tte
+    folder = hf_vlms.save_folder("idefics3", str(tmp_path / "idefics3"))
+    prog = tte.export_llm(folder, target="tpu", prefill_lengths=(8,), cache_length=32, batch_size=2,
+                          platforms=("tpu", "cpu"), kernels="xla", check=False)
+    calls = prog.compile("v5e").manifest["llm"]["engine"]["v5e:1x1"]["calls"]
+    assert {"vision", "prefill_image_8", "prefill_8", "decode_batch.top0"} <= set(calls)

@@ -852,13 +852,14 @@ def vision_of(program, vocab: int, length: int) -> dict | None:
     if any(s not in sigs for s in wanted):
         raise ArtifactError(f"this file names a vision model but lacks the programs "
                             f"{[s for s in wanted if s not in sigs]}")
-    (images,), (rows,) = program.inputs(VISION), program.outputs(VISION)
+    # the program's shapes as its manifest records them (an engine over a TPU topology has no runnable program)
+    spec = program.manifest["programs"][VISION]
+    images, rows = ([list(t["shape"]) for t in spec[k]] for k in ("inputs", "outputs"))
     if (not 0 < v["rows"] <= length or not v["image_token_id"] < vocab or not v["marker"]
-            or list(images.shape) != [1, v["height"], v["width"], 3]
-            or list(rows.shape) != [1, v["rows"], v["hidden"]]):
+            or images != [[1, v["height"], v["width"], 3]] or rows != [[1, v["rows"], v["hidden"]]]):
         raise ArtifactError(f"this file's vision entry ({v['rows']} rows of {v['hidden']} for a "
                             f"{v['height']}x{v['width']} image, token {v['image_token_id']}) does not match its "
-                            f"vision program ({list(images.shape)} -> {list(rows.shape)}) and vocabulary of {vocab}")
+                            f"vision program ({images} -> {rows}) and vocabulary of {vocab}")
     return v
 
 
