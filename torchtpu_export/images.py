@@ -67,6 +67,16 @@ def data_url_bytes(url, what: str) -> bytes:
         raise InputError(f"{what}: the data URL is not valid base64") from None
 
 
+def read_images(items, vision: dict) -> list:
+    """``items`` (``(source, what)`` pairs: a path or file bytes, and what names it in a message), at most
+    :data:`MAX_IMAGES`, each as a VLM file's ``vision`` program takes it (:func:`image_pixels` at the size and
+    with the filter of its ``llm.vision``); InputError naming the first that cannot be read."""
+    if len(items) > MAX_IMAGES:
+        raise InputError(f"{len(items)} images are more than the {MAX_IMAGES} a request may hold")
+    return [image_pixels(source, what, vision["height"], vision["width"], vision["resample"])
+            for source, what in items]
+
+
 def image_pixels(source, what: str, height: int, width: int, resample: str = "bilinear"):
     """``source`` (a path or file bytes) as a vision encoder's input: RGB, resized to ``height`` x ``width``
     with ``resample`` (the image processor's filter), float32 ``[height, width, 3]`` in [0, 1]."""

@@ -229,15 +229,13 @@ class OpenAIServer:
         processor does, off the event loop; one bad image is a 400 naming its part."""
         import asyncio
 
-        from ..images import MAX_IMAGES, data_url_bytes, image_pixels
-        v = self.engine.vision
-        if len(found) > MAX_IMAGES:
+        from ..images import MAX_IMAGES, data_url_bytes, read_images
+        if len(found) > MAX_IMAGES:  # before any data URL is decoded (read_images counts them too)
             raise OpenAIError(f"{len(found)} images are more than the {MAX_IMAGES} a request may hold",
                               param="messages")
 
         def decode():
-            return [image_pixels(data_url_bytes(url, where), where, v["height"], v["width"], v["resample"])
-                    for where, url in found]
+            return read_images([(data_url_bytes(url, where), where) for where, url in found], self.engine.vision)
         try:
             return await asyncio.get_running_loop().run_in_executor(None, decode)
         except InputError as e:

@@ -205,10 +205,8 @@ class TpuProgram(Runnable):
             raise InputError("this .tpu is not a vision-language model: it takes no images")
         if not as_text:
             raise InputError("images go with a text prompt (the chat template places them), not token ids")
-        from ...images import MAX_IMAGES, image_pixels
-        if len(images) > MAX_IMAGES:
-            raise InputError(f"{len(images)} images are more than the {MAX_IMAGES} a prompt may hold")
-        return [image_pixels(p, os.fspath(p), vision["height"], vision["width"], vision["resample"]) for p in images]
+        from ...images import read_images
+        return read_images([(p, os.fspath(p)) for p in images], vision)
 
     def _text(self):
         """The artifact's tokenizer and chat template in a worker process (started once)."""
