@@ -89,8 +89,9 @@ def test_the_same_wrapper_serves_other_targets(target):
     options = {"platforms": ("cpu",)} if target == "tpu" else {}
     prog = tte.export_llm(model, tok, target=target, prefill_lengths=(8, 16), cache_length=96, **options)
     want_sigs = ["decode", "prefill_16", "prefill_8"]
-    if target == "tpu":  # served batched by default: 8 slots (decode_batch, prefill_batch_<N>) beside decode
-        want_sigs += ["decode_batch", "prefill_batch_16", "prefill_batch_8"]
+    if target == "tpu":  # served batched by default: 8 slots (decode_batch, prefill_batch_<N>) beside decode, and
+        # a batch of 4 for a light load (decode_batch_4)
+        want_sigs += ["decode_batch", "decode_batch_4", "prefill_batch_16", "prefill_batch_8"]
         assert next(s for s in prog.inputs("decode_batch") if s.name == "tokens").shape[0] == 8
     assert sorted(prog.signatures) == sorted(want_sigs)
     got = llm.host_generate(prog, ids, 16, stop_ids=[2])

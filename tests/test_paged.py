@@ -29,8 +29,8 @@ def llm(tmp_path_factory):
     folder = tmp_path_factory.mktemp("paged") / "tiny-llama"
     path = folder.parent / "tiny-llama.tpu"
     export_folder(model, tok, folder, ["--target", "tpu", "--platforms", "cpu", "--prefill-lengths", "8,32",
-                                       "--cache-length", "96", "--batch-size", "4", "--kv-pages", str(PAGES),
-                                       "-o", path])
+                                       "--cache-length", "96", "--batch-size", "4", "--batch-buckets", "2",
+                                       "--kv-pages", str(PAGES), "-o", path])
     return model, path
 
 
@@ -68,6 +68,7 @@ def test_paged_engine_gives_transformers_tokens_for_mixed_lengths_and_arrivals(l
     assert s["prefill_row_chunks"] > s["batched_prefill_calls"] + s["mixed_steps"] and s["decode_steps"] < s["tokens"]
     assert s["mixed_steps"] > 0  # arrivals while others decode: their chunks and the decode tokens in one call
     assert s["one_row_steps"] > 0  # a request decoding alone steps its own row (decode_paged_1), not all four
+    assert s["small_batch_steps"] > 0  # two through decode_paged_2
     assert s["most_pages_in_use"] <= PAGES - 1 and s["prefix_hit_tokens"] == 0
     assert engine._pool.in_use() == 0 and engine._pool.reserved == 0 and engine._pool.cached() == 0
     # the one-slot programs serve the same file without the pages (batched=False)
@@ -100,9 +101,9 @@ def test_paged_prefix_hits_read_cached_pages_in_place(llm):
 
 def test_a_small_pool_makes_requests_wait_and_evicts_cached_pages(llm):
     """Twelve requests of six 35-token starts on a pool of two full-length sequences: a request is admitted
-    when its whole length fits (others wait, none fails), cached pages are evicted least recently used first
-    when pages are wanted, some requests still hit, and every request gets the tokens it gets without the
-    cache."""
+    when its prompt fits (others wait, none fails; those that arrived last are preempted when the pool runs
+    short), cached pages are evicted in the order they were let go when pages are wanted, some requests still
+    hit, and every request gets the tokens it gets without the cache."""
     model, path = llm
     prompts = [p for seed in range(6) for p in _prompts(10 + seed, 35, (4, 11))]
     wants = [greedy(model, p, 40) for p in prompts]
@@ -119,6 +120,34 @@ def test_a_small_pool_makes_requests_wait_and_evicts_cached_pages(llm):
     while engine.busy:
         engine.step()
     assert r.finish_reason == "cancelled" and engine._pool.in_use() == 0 and engine._pool.reserved == 0
+
+
+def test_requests_preempted_when_the_pool_runs_short_make_the_tokens_they_would_have(llm):
+    """Four requests of 20-odd prompt tokens and 60 new ones (5 pages each, 20 together) on a pool of 12: all
+    four are admitted on their prompts' pages, and as they grow the pool runs short, so the last to arrive are
+    preempted (their written pages kept in the pool, their decode state saved) and readmitted later. Each
+    request's tokens are those it makes alone: greedy ones transformers', one with penalties (its reply's
+    token counts go with its saved state) and one sampled with a seed (its key goes with it) the same as
+    alone. With the prefix cache off the preempted ones prefill their prompt and tokens again."""
+    model, path = llm
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 300, k).tolist() for k in (21, 17, 25, 19)]
+    wants = [greedy(model, p, 60) for p in prompts[:2]]
+    extra = [dict(frequency_penalty=0.7, repetition_penalty=1.3), dict(temperature=0.9, top_p=0.95, seed=5)]
+    for prefix_cache in (True, False):
+        engine = Engine(tte.load(path), prefix_cache=prefix_cache)
+        alone = [engine.generate(p, 60, **kw) for p, kw in zip(prompts[2:], extra)]
+        assert all(len(a) == 60 for a in alone) and engine.stats["preemptions"] == 0
+        requests = [engine.submit(p, 60, stop=[2]) for p in prompts[:2]]
+        requests += [engine.submit(p, 60, **kw) for p, kw in zip(prompts[2:], extra)]
+        while engine.busy:
+            engine.step()
+        assert [r.result() for r in requests] == wants + alone
+        s = engine.stats
+        assert s["preemptions"] > 0 and s["most_pages_in_use"] <= PAGES - 1, s
+        assert engine._pool.in_use() == 0 and engine._pool.reserved == 0
+        if prefix_cache:  # readmitted, they read the pages they had written
+            assert s["prefix_hit_tokens"] > 0
 
 
 def test_the_page_pool_counts_and_evicts_idle_cached_pages_in_the_order_they_were_let_go():
@@ -161,6 +190,10 @@ def test_paged_export_is_inspected_and_bad_page_options_are_refused(llm, tmp_pat
     bad = run_cli(tmp_path, "--target", "tpu", "--kv-pages", "many", "-o", tmp_path / "x.tpu")
     assert bad.returncode == 2 and "--kv-pages takes an integer or 'auto'" in bad.stderr
     assert "Traceback" not in bad.stderr
+    with pytest.raises(InputError, match=r"batch_buckets must be integers from 2 to below batch_size \(4\)"):
+        tte.export_llm(model, target="tpu", cache_length=96, prefill_lengths=(8,), batch_size=4, batch_buckets=(2, 4))
+    bad = run_cli(tmp_path, "--target", "tpu", "--batch-buckets", "two", "-o", tmp_path / "x.tpu")
+    assert bad.returncode == 2 and "--batch-buckets takes comma-separated integers" in bad.stderr
 
 
 def _kernel_model():

@@ -32,7 +32,7 @@ PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog and then 
 def llm(tmp_path_factory):
     model, tok = hf_llms.build("llama")
     prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8, 32), cache_length=96, batch_size=4,
-                          platforms=("cpu",))
+                          batch_buckets=(2,), platforms=("cpu",))
     path = tmp_path_factory.mktemp("serve") / "tiny-llama.tpu"
     prog.save(path)
     return model, tok, prog, path
@@ -114,21 +114,35 @@ def test_engine_cancel_frees_the_slot_and_bad_requests_raise(llm):
         engine.submit([], 2)
 
 
-def test_one_request_steps_one_row_and_more_step_the_batch(llm):
-    """The engine picks the program by load: a request alone in the batch steps through the one-slot decode
-    (its rows taken out of the batch's, put back when others join), two or more through decode_batch; the
-    tokens are the same."""
+def test_the_engine_steps_the_smallest_batch_that_holds_the_load(llm):
+    """The engine picks the program by load: a request alone in the batch steps through the one-slot decode,
+    two through decode_batch_2 (their rows taken out of the batch's, put back when the load outgrows it),
+    three or four through decode_batch; requests joining and leaving move between them, and the tokens are
+    transformers'."""
     model, tok, _, path = llm
     engine = Engine(tte.load(path))
-    ids = [tok(p)["input_ids"] for p in PROMPTS[:3]]
-    wants = [greedy(model, i, 10) for i in ids]
+    assert sorted(engine._buckets) == [1, 2]
+    ids = [tok(p)["input_ids"] for p in PROMPTS[:4]]
+    wants = [greedy(model, i, n) for i, n in zip(ids, (10, 14, 20, 6))]
     assert engine.generate(ids[0], 10, stop=[2]) == wants[0]
     assert engine.stats["one_row_steps"] == engine.stats["decode_steps"] > 0
-    requests = [engine.submit(i, 10, stop=[2]) for i in ids]
+    first = engine.stats["decode_steps"]
+    two = [engine.submit(i, 10, stop=[2]) for i in ids[:2]]
     while engine.busy:
         engine.step()
-    assert [r.result() for r in requests] == [wants[0], *wants[1:]]
-    assert engine.stats["decode_steps"] - engine.stats["one_row_steps"] >= 5  # the batch stepped them together
+    assert [r.result() for r in two] == [wants[0], wants[1][:10]]
+    assert engine.stats["small_batch_steps"] >= 5 and engine.stats["decode_steps"] - first < 20
+    # four of different lengths: all four rows, then three, then two and one as they end; a fifth joins late
+    requests = [engine.submit(i, n, stop=[2]) for i, n in zip(ids, (10, 14, 20, 6))]
+    steps = 0
+    while engine.busy:
+        engine.step()
+        steps += 1
+        if steps == 16:
+            late = engine.submit(ids[3], 6, stop=[2])
+    assert [r.result() for r in requests] == wants and late.result() == wants[3]
+    small = engine.stats["small_batch_steps"]
+    assert engine.stats["decode_steps"] - engine.stats["one_row_steps"] - small >= 5  # the batch stepped them
 
 
 # ---- prefix caching ---------------------------------------------------------------------------------
@@ -429,12 +443,12 @@ def test_a_server_compiles_nothing_once_started_and_loads_stored_executables(llm
     stored = tmp_path / "stored.tpu"
     r = cli("compile", path, "--topology", "cpu", "-o", stored)
     assert r.returncode == 0, r.stderr
-    assert "cpu serving engine (Engine): 18 calls stored" in r.stdout and "starts without compiling" in r.stdout
+    assert "cpu serving engine (Engine): 22 calls stored" in r.stdout and "starts without compiling" in r.stdout
     assert "serving engine [cpu, cpu, jax" in cli("inspect", stored).stdout
     events = _compile_events()
     engine = Engine(tte.load(stored))
     engine.warm()
-    assert engine.stats["stored_executables"] == 18
+    assert engine.stats["stored_executables"] == 22
     assert _traffic(engine, prompts, 10) == wants and events == [], events
     assert engine.stats["prefix_hit_tokens"] > 0 and engine.stats.get("one_row_steps", 0) > 0
     plain = Engine(tte.load(path))

@@ -220,7 +220,7 @@ def default_cache_length(config) -> int:
 def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefill_lengths: Sequence[int] = (128,),
                cache_length: int | None = None, quant_config=None, batch_size: int | None = None,
                abstract_weights: bool = False, kv_pages: int | str | None = None, page_size: int = 16,
-               check: bool = True, lora=None, **options):
+               check: bool = True, lora=None, batch_buckets: Sequence[int] | None = None, **options):
     """Exports a causal LM's prefill (one signature per length, ``prefill_<N>``) and ``decode`` steps.
 
     ``model_or_path``: a local Hugging Face folder (config.json, safetensors weights, tokenizer.json),
@@ -231,6 +231,9 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     sequences at once, each at its own position: the slots of the serving engine (:mod:`torchtpu_export.engine`).
     By default 8 for the tpu target (served concurrent requests batch without a flag; one request alone steps
     through the one-slot ``decode``) and 1 for the others.
+    ``batch_buckets`` (tpu, with ``batch_size`` > 1): smaller batches of the same decode step
+    (``decode_batch_<b>``, ``decode_paged_<b>``), through which the engine steps a light load: the busy rows in
+    the smallest that holds them, not every slot. By default 4, 16, 64, ... below ``batch_size``; ``()`` for none.
     ``kv_pages`` (tpu): the batched steps over a paged KV cache instead (``decode_paged``,
     ``prefill_paged_<N>``): every cache one pool of ``kv_pages`` pages of ``page_size`` positions shared by
     the ``batch_size`` rows, so that memory holds live tokens, not rows x ``cache_length``, and a prompt's
@@ -257,8 +260,8 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     """
     import torch
 
-    from .llm.contract import (DECODE, DECODE_BATCH, DECODE_PAGED, DECODE_PAGED_ONE, PREFILL, PREFILL_BATCH,
-                               PREFILL_PAGED, cache_shardings, paged_inputs, slot_inputs, step_inputs)
+    from .llm.contract import (DECODE, DECODE_BATCH, DECODE_BUCKET, DECODE_PAGED, DECODE_PAGED_BUCKET, PREFILL,
+                               PREFILL_BATCH, PREFILL_PAGED, cache_shardings, paged_inputs, slot_inputs, step_inputs)
     from .llm.source import load_source, recurrent_layers, refuse_recurrent
     from .llm.step import CacheStep, grouped_attention_in, probe_layout
     from .quant import parse
@@ -298,6 +301,7 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
         raise InputError(f"batch_size applies to target='tpu' (the serving engine's slots); {target} programs "
                          "step one sequence", hint="leave batch_size out, or export with target='tpu'")
     pages = _check_pages(kv_pages, page_size, batch_size, cache_length, serving, layout)
+    buckets = _check_buckets(batch_buckets, batch_size)
     if image is not None and (pages or options.get("mesh")):
         raise InputError(f"{source.name}: a vision-language model is served from the engine's slots on one chip: "
                          f"not with {'kv_pages' if pages else 'mesh'}", hint="leave kv_pages and mesh out")
@@ -320,17 +324,17 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     if pages:
         sigs.signature(DECODE_PAGED, CacheStep(source.model, layout, logits=True, slots=True), (),
                        paged_inputs(layout, batch_size, 1, pages, page_size))
-        if batch_size > 1:  # one request alone steps its own row, not the whole batch's
-            sigs.signature(DECODE_PAGED_ONE, CacheStep(source.model, layout, logits=True, slots=True), (),
-                           paged_inputs(layout, 1, 1, pages, page_size))
+        for b in [1] + buckets if batch_size > 1 else ():  # a light load steps its own rows, not the whole batch's
+            sigs.signature(DECODE_PAGED_BUCKET.format(b), CacheStep(source.model, layout, logits=True, slots=True),
+                           (), paged_inputs(layout, b, 1, pages, page_size))
         for n in lengths:
             # with each row's first token's logits: the engine's mixed steps (prompt chunks and decode tokens)
             sigs.signature(PREFILL_PAGED.format(n), CacheStep(source.model, layout, logits=True, slots=True,
                                                               first=True), (),
                            paged_inputs(layout, batch_size, n, pages, page_size))
     elif batch_size > 1:
-        sigs.signature(DECODE_BATCH, CacheStep(source.model, layout, logits=True, slots=True), (),
-                       slot_inputs(layout, batch_size))
+        for b, sig in [(batch_size, DECODE_BATCH)] + [(b, DECODE_BUCKET.format(b)) for b in buckets]:
+            sigs.signature(sig, CacheStep(source.model, layout, logits=True, slots=True), (), slot_inputs(layout, b))
         for n in lengths if not layout.states else ():  # requests arriving together are prefilled together,
             # straight into their slots (never with recurrent states: the other rows' states would move)
             sigs.signature(PREFILL_BATCH.format(n), CacheStep(source.model, layout, logits=False, slots=True), (),
@@ -418,6 +422,22 @@ def _export_vision(parts, program_target: str) -> dict:
         sigs.signature(name, module, (), sample)
         with torch.no_grad():
             out[name] = sigs.export(target=program_target)
+    return out
+
+
+def _check_buckets(buckets, batch_size: int) -> list[int]:
+    """``export_llm``'s ``batch_buckets``: distinct integers from 2 to below ``batch_size``, ascending."""
+    from .llm.contract import default_buckets
+    if buckets is None:
+        return default_buckets(batch_size)
+    try:
+        out = sorted({int(b) for b in buckets})
+        ok = all(isinstance(b, int) and not isinstance(b, bool) for b in buckets)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or any(not 2 <= b < batch_size for b in out):
+        raise InputError(f"batch_buckets must be integers from 2 to below batch_size ({batch_size}), got "
+                         f"{buckets!r}", hint="e.g. batch_buckets=(4, 16) with batch_size=64; () for none")
     return out
 
 

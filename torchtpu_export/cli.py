@@ -97,6 +97,9 @@ def _convert_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help="LLM folders, tpu target: also a decode_batch program for B sequences at once "
                         "(the serving engine's slots; default 8, 1 for the one-slot decode only)")
+    p.add_argument("--batch-buckets", default=None, metavar="B,...",
+                   help="LLM folders, tpu target: smaller decode batches beside --batch-size's, stepped under a light "
+                        "load (default 4,16,64,... below it; 'none' for none)")
     p.add_argument("--kv-pages", default=None, metavar="P",
                    help="LLM folders, tpu target: the batched steps over a paged KV cache of P pages (or 'auto': "
                         "as many positions as the B slots' caches) shared by the B rows, instead of a cache per slot")
@@ -135,7 +138,7 @@ def _convert(args) -> int:
     if target.llm_only or os.path.isdir(args.model):
         return _convert_llm(args, target)
     for flag in ("prefill_lengths", "cache_length", "tokenizer", "batch_size", "abstract_weights", "no_check",
-                 "kv_pages", "page_size", "lora"):
+                 "batch_buckets", "kv_pages", "page_size", "lora"):
         if getattr(args, flag) not in (None, False):
             raise InputError(f"--{flag.replace('_', '-')} applies to LLMs (a Hugging Face model folder), "
                              f"not {args.model}")
@@ -212,6 +215,13 @@ def _convert_llm(args, target) -> int:
         raise InputError("--page-size applies with --kv-pages (a paged KV cache)")
     if pages is not None:
         options.update(kv_pages=pages, page_size=args.page_size or 16)
+    if args.batch_buckets is not None:
+        try:
+            options["batch_buckets"] = () if args.batch_buckets == "none" else \
+                tuple(int(n) for n in args.batch_buckets.split(","))
+        except ValueError:
+            raise InputError(f"--batch-buckets takes comma-separated integers or 'none', got "
+                             f"{args.batch_buckets!r}") from None
     if args.lora is not None:
         options["lora"] = int(args.lora) if args.lora.isdigit() else args.lora
         check_writable(_adapter_path(output, "nolora"), inputs=(args.model, args.lora))

@@ -20,15 +20,17 @@ The design is JetStream's (prefill into a slot, then insert it into the batch) w
   (a long prompt takes several steps, never stalling the batch for all of it), then runs one decode step;
 - a request leaves at a stop token, at ``max_new_tokens``, or when cancelled (a client gone); its slot
   takes the next waiting request at the following step;
-- a request alone in the batch steps through the one-slot ``decode`` on its own rows (taken out of the
-  batch's, put back when another request joins): one request never pays for idle slots;
+- a light load steps through a smaller batch of the same step: the busy rows taken out of the batch's
+  (the one-slot ``decode`` for one request, ``decode_batch_<b>`` for up to ``b``; exported for ``b`` = 4,
+  16, ... below ``B`` by default), put back when the load outgrows it: a light load never pays for idle
+  slots;
 - prefix caching (:mod:`.prefix`): the KV cache of prefilled prompts' full pages stays in a page pool on
   the device, keyed by a hash chain of their tokens; a prompt starting with cached pages gets them copied
   into its own cache and prefills only the rest;
 - a program exported with a paged KV cache (``tte.export_llm(..., kv_pages=P)``: ``decode_paged``,
   ``prefill_paged_<N>``) gets a :class:`PagedEngine` (:mod:`.paged`): one pool of pages shared by the
-  rows, memory for live tokens, cached prefix pages read in place, a request admitted when its whole
-  length fits; decode attention over the pages is JAX's paged attention kernel on TPU.
+  rows, memory for live tokens, cached prefix pages read in place, a request admitted when its prompt
+  fits and preempted (its pages kept, its state saved) when the pool runs short; decode attention over the pages is JAX's paged attention kernel on TPU.
 
 :class:`Engine` runs in a thread of its own (``start``) for servers, or step by step in the caller's
 thread (``generate``, tests). Nothing else runs these programs: no Python model code is needed.

@@ -16,9 +16,13 @@ processors and thread are the engine's. What differs:
   stay in the pool, keyed by a hash chain of their tokens, when their request ends; a later prompt starting
   with the same tokens reads them in place and prefills only the rest. Cached pages nobody holds are
   evicted in the order they were let go when a page is wanted;
-- a request is admitted when the pool can hold its whole length (prompt and ``max_new_tokens``): pages are
-  reserved then and taken as the sequence grows, so no running request waits for memory or is preempted;
-  the first waiting request that does not fit waits for pages to be given back (first come, first served).
+- a request is admitted when the pool can hold its prompt (its pages reserved then) beside the pages the
+  decoding rows take at the next step; a sequence then takes pages as it grows. When a decode step needs more pages than
+  the pool has, the requests that arrived last are preempted (as vLLM does): their full pages are kept in
+  the pool under their tokens' hash chain, their pages let go, their decode state saved, and they go back to
+  the front of the line; readmitted, they read their kept pages (or prefill their prompt and tokens again)
+  and go on from their saved state, so a preempted request's tokens are those it would have made. The
+  first waiting request that does not fit waits for pages (first come, first served).
 
 Attention reads each row's pages through ``tte::paged_attention`` (:mod:`torchtpu_export.llm.paged`): gathered
 in sequence order by XLA, or on TPU for a decode step JAX's paged attention kernel, which fetches only each
@@ -30,20 +34,22 @@ import re
 import numpy as np
 
 from ..errors import InputError
-from ..llm.contract import DECODE_PAGED, DECODE_PAGED_ONE, PREFILL_PAGED
+from ..llm.contract import DECODE_PAGED, DECODE_PAGED_BUCKET, PREFILL_PAGED, decode_buckets
 from .prefix import PagePool, page_keys
 from .request import TOP_LOGPROBS
 from .scheduler import Engine, decode_program, first_device
-from .step import (cache_shardings, jit_decode, jit_decode_row, jit_mixed, jit_prefill, jit_set_row, jit_zeros,
+from .step import (cache_shardings, jit_decode, jit_decode_rows, jit_mixed, jit_prefill, jit_set_row, jit_zeros,
                    mask_words, output_tree, state_row, state_rows)
 
 
 class _Row:
-    """A row of the batch: its request, its pool pages in sequence order, the prompt positions written, and
-    the pages still reserved for it."""
+    """A row of the batch: its request, the tokens it prefills (the prompt; a preempted request's prompt and
+    tokens), their pages' hash chain, its pool pages in sequence order, the positions written, and the pages
+    still reserved for it."""
 
-    def __init__(self, request=None, pages=(), filled: int = 0, owed: int = 0):
+    def __init__(self, request=None, pages=(), filled: int = 0, owed: int = 0, seq=(), keys=()):
         self.request, self.pages, self.filled, self.owed = request, list(pages), filled, owed
+        self.seq, self.keys = list(seq), list(keys)
         self.decoding = False
         self.position = 0  # while decoding: the position the next decode step writes
 
@@ -105,14 +111,15 @@ class PagedEngine(Engine):
                      for sig, r in self.runners.items()}
         self._decodes: dict = {}
         self._mixeds: dict = {}  # (prefill signature, alternatives reported) -> jitted mixed step
-        # one request decoding alone steps its own row through the one-row program (no idle row stepped)
-        self._one = program.runner(DECODE_PAGED_ONE, platform) if DECODE_PAGED_ONE in sigs else None
+        # a light load steps its own rows through a smaller program (decode_paged_<b>): no idle row stepped
+        self._buckets = {b: program.runner(DECODE_PAGED_BUCKET.format(b), platform)
+                         for b in decode_buckets(sigs, paged=True) if b < self.slots}
         self._row_decodes: dict = {}
         self._set_row = jit_set_row()
-        self._solo = None
         self.stats = {"decode_steps": 0, "tokens": 0, "prefill_tokens": 0, "requests": 0,
                       "decode_bytes_to_device": 0, "decode_bytes_to_host": 0, "busy_slot_steps": 0,
-                      "batched_prefill_calls": 0, "prefill_row_chunks": 0, "mixed_steps": 0, "most_pages_in_use": 0}
+                      "batched_prefill_calls": 0, "prefill_row_chunks": 0, "mixed_steps": 0, "most_pages_in_use": 0,
+                      "preemptions": 0}
         self._pool_zeros = jit_zeros(None, [(tuple(spec[n].shape), np.dtype(spec[n].dtype)) for n in self.cache_names],
                                      cache_shardings(self.decode_runner, self.cache_names, self._small))
         self._caches = self._made(self._pool_zeros, "pages_zeros")
@@ -120,7 +127,8 @@ class PagedEngine(Engine):
         self._prefix = self._pool if prefix_cache else None
         self._state = self._put(state_rows(self.slots, self.vocab))
         self._everything = self._put(np.full((self.slots, mask_words(self.vocab)), -1, np.int32))
-        self._everything_one = self._put(np.full((1, mask_words(self.vocab)), -1, np.int32))
+        self._everything_rows = {b: self._put(np.full((b, mask_words(self.vocab)), -1, np.int32))
+                                 for b in self._buckets}
         self._slots = [_Row() for _ in range(self.slots)]
         self._waiting = collections.deque()
         self._inbox = collections.deque()
@@ -138,19 +146,20 @@ class PagedEngine(Engine):
         if not self._sync():
             return False
         self._admit()
-        busy = [i for i, r in enumerate(self._slots) if r.decoding]
+        busy = self._room([i for i, r in enumerate(self._slots) if r.decoding])
         if busy and self._filling():
             self._mixed(busy)
             return True
         if not busy:
             self._prefill_rows()
-            busy = [i for i, r in enumerate(self._slots) if r.decoding]
+            busy = self._room([i for i, r in enumerate(self._slots) if r.decoding])
         if not busy:
             return self.busy
         top, asked = self._top(busy)
         table = self._decode_table(busy)
-        if len(busy) == 1 and self._one is not None:
-            out = self._row_step(busy[0], top, table)
+        rows = min((b for b in self._buckets if b >= len(busy)), default=None)
+        if rows is not None:
+            out = self._rows_step(busy, rows, top, table)
         else:
             decode = self._decode_fn(DECODE_PAGED, top)
             out, self._state, self._caches = decode(self.decode_runner.weights, self._state, self._caches,
@@ -185,25 +194,37 @@ class PagedEngine(Engine):
                                             self.cache_names, True, top)
         return self._decodes[top]
 
-    def _row_fn(self, top: int):
-        if top not in self._row_decodes:
-            self._row_decodes[top] = jit_decode_row(self._one, output_tree(self.program, DECODE_PAGED_ONE),
-                                                    self.length, self.cache_names, top)
-        return self._row_decodes[top]
+    def _rows_fn(self, rows: int, top: int):
+        if (rows, top) not in self._row_decodes:
+            self._row_decodes[rows, top] = jit_decode_rows(
+                self._buckets[rows], output_tree(self.program, DECODE_PAGED_BUCKET.format(rows)), self.length,
+                self.cache_names, top)
+        return self._row_decodes[rows, top]
 
-    def _row_step(self, i: int, top: int, table: np.ndarray) -> tuple:
-        """A decode step of row ``i`` alone (``decode_paged_1``); its outputs as the batch's (``[B, ...]``, the
-        other rows zero)."""
+    def _rows_step(self, busy: list[int], rows: int, top: int, table: np.ndarray) -> tuple:
+        """A decode step of the rows ``busy`` alone through the smaller program of ``rows`` rows
+        (``decode_paged_<rows>``, its other rows padding on page 0); its outputs as the batch's (``[B, ...]``,
+        the other rows zero)."""
         mask = self._mask()
-        allowed = self._everything_one if mask is None else self._put(mask[i:i + 1])
-        out, self._state, self._caches = self._row_fn(top)(self._one.weights, self._state, self._caches, allowed,
-                                                           self._put(table[i:i + 1]), self._put(np.int32(i)))
-        self.stats["one_row_steps"] = self.stats.get("one_row_steps", 0) + 1
+        index = np.array(busy + [self.slots] * (rows - len(busy)), np.int32)  # past the batch: padding
+        part = np.zeros((rows, self._max_pages), np.int32)
+        part[:len(busy)] = table[busy]
+        if mask is None:
+            allowed = self._everything_rows[rows]
+        else:
+            allowed = np.full((rows, mask.shape[1]), -1, np.int32)
+            allowed[:len(busy)] = mask[busy]
+            allowed = self._put(allowed)
+        out, self._state, self._caches = self._rows_fn(rows, top)(self._buckets[rows].weights, self._state,
+                                                                  self._caches, allowed, self._put(part),
+                                                                  self._put(index))
+        key = "one_row_steps" if rows == 1 else "small_batch_steps"
+        self.stats[key] = self.stats.get(key, 0) + 1
         full = []
         for o in self._jax.device_get(out):
-            rows = np.zeros((self.slots, *o.shape[1:]), o.dtype)
-            rows[i] = o[0]
-            full.append(rows)
+            whole = np.zeros((self.slots, *o.shape[1:]), o.dtype)
+            whole[busy] = o[:len(busy)]
+            full.append(whole)
         return tuple(full)
 
     def _mixed_fn(self, sig: str, top: int):
@@ -225,11 +246,11 @@ class PagedEngine(Engine):
         for top in (0, TOP_LOGPROBS):
             yield f"{DECODE_PAGED}.top{top}", self._decode_fn(DECODE_PAGED, top), (
                 self.decode_runner.weights, self._state, self._caches, allowed, table)
-        if self._one is not None:
+        for b, runner in sorted(self._buckets.items()):
             for top in (0, TOP_LOGPROBS):
-                yield f"{DECODE_PAGED_ONE}.top{top}", self._row_fn(top), (
-                    self._one.weights, self._state, self._caches, self._host((1, allowed.shape[1])),
-                    self._host((1, self._max_pages)), i32)
+                yield f"{DECODE_PAGED_BUCKET.format(b)}.top{top}", self._rows_fn(b, top), (
+                    runner.weights, self._state, self._caches, self._host((b, allowed.shape[1])),
+                    self._host((b, self._max_pages)), self._host((b,)))
         yield f"set_row.{B}", self._set_row, (self._state, i32, self._row_abstract())
         yield "pages_zeros", self._pool_zeros, ()
 
@@ -269,25 +290,21 @@ class PagedEngine(Engine):
                                                               zip(logprobs[2][i][:k], logprobs[1][i][:k])])
             self._deliver(i, row, int(tokens[i]), lp)
 
-    def _needed(self, request) -> int:
-        """The pages of a request's whole length: its prompt before the last token, then a position per new
-        token (the last one's never written)."""
-        positions = min(len(request.prompt) - 1 + request.params.max_new_tokens, self.length)
-        return -(-positions // self.page_size)
-
     def _admit(self) -> None:
-        """Waiting requests into free rows, first come first served, while the pool can hold each whole."""
+        """Waiting requests into free rows, first come first served, while the pool can hold each one's prompt
+        and its first new token, and the pages the decoding rows start at the next step."""
         for i, row in enumerate(self._slots):
             if row.request is not None:
                 continue
             request = self._next_waiting()
             if request is None:
                 return
-            if request.page_keys is None:  # the full pages of what is prefilled (all but the last prompt token)
-                request.page_keys = page_keys(request.prompt[:-1], self.page_size)[:self._max_pages]
+            seq = request.prompt if request.resume is None else request.resume[0]
+            if request.page_keys is None:  # the full pages of what is prefilled (all but the last token)
+                request.page_keys = page_keys(seq[:-1], self.page_size)[:self._max_pages]
             hit = self._pool.match(request.page_keys)
-            owed = self._needed(request) - len(hit)
-            if owed > self._pool.available():
+            owed = -(-len(seq) // self.page_size) - len(hit)
+            if owed + self._short([j for j, r in enumerate(self._slots) if r.decoding]) > self._pool.available():
                 self._pool.release(hit)
                 return  # it waits for pages (and those after it wait for it)
             self._waiting.popleft()
@@ -295,15 +312,54 @@ class PagedEngine(Engine):
                 self._waiting.extendleft(reversed(request.siblings))
                 request.siblings = []
             self._pool.reserved += owed
-            self._slots[i] = _Row(request, hit, len(hit) * self.page_size, owed)
+            self._slots[i] = _Row(request, hit, len(hit) * self.page_size, owed, seq, request.page_keys)
             self.stats["prefix_hit_tokens"] += len(hit) * self.page_size
 
+    def _room(self, busy: list[int]) -> list[int]:
+        """The decoding rows ``busy`` that this step's pages are there for: where more of them start a page than
+        the pool has pages to take, the requests that arrived last (decoding or filling) are preempted
+        (:meth:`_preempt`) until the rest fit; the first to arrive always does (the pool holds a sequence of
+        the whole cache)."""
+        while busy and self._short(busy) > self._pool.available():
+            victim = max((i for i, r in enumerate(self._slots) if r.request is not None),
+                         key=lambda i: self._slots[i].request.id)
+            self._preempt(victim)
+            busy = [i for i in busy if i != victim]
+        return busy
+
+    def _short(self, busy: list[int]) -> int:
+        """How many of the decoding rows ``busy`` start a page at their next position beyond their reservation."""
+        return sum(1 for i in busy if self._slots[i].owed == 0
+                   and self._slots[i].position + 1 > len(self._slots[i].pages) * self.page_size)
+
+    def _preempt(self, i: int) -> None:
+        """Row ``i``'s request out of the batch, back to the front of the line: the full pages it has written
+        kept in the pool under their hash chain (its readmission reads them), its pages let go; a decoding
+        request's decode state row saved, to go on from where it was."""
+        row, r = self._slots[i], self._slots[i].request
+        if row.decoding:
+            state = self._jax.device_get(self._state)
+            seq = r.prompt + r.tokens  # its next decode input is the last of them, at position len(seq) - 1
+            r.resume, written = (seq, tuple(np.asarray(x[i]) for x in state)), seq[:-1]
+        else:  # still filling: its prompt (or its earlier preemption's tokens) again, from what is written
+            written = row.seq[:row.filled]
+        for key, page in zip(page_keys(written, self.page_size), row.pages):
+            self._pool.publish(key, page)
+        self._pool.release(row.pages)
+        self._pool.reserved -= row.owed
+        r.page_keys = None
+        self._slots[i] = _Row()
+        self._waiting.appendleft(r)
+        self.stats["preemptions"] += 1
+
     def _grow(self, row: _Row, positions: int) -> None:
-        """Pages for ``row``'s first ``positions`` positions, taken from its reservation."""
+        """Pages for ``row``'s first ``positions`` positions: from its reservation, then from the pool (which
+        :meth:`_room` made sure has them)."""
         while len(row.pages) * self.page_size < positions:
             row.pages.append(self._pool.take())
-            row.owed -= 1
-            self._pool.reserved -= 1
+            if row.owed:
+                row.owed -= 1
+                self._pool.reserved -= 1
         self.stats["most_pages_in_use"] = max(self.stats["most_pages_in_use"], self._pool.in_use())
 
     def _filling(self) -> list:
@@ -315,7 +371,7 @@ class PagedEngine(Engine):
                 continue
             if r.request.dropped:
                 self._free(i, "cancelled")
-            elif r.filled == len(r.request.prompt) - 1:
+            elif r.filled == len(r.seq) - 1:
                 with self._alone([i]):
                     self._activate(i, r)
             else:
@@ -326,7 +382,7 @@ class PagedEngine(Engine):
         """One call's prompt chunks for ``rows``: its length ``N`` (the longest that the longest prompt left
         fills, else the shortest that holds it: little padding), tokens ``[B, N]``, each row's start, the page
         table (pages taken for the chunk), and how many tokens each row takes."""
-        left = {i: len(r.request.prompt) - 1 - r.filled for i, r in rows}
+        left = {i: len(r.seq) - 1 - r.filled for i, r in rows}
         most = max(left.values())
         n = max((k for k in self.lengths if k <= most), default=self.lengths[0])
         tokens = np.zeros((self.slots, n), np.int32)
@@ -335,7 +391,7 @@ class PagedEngine(Engine):
         takes = {}
         for i, r in rows:
             takes[i] = take = min(n, left[i])
-            tokens[i, :take] = r.request.prompt[r.filled:r.filled + take]
+            tokens[i, :take] = r.seq[r.filled:r.filled + take]
             start[i] = r.filled
             self._grow(r, r.filled + take)
             table[i, :len(r.pages)] = r.pages
@@ -363,14 +419,17 @@ class PagedEngine(Engine):
                 self.stats["batched_prefill_calls"] += 1
 
     def _activate(self, i: int, row: _Row) -> None:
-        """A prefilled request into the decode batch: its state row set, its full prompt pages kept for
-        later prompts."""
+        """A prefilled request into the decode batch: its state row set (a preempted request's saved one), its
+        full prompt pages kept for later prompts."""
         r = row.request
-        state = state_row(r.params, r.prompt, 0 if r.params.seed is None else int(r.params.seed), self.vocab)
+        if r.resume is not None:
+            state, r.resume = r.resume[1], None
+        else:
+            state = state_row(r.params, r.prompt, 0 if r.params.seed is None else int(r.params.seed), self.vocab)
         self._state = self._set_row(self._state, self._put(np.int32(i)), self._put(state))
-        for key, page in zip(r.page_keys, row.pages):
+        for key, page in zip(row.keys, row.pages):
             self._pool.publish(key, page)
-        row.decoding, row.position = True, len(r.prompt) - 1
+        row.decoding, row.position = True, len(row.seq) - 1
 
     def _free(self, i: int, reason: str, error: BaseException | None = None) -> None:
         row = self._slots[i]

@@ -99,9 +99,8 @@ class PagePool:
     Page 0 belongs to no sequence (``llm.contract.paged_inputs``). A page is free, held (a count of the live
     sequences reading it), or cached (keyed by its hash chain, held by none, evicted in the order they were let go
     when a page is wanted). A sequence only writes pages it alone holds: a cached page is full and its
-    tokens are the prompt's, so nobody writes it again. Admission reserves each request's pages for its
-    whole length (prompt and ``max_new_tokens``): a running request never waits for memory nor is
-    preempted."""
+    tokens are the prompt's, so nobody writes it again. ``reserved`` counts the pages promised to admitted
+    prompts and not yet taken; the engine preempts a request rather than take a page the pool lacks."""
 
     def __init__(self, pages: int, page: int, prefix: bool = True, stats: dict | None = None):
         self.pages, self.page, self.prefix = pages, page, prefix
@@ -141,7 +140,7 @@ class PagePool:
             p = self._free.pop()
         else:
             if not self._idle:
-                raise RuntimeError("the page pool is exhausted")  # admission reserves pages: never reached
+                raise RuntimeError("the page pool is exhausted")  # the engine preempts first: never reached
             key, p = self._idle.popitem(last=False)
             del self._keyed[key]
             del self._key_of[p]

@@ -106,6 +106,7 @@ class Request:
         self.constraint = None  # a grammar's matcher (structured outputs): fill(mask row), consume(token), stopped
         self.page_keys: list[bytes] | None = None  # prefix caching: its prompt's pages' hash chain (engine's)
         self.images: list | None = None  # a VLM's: the prompt's images, float32 [H, W, 3] in [0, 1] (engine's)
+        self.resume: tuple | None = None  # preempted (paged engine): (prompt and tokens so far, its decode state row)
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.cancelled = False

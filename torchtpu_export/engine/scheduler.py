@@ -16,13 +16,13 @@ import numpy as np
 
 from ..errors import InputError
 from ..images import MAX_IMAGES
-from ..llm.contract import (DECODE, DECODE_BATCH, PREFILL, PREFILL_BATCH, PREFILL_IMAGE, VISION, has_state,
-                            prefill_chunks, prefill_lengths)
+from ..llm.contract import (DECODE, DECODE_BATCH, DECODE_BUCKET, PREFILL, PREFILL_BATCH, PREFILL_IMAGE, VISION,
+                            decode_buckets, has_state, prefill_chunks, prefill_lengths)
 from .follow import Following
 from .prefix import PAGE_SIZE, PrefixCache, default_pages, page_keys
 from .request import TOP_LOGPROBS, Request, SamplingParams, is_int
 from .step import (cache_shardings, jit_decode, jit_insert, jit_page_load, jit_page_store, jit_prefill,
-                   jit_prefill_image, jit_put_row, jit_set_row, jit_take_row, jit_vision, jit_zeros, mask_words,
+                   jit_prefill_image, jit_put_rows, jit_set_row, jit_take_rows, jit_vision, jit_zeros, mask_words,
                    output_tree, put, state_row, state_rows)
 
 log = logging.getLogger("torchtpu_export")
@@ -44,6 +44,11 @@ class Engine(Following):
     ``submit(prompt_ids, max_new_tokens, ...)`` returns a :class:`Request` at once; ``start()`` runs the
     scheduler in a background thread (``stop()`` ends it), or call ``step()`` yourself. ``batched=False``
     uses the one-slot ``decode`` program even where a ``decode_batch`` exists.
+
+    The engine picks the decode program by load: while the busy slots fit a smaller batch of the step (the
+    one-slot ``decode``, ``decode_batch_<b>``), their rows are taken out of the batch's state and caches and
+    stepped through the smallest that holds them (put back when the load no longer fits it), so a light load
+    never pays for idle slots.
 
     ``prefix_cache`` (on by default): the KV cache of each prefilled prompt's full pages (``page_size``
     positions) stays on the device, in a pool of ``prefix_pages`` pages (default: as many positions as the
@@ -123,13 +128,20 @@ class Engine(Following):
         self._set_row = jit_set_row()
         self._decode_sig = decode_sig
         self._decodes = {0: self._decode_fn(decode_sig)}  # by the number of alternatives reported (0, 20)
-        # one request in the batch: its row taken out and stepped through the one-slot decode (the batch's step
-        # reads every slot's cache), put back when another request joins it
-        self._single = program.runner(DECODE, platform) if decode_sig == DECODE_BATCH and DECODE in sigs else None
-        self._solo: list | None = None  # [slot, its state rows, its caches] while it decodes alone
-        self._solo_decodes: dict = {}
-        self._take_row, self._put_row = jit_take_row(), jit_put_row()
-        self._everything_one = self._put(np.full((1, mask_words(self.vocab)), -1, np.int32))
+        # a light load: the busy rows taken out and stepped through a smaller batch of the step (the batch's
+        # step reads every slot's cache), put back when the load outgrows it. By rows: (signature, runner)
+        self._buckets: dict = {}
+        if decode_sig == DECODE_BATCH:
+            self._buckets = {b: (DECODE_BUCKET.format(b), program.runner(DECODE_BUCKET.format(b), platform))
+                             for b in decode_buckets(sigs) if b < self.slots}
+            if DECODE in sigs:
+                self._buckets[1] = (DECODE, program.runner(DECODE, platform))
+        self._part: list | None = None  # [slot of each row (-1: none), their state, their caches] while in use
+        self._part_decodes: dict = {}  # (rows, alternatives reported) -> jitted decode
+        self._takes = {b: jit_take_rows() for b in self._buckets}
+        self._puts = {b: jit_put_rows() for b in self._buckets}
+        self._everything_rows = {b: self._put(np.full((b, mask_words(self.vocab)), -1, np.int32))
+                                 for b in self._buckets}
         self._insert = jit_insert()
         self._zeros = jit_zeros(1, self._slot_specs, slot_sh)
         self._state = self._put(state_rows(self.slots, self.vocab))
@@ -229,16 +241,15 @@ class Engine(Following):
                 self._decodes[top] = self._decode_fn(self._decode_sig, top)
             yield f"{self._decode_sig}.top{top}", self._decodes[top], (self.decode_runner.weights, self._state,
                                                                       self._caches, self._host((B, words)))
-        if self._single is not None:
-            one_state = tuple(self._host((1, *x.shape[1:]), x.dtype) for x in self._state)
+        for b, (sig, runner) in sorted(self._buckets.items()):
+            part_state = tuple(self._host((b, *x.shape[1:]), x.dtype) for x in self._state)
+            part = tuple(self._jax.ShapeDtypeStruct((b, *s), d, sharding=sh)
+                         for (s, d), sh in zip(self._slot_specs, self._slot_sh))
             for top in (0, TOP_LOGPROBS):
-                if top not in self._solo_decodes:
-                    self._solo_decodes[top] = jit_decode(self._single, output_tree(self.program, DECODE), self.length,
-                                                         self.cache_names, False, top)
-                yield f"{DECODE}.top{top}", self._solo_decodes[top], (self._single.weights, one_state, one,
-                                                                     self._host((1, words)))
-            yield "take_row", self._take_row, (self._state, self._caches, i32)
-            yield "put_row", self._put_row, (self._state, self._caches, one_state, one, i32)
+                yield f"{sig}.top{top}", self._part_decode(b, top), (runner.weights, part_state, part,
+                                                                     self._host((b, words)))
+            yield f"take_rows.{b}", self._takes[b], (self._state, self._caches, self._host((b,)))
+            yield f"put_rows.{b}", self._puts[b], (self._state, self._caches, part_state, part, self._host((b,)))
         yield f"set_row.{B}", self._set_row, (self._state, i32, self._row_abstract())
         yield f"insert.{B}", self._insert, (self._state, self._caches, one, i32, self._row_abstract())
         yield "zeros", self._zeros, ()
@@ -404,10 +415,11 @@ class Engine(Following):
         top = TOP_LOGPROBS if any(asked) else 0
         busy = [i for i, s in enumerate(self._slots) if s.decoding]
         mask = self._mask()
-        if len(busy) == 1 and self._single is not None:
-            out = self._solo_step(busy[0], top, mask)
+        rows = min((b for b in self._buckets if b >= len(busy)), default=None)
+        if rows is not None:
+            out = self._part_step(busy, rows, top, mask)
         else:
-            self._unsolo()
+            self._unpart()
             if top not in self._decodes:
                 self._decodes[top] = self._decode_fn(self._decode_sig, top)
             allowed = self._everything if mask is None else self._put(mask)
@@ -426,33 +438,56 @@ class Engine(Following):
                 self._deliver(i, slot, int(tokens[i]), lp)
         return True
 
-    def _solo_step(self, i: int, top: int, mask):
-        """One decode step of slot ``i``, alone in the batch, through the one-slot decode; its outputs as the
-        batch's (``[B, ...]``, the other rows zero)."""
+    def _part_decode(self, rows: int, top: int):
+        """The jitted decode step of the smaller batch of ``rows`` rows (reporting ``top`` alternatives)."""
+        if (rows, top) not in self._part_decodes:
+            sig, runner = self._buckets[rows]
+            self._part_decodes[rows, top] = jit_decode(runner, output_tree(self.program, sig), self.length,
+                                                       self.cache_names, sig != DECODE, top)
+        return self._part_decodes[rows, top]
+
+    def _part_step(self, busy: list[int], rows: int, top: int, mask):
+        """One decode step of the busy slots ``busy`` through the smaller batch of ``rows`` rows (their rows
+        taken out of the batch's where they are not there already); its outputs as the batch's (``[B, ...]``,
+        the other rows zero)."""
         jax = self._jax
-        if self._solo is None or self._solo[0] != i:
-            self._unsolo()
-            self._solo = [i, *self._take_row(self._state, self._caches, self._put(np.int32(i)))]
-        if top not in self._solo_decodes:
-            self._solo_decodes[top] = jit_decode(self._single, output_tree(self.program, DECODE), self.length,
-                                                 self.cache_names, False, top)
-        allowed = self._everything_one if mask is None else self._put(mask[i:i + 1])
-        out, self._solo[1], self._solo[2] = self._solo_decodes[top](self._single.weights, self._solo[1],
-                                                                    self._solo[2], allowed)
-        self.stats["one_row_steps"] = self.stats.get("one_row_steps", 0) + 1
+        if self._part is None or len(self._part[0]) != rows or not set(busy) <= set(self._part[0]):
+            self._unpart()
+            slots = busy + [-1] * (rows - len(busy))
+            taken = self._takes[rows](self._state, self._caches, self._put(np.array([max(i, 0) for i in slots],
+                                                                                   np.int32)))
+            self._part = [slots, *taken]
+        slots = self._part[0]
+        if mask is None:
+            allowed = self._everything_rows[rows]
+        else:
+            allowed = np.full((rows, mask.shape[1]), -1, np.int32)
+            for k, i in enumerate(slots):
+                if i >= 0:
+                    allowed[k] = mask[i]
+            allowed = self._put(allowed)
+        runner = self._buckets[rows][1]
+        out, self._part[1], self._part[2] = self._part_decode(rows, top)(runner.weights, self._part[1],
+                                                                         self._part[2], allowed)
+        key = "one_row_steps" if rows == 1 else "small_batch_steps"
+        self.stats[key] = self.stats.get(key, 0) + 1
         full = []
         for o in jax.device_get(out):
-            rows = np.zeros((self.slots, *o.shape[1:]), o.dtype)
-            rows[i] = o[0]
-            full.append(rows)
+            whole = np.zeros((self.slots, *o.shape[1:]), o.dtype)
+            for k, i in enumerate(slots):
+                if i >= 0:
+                    whole[i] = o[k]
+            full.append(whole)
         return tuple(full)
 
-    def _unsolo(self) -> None:
-        """The lone slot's rows back into the batch's state and caches."""
-        if self._solo is not None:
-            i, state, caches = self._solo
-            self._solo = None
-            self._state, self._caches = self._put_row(self._state, self._caches, state, caches, self._put(np.int32(i)))
+    def _unpart(self) -> None:
+        """The smaller batch's rows back into the batch's state and caches (those of requests still there)."""
+        if self._part is not None:
+            slots, state, caches = self._part
+            self._part = None
+            back = np.array([i if i >= 0 else self.slots for i in slots], np.int32)  # past the batch: dropped
+            self._state, self._caches = self._puts[len(slots)](self._state, self._caches, state, caches,
+                                                               self._put(back))
 
     def _mask(self):
         """This step's allowed-token bitmask ``[B, words]`` (host): None for every token, unless a decoding
@@ -494,8 +529,8 @@ class Engine(Following):
                 self._free(i, "stop")
 
     def _free(self, i: int, reason: str, error: BaseException | None = None) -> None:
-        if self._solo is not None and self._solo[0] == i:
-            self._solo = None  # its rows are no one's now
+        if self._part is not None and i in self._part[0]:
+            self._part[0][self._part[0].index(i)] = -1  # its rows are no one's now: never put back
         slot = self._slots[i]
         slot.request.finish(reason, error)
         self._slots[i] = _Slot()
@@ -835,7 +870,7 @@ class Engine(Following):
 
     def _lost(self) -> None:
         """After a failed step: what the failure may have taken with it (a donated call that ran) made anew."""
-        self._solo = None
+        self._part = None
         if self._prefix is not None and any(getattr(x, "is_deleted", lambda: False)() for x in self._pool):
             self._prefix_clear()
 

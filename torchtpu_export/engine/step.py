@@ -161,41 +161,43 @@ def jit_decode(runner, out_spec, length: int, cache_names: list[str], slots: boo
                             donate_argnums=(1, 2)))
 
 
-def jit_decode_row(runner, out_spec, length: int, cache_names: list[str], top: int = 0):
-    """``decode_row(weights, state, caches, allowed, page_table, row) -> (outputs, state, caches)``, state and
-    caches donated: one step of batch row ``row`` alone through a one-row paged program (``decode_paged_1``):
-    its state rows taken, stepped and sampled as :func:`jit_decode` does, and written back; the pool is the
-    batch's (``allowed`` and ``page_table`` are the row's, the outputs ``[1, ...]``)."""
+def jit_decode_rows(runner, out_spec, length: int, cache_names: list[str], top: int = 0):
+    """``decode_rows(weights, state, caches, allowed, page_table, rows) -> (outputs, state, caches)``, state and
+    caches donated: one step of batch rows ``rows`` (int32 ``[b]``; one past the batch: a padding row) through
+    a smaller paged program (``decode_paged_<b>``): their state rows taken, stepped and sampled as
+    :func:`jit_decode` does, and written back; the pool is the batch's (``allowed`` and ``page_table`` are the
+    rows', the outputs ``[b, ...]``)."""
     import jax
     body = _decode_body(runner, out_spec, length, cache_names, True, top)
 
-    def decode_row(weights, state, caches, allowed, table, row):
-        one = tuple(jax.lax.dynamic_slice_in_dim(x, row, 1, 0) for x in state)
-        outs, one, caches = body(weights, one, caches, allowed, table)
-        return outs, tuple(jax.lax.dynamic_update_slice_in_dim(x, o, row, 0) for x, o in zip(state, one)), caches
-    return Prepared(jax.jit(decode_row, donate_argnums=(1, 2)))
+    def decode_rows(weights, state, caches, allowed, table, rows):
+        import jax.numpy as jnp
+        part = tuple(x[jnp.clip(rows, 0, x.shape[0] - 1)] for x in state)
+        outs, part, caches = body(weights, part, caches, allowed, table)
+        return outs, tuple(x.at[rows].set(o, mode="drop") for x, o in zip(state, part)), caches
+    return Prepared(jax.jit(decode_rows, donate_argnums=(1, 2)))
 
 
-def jit_take_row():
-    """``take(state, caches, row) -> (state, caches)``: one slot's rows of the batch's state and caches, as the
-    one-slot ``decode`` takes them (a copy of one row)."""
+def jit_take_rows():
+    """``take(state, caches, rows) -> (state, caches)``: the batch's state and cache rows ``rows`` (int32
+    ``[b]``), as a smaller decode batch takes them (a copy of those rows)."""
     import jax
 
-    def take(state, caches, row):
-        one = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1, 0)  # noqa: E731
+    def take(state, caches, rows):
+        one = lambda x: x[rows]  # noqa: E731
         return tuple(map(one, state)), tuple(map(one, caches))
     return Prepared(jax.jit(take))
 
 
-def jit_put_row():
-    """``put_row(state, caches, one_state, one_caches, row) -> (state, caches)``: :func:`jit_take_row`'s rows
-    back into the batch's (donated: written in place)."""
+def jit_put_rows():
+    """``put_rows(state, caches, part_state, part_caches, rows) -> (state, caches)``: :func:`jit_take_rows`'s
+    rows back into the batch's (donated: written in place); a row index past the batch is dropped."""
     import jax
 
-    def put_row(state, caches, one_state, one_caches, row):
-        back = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, row, 0)  # noqa: E731
-        return tuple(map(back, state, one_state)), tuple(map(back, caches, one_caches))
-    return Prepared(jax.jit(put_row, donate_argnums=(0, 1)))
+    def put_rows(state, caches, part_state, part_caches, rows):
+        back = lambda whole, part: whole.at[rows].set(part, mode="drop")  # noqa: E731
+        return tuple(map(back, state, part_state)), tuple(map(back, caches, part_caches))
+    return Prepared(jax.jit(put_rows, donate_argnums=(0, 1)))
 
 
 def _decode_body(runner, out_spec, length: int, cache_names: list[str], slots: bool, top: int):

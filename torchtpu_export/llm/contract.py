@@ -16,11 +16,15 @@ from ..errors import InputError
 PREFILL = "prefill_{}"
 DECODE = "decode"
 DECODE_BATCH = "decode_batch"  # tpu serving: one token for each of B sequences (slots), each at its own position
+# a smaller batch of the same step, for a light load (``b`` rows; exported for ``b`` in ``batch_buckets``): the engine
+# steps the busy rows through the smallest that holds them, not every slot
+DECODE_BUCKET = "decode_batch_{}"
 PREFILL_BATCH = "prefill_batch_{}"  # tpu serving: N prompt tokens for each of B slots, each row from its own start
 # tpu serving over a paged KV cache (``export_llm(..., paged=True)``): the same steps, the caches a pool of pages
 # shared by all rows, each row's pages in its ``page_table`` row
 DECODE_PAGED = "decode_paged"
 DECODE_PAGED_ONE = "decode_paged_1"  # one row of the batch alone (its page table's row): no idle row stepped
+DECODE_PAGED_BUCKET = "decode_paged_{}"  # ``b`` rows of the batch (``batch_buckets``), as DECODE_BUCKET
 PREFILL_PAGED = "prefill_paged_{}"  # its logits are each row's first token's ([B, 1, V]): mixed steps
 # a vision-language model on the tpu target: ``vision`` (``images [1, H, W, 3]`` in [0, 1] -> ``embeddings
 # [1, R, D]``, an image's rows) and a prefill taking ``image_rows [1, N, D]`` beside its tokens (row ``i`` put in
@@ -156,6 +160,23 @@ def cache_shardings(layout: CacheLayout, mesh) -> dict:
     if all(s[3] % n == 0 for s in shapes.values()):  # more chips than KV heads (GQA): split each head's features
         return {name: [None, None, None, "model"] for name in kv}
     return {}
+
+
+def default_buckets(batch_size: int) -> list[int]:
+    """The smaller batches exported beside a ``batch_size``-row decode by default: 4, 16, 64, ... below it (a
+    light load then steps at most four times the rows it has)."""
+    out, b = [], 4
+    while b < batch_size:
+        out.append(b)
+        b *= 4
+    return out
+
+
+def decode_buckets(signatures, paged: bool = False) -> list[int]:
+    """The row counts of the smaller decode batches among ``signatures`` (``decode_batch_<b>``, or with ``paged``
+    ``decode_paged_<b>``; ``decode_paged_1`` among them), ascending."""
+    pattern = r"decode_paged_(\d+)" if paged else r"decode_batch_(\d+)"
+    return sorted(int(m.group(1)) for m in (re.fullmatch(pattern, s) for s in signatures) if m)
 
 
 def prefill_lengths(signatures) -> list[int]:
