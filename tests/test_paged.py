@@ -69,6 +69,7 @@ def test_paged_engine_gives_transformers_tokens_for_mixed_lengths_and_arrivals(l
     assert s["mixed_steps"] > 0  # arrivals while others decode: their chunks and the decode tokens in one call
     assert s["one_row_steps"] > 0  # a request decoding alone steps its own row (decode_paged_1), not all four
     assert s["small_batch_steps"] > 0  # two through decode_paged_2
+    assert s["small_prefill_calls"] > 0  # and prefill chunks of one or two rows (prefill_paged_<N>_rows_<b>)
     assert s["most_pages_in_use"] <= PAGES - 1 and s["prefix_hit_tokens"] == 0
     assert engine._pool.in_use() == 0 and engine._pool.reserved == 0 and engine._pool.cached() == 0
     # the one-slot programs serve the same file without the pages (batched=False)
@@ -229,7 +230,8 @@ def test_paged_programs_compile_for_tpu_with_the_kernel_where_it_pays():
     assert engine["server"] == "PagedEngine" and engine["device_kind"] == "TPU v5 lite" and engine["libtpu"]
     assert {"decode_paged.top0", "decode_paged.top20", "prefill_paged_16", "mixed.prefill_paged_16.top0",
             "mixed.prefill_paged_16.top20", "decode_paged_1.top0", "decode_paged_1.top20", "set_row.4",
-            "pages_zeros"} == set(engine["calls"])
+            "pages_zeros", "prefill_paged_16_rows_1", "mixed.prefill_paged_16_rows_1.top0",
+            "mixed.prefill_paged_16_rows_1.top20"} == set(engine["calls"])
     assert all(c["bytes"] > 0 for c in engine["calls"].values())
 
 

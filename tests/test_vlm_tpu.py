@@ -20,16 +20,17 @@ STEPS = 32
 PROMPT = "what is this"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("vlm_tpu")
     return root, [hf_vlms.save_image(str(root / f"image{i}.png"), i) for i in (1, 2)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def exports(root):
-    """Each family exported and served once for the module, whatever order the tests run in (a parametrized
-    module fixture is rebuilt when the scheduler alternates its parameters)."""
+    """Each family exported and served once for the worker's session, whatever order the tests run in (a
+    parametrized module fixture is rebuilt when the scheduler alternates its parameters, and a module fixture
+    when the worker runs another module's tests between this module's)."""
     made = {}
     yield root, made
     for *_, server in made.values():

@@ -232,7 +232,8 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     By default 8 for the tpu target (served concurrent requests batch without a flag; one request alone steps
     through the one-slot ``decode``) and 1 for the others.
     ``batch_buckets`` (tpu, with ``batch_size`` > 1): smaller batches of the same decode step
-    (``decode_batch_<b>``, ``decode_paged_<b>``), through which the engine steps a light load: the busy rows in
+    (``decode_batch_<b>``, ``decode_paged_<b>``; a paged export's prefill too, ``prefill_paged_<N>_rows_<b>``,
+    and for one row), through which the engine steps a light load: the busy rows in
     the smallest that holds them, not every slot. By default 4, 16, 64, ... below ``batch_size``; ``()`` for none.
     ``kv_pages`` (tpu): the batched steps over a paged KV cache instead (``decode_paged``,
     ``prefill_paged_<N>``): every cache one pool of ``kv_pages`` pages of ``page_size`` positions shared by
@@ -261,7 +262,8 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     import torch
 
     from .llm.contract import (DECODE, DECODE_BATCH, DECODE_BUCKET, DECODE_PAGED, DECODE_PAGED_BUCKET, PREFILL,
-                               PREFILL_BATCH, PREFILL_PAGED, cache_shardings, paged_inputs, slot_inputs, step_inputs)
+                               PREFILL_BATCH, PREFILL_PAGED, PREFILL_PAGED_BUCKET, cache_shardings, paged_inputs,
+                               slot_inputs, step_inputs)
     from .llm.source import load_source, recurrent_layers, refuse_recurrent
     from .llm.step import CacheStep, grouped_attention_in, probe_layout
     from .quant import parse
@@ -328,10 +330,12 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
             sigs.signature(DECODE_PAGED_BUCKET.format(b), CacheStep(source.model, layout, logits=True, slots=True),
                            (), paged_inputs(layout, b, 1, pages, page_size))
         for n in lengths:
-            # with each row's first token's logits: the engine's mixed steps (prompt chunks and decode tokens)
-            sigs.signature(PREFILL_PAGED.format(n), CacheStep(source.model, layout, logits=True, slots=True,
-                                                              first=True), (),
-                           paged_inputs(layout, batch_size, n, pages, page_size))
+            # with each row's first token's logits: the engine's mixed steps (prompt chunks and decode tokens);
+            # and for fewer rows (a light load's prefill and mixed steps)
+            for b, sig in [(batch_size, PREFILL_PAGED.format(n))] + [
+                    (b, PREFILL_PAGED_BUCKET.format(n, b)) for b in ([1] + buckets if batch_size > 1 else [])]:
+                sigs.signature(sig, CacheStep(source.model, layout, logits=True, slots=True, first=True), (),
+                               paged_inputs(layout, b, n, pages, page_size))
     elif batch_size > 1:
         for b, sig in [(batch_size, DECODE_BATCH)] + [(b, DECODE_BUCKET.format(b)) for b in buckets]:
             sigs.signature(sig, CacheStep(source.model, layout, logits=True, slots=True), (), slot_inputs(layout, b))

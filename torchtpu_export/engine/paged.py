@@ -34,7 +34,7 @@ import re
 import numpy as np
 
 from ..errors import InputError
-from ..llm.contract import DECODE_PAGED, DECODE_PAGED_BUCKET, PREFILL_PAGED, decode_buckets
+from ..llm.contract import DECODE_PAGED, DECODE_PAGED_BUCKET, PREFILL_PAGED, PREFILL_PAGED_BUCKET, decode_buckets
 from .prefix import PagePool, page_keys
 from .request import TOP_LOGPROBS
 from .scheduler import Engine, decode_program, first_device
@@ -115,11 +115,20 @@ class PagedEngine(Engine):
         self._buckets = {b: program.runner(DECODE_PAGED_BUCKET.format(b), platform)
                          for b in decode_buckets(sigs, paged=True) if b < self.slots}
         self._row_decodes: dict = {}
+        # prefill chunks (and mixed steps) of fewer rows: (length, rows) -> signature, the batch's own among them
+        self._fill = {(n, self.slots): PREFILL_PAGED.format(n) for n in self.lengths}
+        for b in sorted(self._buckets):
+            if all(PREFILL_PAGED_BUCKET.format(n, b) in sigs for n in self.lengths):
+                for n in self.lengths:
+                    sig = self._fill[n, b] = PREFILL_PAGED_BUCKET.format(n, b)
+                    self.runners[sig] = program.runner(sig, platform)
+                    self._fns[sig] = jit_prefill(self.runners[sig], output_tree(program, sig), self.length,
+                                                 self.cache_names, slots=True)
         self._set_row = jit_set_row()
         self.stats = {"decode_steps": 0, "tokens": 0, "prefill_tokens": 0, "requests": 0,
                       "decode_bytes_to_device": 0, "decode_bytes_to_host": 0, "busy_slot_steps": 0,
                       "batched_prefill_calls": 0, "prefill_row_chunks": 0, "mixed_steps": 0, "most_pages_in_use": 0,
-                      "preemptions": 0}
+                      "preemptions": 0, "small_prefill_calls": 0}
         self._pool_zeros = jit_zeros(None, [(tuple(spec[n].shape), np.dtype(spec[n].dtype)) for n in self.cache_names],
                                      cache_shardings(self.decode_runner, self.cache_names, self._small))
         self._caches = self._made(self._pool_zeros, "pages_zeros")
@@ -177,11 +186,21 @@ class PagedEngine(Engine):
         table[busy] = self._decode_table(busy)[busy]
         decoding = np.zeros(self.slots, bool)
         decoding[busy] = True
-        sig = PREFILL_PAGED.format(n)
-        with self._alone([i for i, _ in rows] + busy):
-            out, self._state, self._caches = self._mixed_fn(sig, top)(
-                self.runners[sig].weights, self._state, self._caches, self._allowed(), self._put(table),
-                self._put(tokens), self._put(start), self._put(decoding))
+        part = [i for i, _ in rows] + busy
+        b = self._fill_rows(len(part))
+        sig = self._fill[n, b]
+        with self._alone(part):
+            if b < self.slots:  # a light load: a smaller call over those rows
+                out, self._state, self._caches = self._mixed_fn(sig, top)(
+                    self.runners[sig].weights, self._state, self._caches, self._part_allowed(part, b),
+                    *(self._put(_rows(x, part, b)) for x in (table, tokens, start, decoding)),
+                    self._put(self._index(part, b)))
+                out = self._whole(out, part)
+                self.stats["small_prefill_calls"] += 1
+            else:
+                out, self._state, self._caches = self._mixed_fn(sig, top)(
+                    self.runners[sig].weights, self._state, self._caches, self._allowed(), self._put(table),
+                    self._put(tokens), self._put(start), self._put(decoding))
             self._filled(rows, takes)
             self.stats["mixed_steps"] += 1
             self.stats["decode_steps"] += 1
@@ -205,27 +224,36 @@ class PagedEngine(Engine):
         """A decode step of the rows ``busy`` alone through the smaller program of ``rows`` rows
         (``decode_paged_<rows>``, its other rows padding on page 0); its outputs as the batch's (``[B, ...]``,
         the other rows zero)."""
-        mask = self._mask()
-        index = np.array(busy + [self.slots] * (rows - len(busy)), np.int32)  # past the batch: padding
-        part = np.zeros((rows, self._max_pages), np.int32)
-        part[:len(busy)] = table[busy]
-        if mask is None:
-            allowed = self._everything_rows[rows]
-        else:
-            allowed = np.full((rows, mask.shape[1]), -1, np.int32)
-            allowed[:len(busy)] = mask[busy]
-            allowed = self._put(allowed)
-        out, self._state, self._caches = self._rows_fn(rows, top)(self._buckets[rows].weights, self._state,
-                                                                  self._caches, allowed, self._put(part),
-                                                                  self._put(index))
+        out, self._state, self._caches = self._rows_fn(rows, top)(
+            self._buckets[rows].weights, self._state, self._caches, self._part_allowed(busy, rows),
+            self._put(_rows(table, busy, rows)), self._put(self._index(busy, rows)))
         key = "one_row_steps" if rows == 1 else "small_batch_steps"
         self.stats[key] = self.stats.get(key, 0) + 1
+        return self._whole(out, busy)
+
+    def _index(self, part: list[int], rows: int) -> np.ndarray:
+        """The batch rows ``part`` of a ``rows``-row call, padded with one past the batch (no row)."""
+        return np.array(part + [self.slots] * (rows - len(part)), np.int32)
+
+    def _part_allowed(self, part: list[int], rows: int):
+        """This step's allowed-token bitmask for the batch rows ``part`` of a ``rows``-row call."""
+        mask = self._mask()
+        if mask is None:
+            return self._everything_rows[rows]
+        return self._put(_rows(mask, part, rows, fill=-1))
+
+    def _whole(self, out, part: list[int]) -> tuple:
+        """A smaller call's outputs for the batch rows ``part`` as the batch's (``[B, ...]``, the other rows zero)."""
         full = []
         for o in self._jax.device_get(out):
             whole = np.zeros((self.slots, *o.shape[1:]), o.dtype)
-            whole[busy] = o[:len(busy)]
+            whole[part] = o[:len(part)]
             full.append(whole)
         return tuple(full)
+
+    def _fill_rows(self, count: int) -> int:
+        """The rows of the prefill call for ``count`` rows: the smallest exported that holds them."""
+        return min((b for n, b in self._fill if n == self.lengths[0] and b >= count), default=self.slots)
 
     def _mixed_fn(self, sig: str, top: int):
         if (sig, top) not in self._mixeds:
@@ -235,14 +263,15 @@ class PagedEngine(Engine):
 
     def _calls(self):
         B, table, i32 = self.slots, self._host((self.slots, self._max_pages)), self._host(())
-        allowed, starts = self._host((B, mask_words(self.vocab))), self._host((B,))
-        for sig, fn in self._fns.items():
-            n = int(sig.rsplit("_", 1)[1])
-            yield sig, fn, (self.runners[sig].weights, self._host((B, n)), starts, self._caches, table)
+        allowed = self._host((B, mask_words(self.vocab)))
+        for (n, b), sig in sorted(self._fill.items()):
+            h = self._host
+            yield sig, self._fns[sig], (self.runners[sig].weights, h((b, n)), h((b,)), self._caches,
+                                        h((b, self._max_pages)))
             for top in (0, TOP_LOGPROBS):
                 yield f"mixed.{sig}.top{top}", self._mixed_fn(sig, top), (
-                    self.runners[sig].weights, self._state, self._caches, allowed, table, self._host((B, n)), starts,
-                    self._host((B,), bool))
+                    self.runners[sig].weights, self._state, self._caches, h((b, allowed.shape[1])),
+                    h((b, self._max_pages)), h((b, n)), h((b,)), h((b,), bool), *((h((b,)),) if b < B else ()))
         for top in (0, TOP_LOGPROBS):
             yield f"{DECODE_PAGED}.top{top}", self._decode_fn(DECODE_PAGED, top), (
                 self.decode_runner.weights, self._state, self._caches, allowed, table)
@@ -411,8 +440,13 @@ class PagedEngine(Engine):
             if not rows:
                 return
             n, tokens, start, table, takes = self._chunk(rows)
-            sig = PREFILL_PAGED.format(n)
-            with self._alone([i for i, _ in rows]):
+            part = [i for i, _ in rows]
+            b = self._fill_rows(len(part))
+            sig = self._fill[n, b]
+            if b < self.slots:  # only the filling rows (padding rows write page 0)
+                tokens, start, table = (_rows(x, part, b) for x in (tokens, start, table))
+                self.stats["small_prefill_calls"] += 1
+            with self._alone(part):
                 self._caches = self._fns[sig](self.runners[sig].weights, self._put(tokens), self._put(start),
                                               self._caches, self._put(table))
                 self._filled(rows, takes)
@@ -442,3 +476,10 @@ class PagedEngine(Engine):
         if any(getattr(x, "is_deleted", lambda: False)() for x in self._caches):  # the pool went with a failed call
             self._caches = self._pool_zeros()
             self._pool.clear()
+
+
+def _rows(x: np.ndarray, part: list[int], rows: int, fill=0) -> np.ndarray:
+    """Rows ``part`` of the batch's host array ``x`` as a ``rows``-row call's, padded with ``fill``."""
+    out = np.full((rows, *x.shape[1:]), fill, x.dtype)
+    out[:len(part)] = x[part]
+    return out

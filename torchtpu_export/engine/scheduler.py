@@ -200,8 +200,9 @@ class Engine(Following):
                 fn.load(stored[name], *args, devices=devices)
             else:
                 raise ArtifactError(f"the file's stored executables lack the engine call {name!r}: they were "
-                                    "compiled for the server's defaults (batched, prefix cache)",
-                                    hint="serve with the defaults, or with --no-warm to compile as it serves")
+                                    "compiled for the server's defaults (batched, prefix cache), or by an older "
+                                    "torchtpu-export", hint="serve with the defaults, compile the file again "
+                                    "(torchtpu-export compile), or serve with --no-warm to compile as it serves")
         self.stats["warm_seconds"] = round(time.perf_counter() - t0, 3)
         self.stats["stored_executables"] = 0 if stored is None else len(stored)
         return self.stats["warm_seconds"]

@@ -217,17 +217,25 @@ def jit_mixed(runner, out_spec, length: int, cache_names: list[str], top: int = 
     logits are each row's first token's) carrying both prompt chunks and decode steps: a row with
     ``decoding`` set runs its next token at column 0 from its state's position (the rest of its row is
     padding, written past its position) and is sampled as :func:`jit_decode` samples; the other rows prefill
-    ``chunk`` from ``start`` and keep their state."""
+    ``chunk`` from ``start`` and keep their state. Given ``index`` after ``decoding``, a smaller program's call
+    (``prefill_paged_<N>_rows_<b>``) over batch rows ``index`` (int32 ``[b]``, one past the batch: padding): their
+    state rows taken and written back, the other arguments and the outputs the ``b`` rows'."""
     import jax
     call = program_call(runner, out_spec, length, cache_names, slots=True)
 
-    def mixed(weights, state, caches, allowed, table, chunk, start, decoding):
+    def mixed(weights, state, caches, allowed, table, chunk, start, decoding, *index):
         import jax.numpy as jnp
+        whole = state
+        if index:
+            state = tuple(x[jnp.clip(index[0], 0, x.shape[0] - 1)] for x in whole)
         tokens = jnp.where(decoding[:, None], chunk.at[:, 0].set(state[0]), chunk)
         logits, caches = call(weights, tokens, jnp.where(decoding, state[1], start), caches, table)
         outs, stepped = _sampled(logits[:, 0], state, allowed, top, length - 1)
         keep = lambda new, old: jnp.where(decoding.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
-        return outs, tuple(map(keep, stepped, state)), caches
+        state = tuple(map(keep, stepped, state))
+        if index:
+            state = tuple(x.at[index[0]].set(o, mode="drop") for x, o in zip(whole, state))
+        return outs, state, caches
     return Prepared(jax.jit(mixed, donate_argnums=(1, 2)))
 
 

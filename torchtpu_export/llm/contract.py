@@ -26,6 +26,7 @@ DECODE_PAGED = "decode_paged"
 DECODE_PAGED_ONE = "decode_paged_1"  # one row of the batch alone (its page table's row): no idle row stepped
 DECODE_PAGED_BUCKET = "decode_paged_{}"  # ``b`` rows of the batch (``batch_buckets``), as DECODE_BUCKET
 PREFILL_PAGED = "prefill_paged_{}"  # its logits are each row's first token's ([B, 1, V]): mixed steps
+PREFILL_PAGED_BUCKET = "prefill_paged_{}_rows_{}"  # the same, N tokens for b rows (``batch_buckets``, and 1)
 # a vision-language model on the tpu target: ``vision`` (``images [1, H, W, 3]`` in [0, 1] -> ``embeddings
 # [1, R, D]``, an image's rows) and a prefill taking ``image_rows [1, N, D]`` beside its tokens (row ``i`` put in
 # where token ``i`` is the image token, as transformers merges them)
