@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from torchtpu_export import targets
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -293,3 +295,15 @@ def test_import_does_nothing_but_define_names():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[0] == "[] False False False", r.stdout
+
+
+@pytest.mark.xdist_group("structure")
+def test_the_suite_s_xdist_groups_hold(request):
+    """make test runs ``--dist loadgroup`` so that the tests sharing an export (one ``xdist_group``) run on one
+    worker, which builds it once. pytest-xdist does so by suffixing their node ids with ``@group``; a pytest
+    it cannot do that on (9.2 with pytest-xdist 3.8) spreads them silently, each worker building the exports
+    again. pyproject.toml's test extra pins a pytest that works."""
+    if not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("not run with --dist loadgroup")
+    assert request.node.nodeid.endswith("@structure"), (
+        f"pytest {pytest.__version__} with this pytest-xdist ignores xdist_group: install the test extra's pytest")
