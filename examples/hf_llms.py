@@ -7,7 +7,6 @@ trained here on a few sentences: nothing is downloaded.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import urllib.request
 
 import numpy as np
@@ -143,6 +144,26 @@ def test_the_engine_steps_the_smallest_batch_that_holds_the_load(llm):
     assert [r.result() for r in requests] == wants and late.result() == wants[3]
     small = engine.stats["small_batch_steps"]
     assert engine.stats["decode_steps"] - engine.stats["one_row_steps"] - small >= 5  # the batch stepped them
+
+
+def test_a_load_at_a_bucket_s_edge_does_not_move_its_rows_each_step():
+    """The engine's choice of rows (64 slots, buckets 1, 4, 16): a load that falls to a smaller program moves
+    there once the larger steps have read as many extra rows as the move and its way back would read and write
+    (four times its rows), so a load going 17, 16, 17, 16, ... stays in the whole batch; a load that stays
+    small moves after a step or two, and at once where its rows are not those taken out or nothing decoded
+    before it."""
+    e = types.SimpleNamespace(_buckets={1: None, 4: None, 16: None}, slots=64, _part=None, _waste=0)
+
+    def pick(n, start=0):
+        rows = Engine._rows_for(e, list(range(start, start + n)))
+        e._part = None if rows == 64 else [list(range(start, start + n)) + [-1] * (rows - n), None, None]
+        return rows
+    assert [pick(n) for n in (17, 16, 17, 16, 17, 16, 16, 16)] == [64, 64, 64, 64, 64, 64, 16, 16]
+    assert [pick(n) for n in (3, 3, 3, 1, 1)] == [16, 4, 4, 4, 1]  # 12 then 24 >= 16 extra rows; 3 then 6 >= 4
+    assert pick(2, start=10) == 4  # rows outside those taken out: taken anew, into the smallest that holds them
+    assert [pick(n) for n in (5, 17)] == [16, 64]  # a growing load moves at once
+    e._waste = None  # a step with nothing decoding: a new load starts where it fits
+    assert pick(1) == 1
 
 
 # ---- prefix caching ---------------------------------------------------------------------------------

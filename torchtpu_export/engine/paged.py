@@ -37,7 +37,7 @@ from ..errors import InputError
 from ..llm.contract import DECODE_PAGED, DECODE_PAGED_BUCKET, PREFILL_PAGED, PREFILL_PAGED_BUCKET, decode_buckets
 from .prefix import PagePool, page_keys
 from .request import TOP_LOGPROBS
-from .scheduler import Engine, decode_program, first_device
+from .scheduler import Engine, decode_program, first_device, part_rows
 from .step import (cache_shardings, jit_decode, jit_decode_rows, jit_mixed, jit_prefill, jit_set_row, jit_zeros,
                    mask_words, output_tree, state_row, state_rows)
 
@@ -192,8 +192,8 @@ class PagedEngine(Engine):
         with self._alone(part):
             if b < self.slots:  # a light load: a smaller call over those rows
                 out, self._state, self._caches = self._mixed_fn(sig, top)(
-                    self.runners[sig].weights, self._state, self._caches, self._part_allowed(part, b),
-                    *(self._put(_rows(x, part, b)) for x in (table, tokens, start, decoding)),
+                    self.runners[sig].weights, self._state, self._caches, self._part_allowed(part, b, self._mask()),
+                    *(self._put(part_rows(x, part, b)) for x in (table, tokens, start, decoding)),
                     self._put(self._index(part, b)))
                 out = self._whole(out, part)
                 self.stats["small_prefill_calls"] += 1
@@ -225,8 +225,8 @@ class PagedEngine(Engine):
         (``decode_paged_<rows>``, its other rows padding on page 0); its outputs as the batch's (``[B, ...]``,
         the other rows zero)."""
         out, self._state, self._caches = self._rows_fn(rows, top)(
-            self._buckets[rows].weights, self._state, self._caches, self._part_allowed(busy, rows),
-            self._put(_rows(table, busy, rows)), self._put(self._index(busy, rows)))
+            self._buckets[rows].weights, self._state, self._caches, self._part_allowed(busy, rows, self._mask()),
+            self._put(part_rows(table, busy, rows)), self._put(self._index(busy, rows)))
         key = "one_row_steps" if rows == 1 else "small_batch_steps"
         self.stats[key] = self.stats.get(key, 0) + 1
         return self._whole(out, busy)
@@ -234,22 +234,6 @@ class PagedEngine(Engine):
     def _index(self, part: list[int], rows: int) -> np.ndarray:
         """The batch rows ``part`` of a ``rows``-row call, padded with one past the batch (no row)."""
         return np.array(part + [self.slots] * (rows - len(part)), np.int32)
-
-    def _part_allowed(self, part: list[int], rows: int):
-        """This step's allowed-token bitmask for the batch rows ``part`` of a ``rows``-row call."""
-        mask = self._mask()
-        if mask is None:
-            return self._everything_rows[rows]
-        return self._put(_rows(mask, part, rows, fill=-1))
-
-    def _whole(self, out, part: list[int]) -> tuple:
-        """A smaller call's outputs for the batch rows ``part`` as the batch's (``[B, ...]``, the other rows zero)."""
-        full = []
-        for o in self._jax.device_get(out):
-            whole = np.zeros((self.slots, *o.shape[1:]), o.dtype)
-            whole[part] = o[:len(part)]
-            full.append(whole)
-        return tuple(full)
 
     def _fill_rows(self, count: int) -> int:
         """The rows of the prefill call for ``count`` rows: the smallest exported that holds them."""
@@ -444,7 +428,7 @@ class PagedEngine(Engine):
             b = self._fill_rows(len(part))
             sig = self._fill[n, b]
             if b < self.slots:  # only the filling rows (padding rows write page 0)
-                tokens, start, table = (_rows(x, part, b) for x in (tokens, start, table))
+                tokens, start, table = (part_rows(x, part, b) for x in (tokens, start, table))
                 self.stats["small_prefill_calls"] += 1
             with self._alone(part):
                 self._caches = self._fns[sig](self.runners[sig].weights, self._put(tokens), self._put(start),
@@ -476,10 +460,3 @@ class PagedEngine(Engine):
         if any(getattr(x, "is_deleted", lambda: False)() for x in self._caches):  # the pool went with a failed call
             self._caches = self._pool_zeros()
             self._pool.clear()
-
-
-def _rows(x: np.ndarray, part: list[int], rows: int, fill=0) -> np.ndarray:
-    """Rows ``part`` of the batch's host array ``x`` as a ``rows``-row call's, padded with ``fill``."""
-    out = np.full((rows, *x.shape[1:]), fill, x.dtype)
-    out[:len(part)] = x[part]
-    return out

@@ -138,6 +138,8 @@ class Engine(Following):
                 self._buckets[1] = (DECODE, program.runner(DECODE, platform))
         self._part: list | None = None  # [slot of each row (-1: none), their state, their caches] while in use
         self._part_decodes: dict = {}  # (rows, alternatives reported) -> jitted decode
+        # rows stepped beyond a smaller batch's since the load fell to it (:meth:`_rows_for`; None: idle before)
+        self._waste = None
         self._takes = {b: jit_take_rows() for b in self._buckets}
         self._puts = {b: jit_put_rows() for b in self._buckets}
         self._everything_rows = {b: self._put(np.full((b, mask_words(self.vocab)), -1, np.int32))
@@ -411,13 +413,14 @@ class Engine(Following):
         budget = self._prefill(budget)
         self._admit(budget)
         if not any(s.decoding for s in self._slots):
+            self._waste = None  # no load to fall from: the next one starts in the smallest that holds it
             return self.busy
         asked = [s.request.params.logprobs for s in self._slots if s.decoding and s.request.params.logprobs is not None]
         top = TOP_LOGPROBS if any(asked) else 0
         busy = [i for i, s in enumerate(self._slots) if s.decoding]
         mask = self._mask()
-        rows = min((b for b in self._buckets if b >= len(busy)), default=None)
-        if rows is not None:
+        rows = self._rows_for(busy)
+        if rows < self.slots:
             out = self._part_step(busy, rows, top, mask)
         else:
             self._unpart()
@@ -439,6 +442,20 @@ class Engine(Following):
                 self._deliver(i, slot, int(tokens[i]), lp)
         return True
 
+    def _rows_for(self, busy: list[int]) -> int:
+        """The rows of the batch to step the busy slots ``busy`` through: the smallest that holds them (a bucket, or
+        the whole batch). A load that fell to a smaller one stays where it is until stepping the larger one has
+        read as many extra rows as moving to the smaller one and back would read and write (four times its
+        rows): a load at a bucket's edge (a request ending as another starts) does not move its rows each step."""
+        fit = min((b for b in self._buckets if b >= len(busy)), default=self.slots)
+        now = self.slots if self._part is None else len(self._part[0])
+        if self._waste is not None and fit < now and (self._part is None or set(busy) <= set(self._part[0])):
+            self._waste += now - fit
+            if self._waste < 4 * fit:
+                return now
+        self._waste = 0
+        return fit
+
     def _part_decode(self, rows: int, top: int):
         """The jitted decode step of the smaller batch of ``rows`` rows (reporting ``top`` alternatives)."""
         if (rows, top) not in self._part_decodes:
@@ -451,7 +468,6 @@ class Engine(Following):
         """One decode step of the busy slots ``busy`` through the smaller batch of ``rows`` rows (their rows
         taken out of the batch's where they are not there already); its outputs as the batch's (``[B, ...]``,
         the other rows zero)."""
-        jax = self._jax
         if self._part is None or len(self._part[0]) != rows or not set(busy) <= set(self._part[0]):
             self._unpart()
             slots = busy + [-1] * (rows - len(busy))
@@ -459,25 +475,30 @@ class Engine(Following):
                                                                                    np.int32)))
             self._part = [slots, *taken]
         slots = self._part[0]
-        if mask is None:
-            allowed = self._everything_rows[rows]
-        else:
-            allowed = np.full((rows, mask.shape[1]), -1, np.int32)
-            for k, i in enumerate(slots):
-                if i >= 0:
-                    allowed[k] = mask[i]
-            allowed = self._put(allowed)
         runner = self._buckets[rows][1]
         out, self._part[1], self._part[2] = self._part_decode(rows, top)(runner.weights, self._part[1],
-                                                                         self._part[2], allowed)
+                                                                         self._part[2],
+                                                                         self._part_allowed(slots, rows, mask))
         key = "one_row_steps" if rows == 1 else "small_batch_steps"
         self.stats[key] = self.stats.get(key, 0) + 1
+        return self._whole(out, slots)
+
+    def _part_allowed(self, part: list[int], rows: int, mask):
+        """The allowed-token bitmask of a ``rows``-row call over the batch rows ``part`` (-1: no row), from the
+        batch's ``mask`` (:meth:`_mask`; None: every token)."""
+        if mask is None:
+            return self._everything_rows[rows]
+        return self._put(part_rows(mask, part, rows, fill=-1))
+
+    def _whole(self, out, part: list[int]) -> tuple:
+        """A smaller call's outputs for the batch rows ``part`` (-1, or past the list: no row) as the batch's
+        (``[B, ...]``, the other rows zero)."""
+        keep = [k for k, i in enumerate(part) if i >= 0]
+        at = [part[k] for k in keep]
         full = []
-        for o in jax.device_get(out):
+        for o in self._jax.device_get(out):
             whole = np.zeros((self.slots, *o.shape[1:]), o.dtype)
-            for k, i in enumerate(slots):
-                if i >= 0:
-                    whole[i] = o[k]
+            whole[at] = o[keep]
             full.append(whole)
         return tuple(full)
 
@@ -939,3 +960,11 @@ def _plan(count: int, lengths: tuple) -> tuple:
         plan.append(pick[c])
         c -= pick[c]
     return tuple(plan)
+
+
+def part_rows(x: np.ndarray, part: list[int], rows: int, fill=0) -> np.ndarray:
+    """Rows ``part`` of the batch's host array ``x`` (-1: no row) as a ``rows``-row call's, the others ``fill``."""
+    out = np.full((rows, *x.shape[1:]), fill, x.dtype)
+    keep = [k for k, i in enumerate(part) if i >= 0]
+    out[keep] = x[[part[k] for k in keep]]
+    return out

@@ -171,10 +171,8 @@ def jit_decode_rows(runner, out_spec, length: int, cache_names: list[str], top: 
     body = _decode_body(runner, out_spec, length, cache_names, True, top)
 
     def decode_rows(weights, state, caches, allowed, table, rows):
-        import jax.numpy as jnp
-        part = tuple(x[jnp.clip(rows, 0, x.shape[0] - 1)] for x in state)
-        outs, part, caches = body(weights, part, caches, allowed, table)
-        return outs, tuple(x.at[rows].set(o, mode="drop") for x, o in zip(state, part)), caches
+        outs, part, caches = body(weights, _take(state, rows), caches, allowed, table)
+        return outs, _put_back(state, part, rows), caches
     return Prepared(jax.jit(decode_rows, donate_argnums=(1, 2)))
 
 
@@ -184,8 +182,7 @@ def jit_take_rows():
     import jax
 
     def take(state, caches, rows):
-        one = lambda x: x[rows]  # noqa: E731
-        return tuple(map(one, state)), tuple(map(one, caches))
+        return _take(state, rows), _take(caches, rows)
     return Prepared(jax.jit(take))
 
 
@@ -195,9 +192,19 @@ def jit_put_rows():
     import jax
 
     def put_rows(state, caches, part_state, part_caches, rows):
-        back = lambda whole, part: whole.at[rows].set(part, mode="drop")  # noqa: E731
-        return tuple(map(back, state, part_state)), tuple(map(back, caches, part_caches))
+        return _put_back(state, part_state, rows), _put_back(caches, part_caches, rows)
     return Prepared(jax.jit(put_rows, donate_argnums=(0, 1)))
+
+
+def _take(arrays, rows) -> tuple:
+    """(traced) Rows ``rows`` of each array (a row index past the batch, padding, reads its last row)."""
+    import jax.numpy as jnp
+    return tuple(x[jnp.clip(rows, 0, x.shape[0] - 1)] for x in arrays)
+
+
+def _put_back(arrays, parts, rows) -> tuple:
+    """(traced) :func:`_take`'s rows ``parts`` written back at ``rows`` (a row index past the batch: dropped)."""
+    return tuple(x.at[rows].set(o, mode="drop") for x, o in zip(arrays, parts))
 
 
 def _decode_body(runner, out_spec, length: int, cache_names: list[str], slots: bool, top: int):
@@ -227,14 +234,14 @@ def jit_mixed(runner, out_spec, length: int, cache_names: list[str], top: int = 
         import jax.numpy as jnp
         whole = state
         if index:
-            state = tuple(x[jnp.clip(index[0], 0, x.shape[0] - 1)] for x in whole)
+            state = _take(whole, index[0])
         tokens = jnp.where(decoding[:, None], chunk.at[:, 0].set(state[0]), chunk)
         logits, caches = call(weights, tokens, jnp.where(decoding, state[1], start), caches, table)
         outs, stepped = _sampled(logits[:, 0], state, allowed, top, length - 1)
         keep = lambda new, old: jnp.where(decoding.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
         state = tuple(map(keep, stepped, state))
         if index:
-            state = tuple(x.at[index[0]].set(o, mode="drop") for x, o in zip(whole, state))
+            state = _put_back(whole, state, index[0])
         return outs, state, caches
     return Prepared(jax.jit(mixed, donate_argnums=(1, 2)))
 
