@@ -132,27 +132,16 @@ STRANGER = textwrap.dedent("""
 """)
 
 
-def test_serving_engine_across_two_processes(tmp_path):
-    """``serve --distributed`` on two processes of two CPU devices each (gloo), one tensor-parallel LLM over
-    their four devices: process 0 takes HTTP requests, process 1 runs the steps process 0's engine
-    schedules. Two concurrent OpenAI completions give the tokens one process gives over four devices, and
-    stopping process 0 ends process 1 cleanly. The coordinator listens on the address given only, and
-    strangers (jax's own client with no secret, a process with another secret, a wrong handshake) are
-    refused without disturbing the job."""
-    import threading
+def _serve_distributed(path, env: dict, tmp_path, devices: int = 2):
+    """``serve path --distributed`` as two processes of ``devices`` CPU devices each (gloo), once process 0 is
+    ready: (coordinator port, process 0's HTTP port, the processes, their log files, ``log(i, tail)``)."""
     import time
     import urllib.request
-    import openai
-    env = _env()
-    ref = subprocess.run([sys.executable, "-c", EXPORT_LLM, str(tmp_path)], capture_output=True, text=True,
-                         timeout=600, env=env)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    want = json.loads(ref.stdout.strip().splitlines()[-1])
     port, http = _free_port(), _free_port()
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
                TTE_DISTRIBUTED_TOKEN=secrets.token_hex(16))
     logs = [open(tmp_path / f"process{i}.log", "w+") for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-m", "torchtpu_export", "serve", str(tmp_path / "llm.tpu"),
+    procs = [subprocess.Popen([sys.executable, "-m", "torchtpu_export", "serve", str(path),
                                "--port", str(http + i if i else http), "--name", "tiny", "--distributed",
                                "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
                               stdout=logs[i], stderr=subprocess.STDOUT, env=env, text=True) for i in range(2)]
@@ -168,9 +157,33 @@ def test_serving_engine_across_two_processes(tmp_path):
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2) as r:
                     if r.status == 200:
-                        break
+                        return port, http, procs, logs, log
             except OSError:
                 time.sleep(0.5)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        for f in logs:
+            f.close()
+        raise
+
+
+def test_serving_engine_across_two_processes(tmp_path):
+    """``serve --distributed`` on two processes of two CPU devices each (gloo), one tensor-parallel LLM over
+    their four devices: process 0 takes HTTP requests, process 1 runs the steps process 0's engine
+    schedules. Two concurrent OpenAI completions give the tokens one process gives over four devices, and
+    stopping process 0 ends process 1 cleanly. The coordinator listens on the address given only, and
+    strangers (jax's own client with no secret, a process with another secret, a wrong handshake) are
+    refused without disturbing the job."""
+    import threading
+    import openai
+    env = _env()
+    ref = subprocess.run([sys.executable, "-c", EXPORT_LLM, str(tmp_path)], capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    want = json.loads(ref.stdout.strip().splitlines()[-1])
+    port, http, procs, logs, log = _serve_distributed(tmp_path / "llm.tpu", env, tmp_path)
+    try:
         # the coordinator listens on the address given, nowhere else (read from the system)
         import psutil
         process0 = psutil.Process(procs[0].pid)
@@ -211,6 +224,75 @@ def test_serving_engine_across_two_processes(tmp_path):
         assert texts == want["texts"], (texts, want["texts"], log(0))
         assert "running the steps of process 0's engine" in log(1, None)
         procs[0].terminate()  # process 0's engine stops, and tells process 1
+        assert procs[1].wait(120) == 0, log(1)
+        procs[0].wait(60)
+    finally:
+        for p in procs:
+            p.kill()
+        for f in logs:
+            f.close()
+
+
+EXPORT_PAGED = textwrap.dedent("""
+    import os, sys, json
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import numpy as np, torchtpu_export as tte
+    from torchtpu_export.engine import Engine
+    import hf_llms
+    out = sys.argv[1]
+    model, tok = hf_llms.build("llama")
+    # 4 rows of a 64-position cache over 9 pages of 16: two full sequences (and page 0), fewer than the four
+    # requests below take together; the pool split by KV head over two chips
+    prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8, 16), cache_length=64, batch_size=4,
+                          platforms=("cpu",), mesh=(("data", 1), ("model", 2)), kv_pages=9)
+    prog.save(os.path.join(out, "paged.tpu"))
+    engine = Engine(tte.load(os.path.join(out, "paged.tpu")))
+    rng = np.random.default_rng(5)
+    system = rng.integers(3, 300, 20).tolist()
+    prompts = [system + rng.integers(3, 300, k).tolist() for k in (3, 9, 5, 14)]
+    stop = engine.program.manifest["llm"]["stop_ids"]
+    requests = [engine.submit(p, 30, stop=stop) for p in prompts]
+    while engine.busy:
+        engine.step()
+    spec = prog.manifest["programs"]["decode_paged"]
+    split = spec["sharding"]["inputs"][[i["name"] for i in spec["inputs"]].index("kv_cache_k_0")]
+    print(json.dumps({"prompts": prompts, "tokens": [r.result() for r in requests], "stats": engine.stats,
+                      "pool_split": split}))
+""")
+
+
+def test_a_paged_export_is_served_across_two_processes(tmp_path):
+    """``serve --distributed`` of a paged export (the pool split by KV head over two processes' chips): four
+    concurrent requests on a pool that holds two of them at a time (they wait, are preempted and readmitted,
+    and share their prompts' first pages) give the tokens one process gives, every process taking the same
+    steps (process 1 follows the pages process 0 hands out)."""
+    import threading
+
+    import openai
+    env = _env()
+    ref = subprocess.run([sys.executable, "-c", EXPORT_PAGED, str(tmp_path)], capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    want = json.loads(ref.stdout.strip().splitlines()[-1])
+    assert want["stats"]["preemptions"] > 0 and want["stats"]["prefix_hit_tokens"] > 0, want["stats"]
+    assert want["pool_split"] == ["model", None, None, None]  # [kv heads, pages, page, dim]: a chip's heads' pages
+    port, http, procs, logs, log = _serve_distributed(tmp_path / "paged.tpu", env, tmp_path, devices=1)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="unused", max_retries=0, timeout=300)
+        got = [None] * len(want["prompts"])
+
+        def ask(i):
+            done = client.completions.create(model="tiny", prompt=want["prompts"][i], max_tokens=30, temperature=0)
+            got[i] = done.choices[0].text
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(got))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        import hf_llms
+        tok = hf_llms.tokenizer(hf_llms.MODELS["llama"][1])
+        assert got == [tok.decode(t, skip_special_tokens=True) for t in want["tokens"]], (got, log(0))
+        procs[0].terminate()
         assert procs[1].wait(120) == 0, log(1)
         procs[0].wait(60)
     finally:

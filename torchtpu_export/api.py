@@ -345,7 +345,8 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
                            slot_inputs(layout, batch_size, n))
     if options.get("mesh") and options.get("sharding", "tensor_parallel") in (None, "tensor_parallel"):
         # tensor parallel splits attention by head: each chip keeps its own heads' KV cache, never the whole
-        options.setdefault("input_shardings", cache_shardings(layout, options["mesh"]))
+        paged = [e[0] for e in sigs.entries if "page_table" in e[3]]  # their caches are pools
+        options.setdefault("input_shardings", cache_shardings(layout, options["mesh"], paged))
     maker = targets.get(program_target)
     if maker.llm_options is not None:
         options.update(maker.llm_options(source, layout, lengths))

@@ -98,7 +98,8 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
     With ``mesh`` (e.g. ``(("data", 1), ("model", 8))``) the programs are sharded over that many
     devices following ``sharding`` (default ``"tensor_parallel"``; see sharding.py);
     ``input_shardings`` (``{input name: [axis or None per dim]}``) splits named inputs, and the
-    outputs of the same name, as given (state such as a KV cache split by head).
+    outputs of the same name, as given (state such as a KV cache split by head); a key
+    ``"<program>:<input name>"`` splits that program's input so instead (an input of another layout there).
     ``precompile`` (TPU topologies, e.g. ``("v5e:2x2",)``) stores an executable per program and
     topology, compiled by libtpu. Where libtpu is installed, every Pallas kernel is first compiled
     for the generations of ``precompile`` (default v5e and v6e); one the compiler rejects falls
@@ -132,6 +133,7 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
         raise InputError("input_shardings= needs a mesh=, e.g. mesh=(('data', 1), ('model', 8))")
     if input_shardings:
         known = {spec.name for cap in captures.values() for spec in cap.inputs}
+        known |= {f"{prog}:{spec.name}" for prog, cap in captures.items() for spec in cap.inputs}
         unknown = sorted(set(input_shardings) - known)
         if unknown:
             raise InputError(f"input_shardings names {unknown[0]!r}, which no program takes",
@@ -166,8 +168,9 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
         programs[prog], mlir[prog] = {}, {}
         kernel_log: list[dict] = []
         calling_convention = None
-        plan = sharding_plans.plan(cap, mesh_axes, sharding or "tensor_parallel", input_shardings) \
-            if mesh_axes else None
+        given = {k: v for k, v in (input_shardings or {}).items() if ":" not in k}
+        given.update({k[len(prog) + 1:]: v for k, v in (input_shardings or {}).items() if k.startswith(prog + ":")})
+        plan = sharding_plans.plan(cap, mesh_axes, sharding or "tensor_parallel", given) if mesh_axes else None
         jit_kwargs = _jit_shardings(plan, renames) if plan else {}
         if plan:  # from here on, by the artifact's weight names (the manifest's plan, what compiling reads)
             plan["weights"] = {renames[k]: v for k, v in plan["weights"].items()}

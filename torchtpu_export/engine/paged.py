@@ -97,11 +97,12 @@ class PagedEngine(Engine):
         self.length = self._max_pages * self.page_size
         self.exact = False
         self.prefill_budget = prefill_budget or self.lengths[-1]
+        # a sharded program under several processes: one engine per process, process 0 taking the requests
+        # and every process running the same steps (the pages each sequence gets, the prefix cache's hits and
+        # preemptions are decided by the same requests and tokens everywhere)
         mesh = self.decode_runner.mesh
-        if mesh is not None and jax.process_count() > 1:
-            raise InputError("a paged cache is served by one process", hint="export without kv_pages for serve "
-                             "--distributed")
-        self.processes, self.lead = 1, True
+        self.processes = jax.process_count() if mesh is not None else 1
+        self.lead = self.processes == 1 or jax.process_index() == 0
         weights = self.decode_runner.weights
         self.device = first_device(weights)
         self._small = SingleDeviceSharding(self.device) if mesh is None else NamedSharding(mesh, PartitionSpec())

@@ -144,9 +144,11 @@ def paged_inputs(layout: CacheLayout, slots: int, n: int, pages: int, page: int)
                 page_table=torch.zeros(slots, layout.length // page, dtype=torch.int32), **pools)
 
 
-def cache_shardings(layout: CacheLayout, mesh) -> dict:
+def cache_shardings(layout: CacheLayout, mesh, paged=()) -> dict:
     """Each cache ``[slots, kv_heads, length, head_dim]`` split by KV head over the mesh's ``model``
-    axis, when the heads divide over it (else replicated, as XLA would gather them anyway)."""
+    axis, when the heads divide over it (else replicated, as XLA would gather them anyway). The paged
+    programs ``paged`` take each cache as a pool ``[kv_heads, pages, page, head_dim]``: split the same way
+    (``"<program>:<cache>"`` keys, the converter's per-program input shardings)."""
     try:
         axes = dict(mesh.items() if hasattr(mesh, "items") else mesh)
     except (TypeError, ValueError):
@@ -157,10 +159,12 @@ def cache_shardings(layout: CacheLayout, mesh) -> dict:
     kv = [name for name in layout.names() if not has_state([name])]  # recurrent states stay whole on each chip
     shapes = {name: layout.shape(name) for name in kv}
     if all(s[1] % n == 0 for s in shapes.values()):
-        return {name: [None, "model", None, None] for name in kv}
-    if all(s[3] % n == 0 for s in shapes.values()):  # more chips than KV heads (GQA): split each head's features
-        return {name: [None, None, None, "model"] for name in kv}
-    return {}
+        split = {name: [None, "model", None, None] for name in kv}
+    elif all(s[3] % n == 0 for s in shapes.values()):  # more chips than KV heads (GQA): split each head's features
+        split = {name: [None, None, None, "model"] for name in kv}
+    else:
+        return {}
+    return split | {f"{sig}:{name}": [spec[1], None, None, spec[3]] for sig in paged for name, spec in split.items()}
 
 
 def default_buckets(batch_size: int) -> list[int]:
