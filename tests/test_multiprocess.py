@@ -161,11 +161,22 @@ def _serve_distributed(path, env: dict, tmp_path, devices: int = 2):
             except OSError:
                 time.sleep(0.5)
     except BaseException:
-        for p in procs:
-            p.kill()
-        for f in logs:
-            f.close()
+        _kill(procs, logs)
         raise
+
+
+def _stop(procs, log) -> None:
+    """Process 0 stopped: its engine stops and tells process 1's, which ends cleanly."""
+    procs[0].terminate()
+    assert procs[1].wait(120) == 0, log(1)
+    procs[0].wait(60)
+
+
+def _kill(procs, logs) -> None:
+    for p in procs:
+        p.kill()
+    for f in logs:
+        f.close()
 
 
 def test_serving_engine_across_two_processes(tmp_path):
@@ -223,14 +234,9 @@ def test_serving_engine_across_two_processes(tmp_path):
             t.join(300)
         assert texts == want["texts"], (texts, want["texts"], log(0))
         assert "running the steps of process 0's engine" in log(1, None)
-        procs[0].terminate()  # process 0's engine stops, and tells process 1
-        assert procs[1].wait(120) == 0, log(1)
-        procs[0].wait(60)
+        _stop(procs, log)
     finally:
-        for p in procs:
-            p.kill()
-        for f in logs:
-            f.close()
+        _kill(procs, logs)
 
 
 EXPORT_PAGED = textwrap.dedent("""
@@ -292,11 +298,6 @@ def test_a_paged_export_is_served_across_two_processes(tmp_path):
         import hf_llms
         tok = hf_llms.tokenizer(hf_llms.MODELS["llama"][1])
         assert got == [tok.decode(t, skip_special_tokens=True) for t in want["tokens"]], (got, log(0))
-        procs[0].terminate()
-        assert procs[1].wait(120) == 0, log(1)
-        procs[0].wait(60)
+        _stop(procs, log)
     finally:
-        for p in procs:
-            p.kill()
-        for f in logs:
-            f.close()
+        _kill(procs, logs)
