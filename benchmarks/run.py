@@ -37,6 +37,7 @@ BENCHMARKS = {
     "serving-tpu": ("serving", ["--concurrency", "", "--topologies", "v5e,v6e", "-o", "RESULTS-serving-tpu.md"]),
     "decode-cost": ("plain_decode", ["-o", "RESULTS-decode-cost.md"]),
     "capacity": ("serving", ["--concurrency", "", "--prefix", "0", "--capacity", "v5e", "-o", "RESULTS-capacity.md"]),
+    "mixed": ("serving", ["--concurrency", "", "--prefix", "0", "--mixed", "v5e", "-o", "RESULTS-mixed.md"]),
 }
 
 

@@ -435,6 +435,57 @@ def capacity(name: str, topology: str, cache: int = 2048, page: int = 16, slot_b
                 params=sum(p.numel() for p in model.parameters()))
 
 
+# ---- mixed steps: packed (decode tokens and one chunk in one sequence) against the padded rows ------------
+
+def mixed_cost(name: str, topology: str, rows: int = 32, cache: int = 1024, lengths=(64, 256), page: int = 16,
+               pages: int = 257, recipe: str = "bf16") -> dict:
+    """The TPU compiler's view (FLOPs, bytes accessed, roofline) of a paged export's steps while prompts arrive
+    during decoding: the packed mixed step the engine calls (``mixed_paged_<N>``: ``rows`` decode tokens and one
+    row's ``N``-token chunk, ``rows + N`` tokens), against the ``rows x N`` tokens of the call that carried the
+    same work when every row was padded to the chunk (``prefill_paged_<N>``, what the engine called before,
+    then with each row's first-token logits too), and the plain decode step (``decode_paged``). The pool is
+    small (``pages``): a step's cost reads the rows' page tables, not the pool's size, and each program's sample
+    pools are in host memory while it is exported."""
+    import torchtpu_export as tte
+    from torchtpu_export import llm
+    kind, config = TPU_CONFIGS[name]
+    model = build_any(kind, config)
+    prog = tte.export_llm(model, None, target="tpu", prefill_lengths=lengths, cache_length=cache, quant_config=recipe,
+                          platforms=("tpu",), check=False, batch_size=rows, batch_buckets=(), kv_pages=pages,
+                          page_size=page)
+    out = dict(name=name, topology=topology, rows=rows, cache=cache, pages=pages, recipe=recipe, steps={})
+    for sig in [llm.DECODE_PAGED] + [s for n in lengths for s in (llm.MIXED_PAGED.format(n),
+                                                                   llm.PREFILL_PAGED.format(n))]:
+        out["steps"][sig] = _stats(prog, sig, topology)
+        st = out["steps"][sig]
+        print(f"{name} {sig}: {st['flops'] / 1e9:.1f} GFLOP, {st['bytes'] / 1e9:.2f} GB, "
+              f"{st['seconds'] * 1e3:.2f} ms", flush=True)
+    return out
+
+
+def mixed_text(m: dict, args) -> str:
+    steps = m["steps"]
+    lines = [f"## Mixed steps: packed against padded, {m['name']} on {m['topology']} ({datetime.date.today()}, "
+             f"libtpu's cost analysis ahead of time on {os.cpu_count()} CPU cores)", "",
+             f"`python -m benchmarks.serving --concurrency '' --prefix 0 --mixed {m['topology']}`", "",
+             f"A paged export of {m['rows']} rows ({m['recipe']}, cache {m['cache']} positions, pool "
+             f"{m['pages']} pages). While rows decode, "
+             "an arriving prompt's chunk rides in the decode step. Packed (`mixed_paged_<N>`, what the engine calls): "
+             f"the {m['rows']} decode tokens and one row's chunk of N, {m['rows']} + N tokens. Padded "
+             f"(`prefill_paged_<N>`, the call that carried the same work before): every row padded to the chunk, "
+             f"{m['rows']} x N tokens.", "",
+             "| step | tokens | GFLOP | bytes accessed | roofline |", "|---|---:|---:|---:|---:|"]
+    for sig, st in steps.items():
+        n = int(sig.rsplit("_", 1)[1]) if sig != "decode_paged" else 0
+        tokens = m["rows"] + n if sig.startswith("mixed") else m["rows"] * max(n, 1)
+        lines.append(f"| `{sig}` | {tokens:,} | {st['flops'] / 1e9:,.1f} | {st['bytes'] / 1e9:.2f} GB | "
+                     f"{st['seconds'] * 1e3:.2f} ms ({st['bound']}) |")
+    lines += ["", "The roofline is the larger of FLOPs over the chip's peak and bytes over its HBM bandwidth; "
+              "the compiler's bytes accessed count staging through on-chip memory too, so compare them between "
+              "these programs only.", ""]
+    return "\n".join(lines)
+
+
 def capacity_text(c: dict, args) -> str:
     gib = 2 ** 30
     s1 = next(iter(c["slots"].values()))
@@ -558,6 +609,8 @@ def main() -> int:
     p.add_argument("--capacity", default="", help="a TPU topology (e.g. v5e): concurrent sequences of a "
                    "100-2000 token mix one chip holds for the first --tpu-configs model, paged cache against slots "
                    "('' for none)")
+    p.add_argument("--mixed", default="", help="a TPU topology (e.g. v5e): the first --tpu-configs model's packed "
+                   "mixed step against the padded one, from the TPU compiler's cost analysis ('' for none)")
     p.add_argument("--start", action="store_true", help="a server's start for the first --configs model: every "
                    "engine call compiled, against loaded from the file (compile --topology cpu)")
     p.add_argument("-o", "--output", default=None)
@@ -578,6 +631,8 @@ def main() -> int:
         text += "\n" + start_text(start_times(names[0]), args)
     if args.capacity:
         text += "\n" + capacity_text(capacity(args.tpu_configs.split(",")[0], args.capacity), args)
+    if args.mixed:
+        text += "\n" + mixed_text(mixed_cost(args.tpu_configs.split(",")[0], args.mixed), args)
     return publish(text, args.output)
 
 

@@ -12,7 +12,7 @@ import torch
 import hf_llms
 import torchtpu_export as tte
 from conftest import export_folder, run_cli
-from test_serving import Server, greedy
+from test_serving import Server, _compile_events, greedy
 from torchtpu_export.engine import Engine
 from torchtpu_export.engine.aot import compile_engine
 from torchtpu_export.engine.paged import PagedEngine
@@ -151,6 +151,37 @@ def test_requests_preempted_when_the_pool_runs_short_make_the_tokens_they_would_
             assert s["prefix_hit_tokens"] > 0
 
 
+def test_mixed_steps_are_packed_and_read_a_window_s_pages_under_its_own_mask():
+    """A packed mixed step is one sequence of B decode tokens and one row's chunk (``mixed_paged_<N>``: tokens
+    ``[1, B + N]``, a position per token, B + 1 page table rows). Gemma 3's sliding-window layers attend under
+    a mask of their own (the pages gathered per decode token and for the chunk's row), its full layers through
+    the paged attention op; requests arriving while others decode, their prompts longer than the window and the
+    chunk, get transformers' greedy tokens, through mixed steps of all three rows and of one; once the engine is
+    warm, none of its calls compiles."""
+    model, tok = hf_llms.build("gemma3")
+    prog = tte.export_llm(model, tok, target="tpu", platforms=("cpu",), prefill_lengths=(8,), cache_length=48,
+                          batch_size=3, batch_buckets=(), kv_pages="auto", page_size=8)
+    shapes = {s.name: tuple(s.shape) for s in prog.inputs("mixed_paged_8")}
+    assert (shapes["tokens"], shapes["input_pos"], shapes["page_table"]) == ((1, 11), (11,), (4, 6)), shapes
+    assert tuple(prog.outputs("mixed_paged_8_rows_1")[0].shape) == (1, 1, model.config.vocab_size)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 300, k).tolist() for k in (3, 19, 12, 27, 9)]
+    wants = [greedy(model, p, 12) for p in prompts]
+    engine = Engine(prog, prefix_cache=False)
+    engine.warm()
+    events = _compile_events()
+    requests = [engine.submit(prompts[0], 12, stop=[2])]
+    for i, p in enumerate(prompts[1:]):
+        engine.step()
+        engine.step()
+        requests.append(engine.submit(p, 12, stop=[2], **({"logprobs": 2} if i == 1 else {})))
+    while engine.busy:
+        engine.step()
+    assert [r.result() for r in requests] == wants and events == [], events
+    s = engine.stats
+    assert s["mixed_steps"] > s.get("small_mixed_steps", 0) > 0, s
+
+
 def test_the_page_pool_counts_and_evicts_idle_cached_pages_in_the_order_they_were_let_go():
     """PagePool's bookkeeping without an engine: a cached page held by a sequence is never evicted nor counted
     as available; idle cached pages go in the order they were let go, a hit taking its page out of that line."""
@@ -228,10 +259,10 @@ def test_paged_programs_compile_for_tpu_with_the_kernel_where_it_pays():
     # every call of the server's engine (steps with sampling, mixed steps, row and pool work) compiles for v5e too
     engine = compile_engine(prog, "v5e:1x1", Engine)
     assert engine["server"] == "PagedEngine" and engine["device_kind"] == "TPU v5 lite" and engine["libtpu"]
-    assert {"decode_paged.top0", "decode_paged.top20", "prefill_paged_16", "mixed.prefill_paged_16.top0",
-            "mixed.prefill_paged_16.top20", "decode_paged_1.top0", "decode_paged_1.top20", "set_row.4",
-            "pages_zeros", "prefill_paged_16_rows_1", "mixed.prefill_paged_16_rows_1.top0",
-            "mixed.prefill_paged_16_rows_1.top20"} == set(engine["calls"])
+    assert {"decode_paged.top0", "decode_paged.top20", "prefill_paged_16", "mixed_paged_16.top0",
+            "mixed_paged_16.top20", "decode_paged_1.top0", "decode_paged_1.top20", "set_row.4",
+            "pages_zeros", "prefill_paged_16_rows_1", "mixed_paged_16_rows_1.top0", "get_row.4",
+            "mixed_paged_16_rows_1.top20"} == set(engine["calls"])
     assert all(c["bytes"] > 0 for c in engine["calls"].values())
 
 

@@ -261,9 +261,10 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     """
     import torch
 
-    from .llm.contract import (DECODE, DECODE_BATCH, DECODE_BUCKET, DECODE_PAGED, DECODE_PAGED_BUCKET, PREFILL,
-                               PREFILL_BATCH, PREFILL_PAGED, PREFILL_PAGED_BUCKET, cache_shardings, paged_inputs,
-                               slot_inputs, step_inputs)
+    from .llm.contract import (DECODE, DECODE_BATCH, DECODE_BUCKET, DECODE_PAGED, DECODE_PAGED_BUCKET,
+                               MIXED_PAGED, MIXED_PAGED_BUCKET, PREFILL, PREFILL_BATCH, PREFILL_PAGED,
+                               PREFILL_PAGED_BUCKET, cache_shardings, mixed_inputs, paged_inputs, slot_inputs,
+                               step_inputs)
     from .llm.source import load_source, recurrent_layers, refuse_recurrent
     from .llm.step import CacheStep, grouped_attention_in, probe_layout
     from .quant import parse
@@ -329,13 +330,18 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
         for b in [1] + buckets if batch_size > 1 else ():  # a light load steps its own rows, not the whole batch's
             sigs.signature(DECODE_PAGED_BUCKET.format(b), CacheStep(source.model, layout, logits=True, slots=True),
                            (), paged_inputs(layout, b, 1, pages, page_size))
+        smaller = [1] + buckets if batch_size > 1 else []
         for n in lengths:
-            # with each row's first token's logits: the engine's mixed steps (prompt chunks and decode tokens);
-            # and for fewer rows (a light load's prefill and mixed steps)
-            for b, sig in [(batch_size, PREFILL_PAGED.format(n))] + [
-                    (b, PREFILL_PAGED_BUCKET.format(n, b)) for b in ([1] + buckets if batch_size > 1 else [])]:
-                sigs.signature(sig, CacheStep(source.model, layout, logits=True, slots=True, first=True), (),
+            # prompts prefilled together (and for fewer rows: a light load's); the engine's mixed steps, packed:
+            # each decoding row's next token and one row's next chunk (for fewer decoding rows too)
+            for b, sig in [(batch_size, PREFILL_PAGED.format(n))] + [(b, PREFILL_PAGED_BUCKET.format(n, b))
+                                                                     for b in smaller]:
+                sigs.signature(sig, CacheStep(source.model, layout, logits=False, slots=True), (),
                                paged_inputs(layout, b, n, pages, page_size))
+            for b, sig in [(batch_size, MIXED_PAGED.format(n))] + [(b, MIXED_PAGED_BUCKET.format(n, b))
+                                                                   for b in smaller]:
+                sigs.signature(sig, CacheStep(source.model, layout, logits=True, slots=True, lanes=b), (),
+                               mixed_inputs(layout, b, n, pages, page_size))
     elif batch_size > 1:
         for b, sig in [(batch_size, DECODE_BATCH)] + [(b, DECODE_BUCKET.format(b)) for b in buckets]:
             sigs.signature(sig, CacheStep(source.model, layout, logits=True, slots=True), (), slot_inputs(layout, b))

@@ -6,12 +6,13 @@ when it ends, so memory holds live tokens, not rows x cache length. :class:`Page
 :class:`~.scheduler.Engine` for such a program (``Engine(program)`` gives one); its requests, sampling,
 processors and thread are the engine's. What differs:
 
-- prompts are prefilled in place, in their rows' pages: every row still filling advances by one chunk per
-  call (``prefill_paged_<N>``, each row from its own start); rows taking no part point at page 0, which no
-  sequence owns. While rows decode, a step is one call for all (a mixed step, as vLLM TPU's): the filling
-  rows' next chunks and the decoding rows' next tokens (at column 0 of their rows, sampled from the
-  program's first-column logits), so the weights are read once per step (``prefill_budget`` does not
-  apply: a step carries one chunk per filling row);
+- prompts are prefilled in place, in their rows' pages: with no row decoding, every row still filling
+  advances by one chunk per call (``prefill_paged_<N>``, each row from its own start); rows taking no part
+  point at page 0, which no sequence owns. While rows decode, a step is one packed call for all (a mixed
+  step, as vLLM TPU's: ``mixed_paged_<N>``): one sequence of the decoding rows' next tokens, each at its own
+  row's pages and position, then the next chunk of the filling row that arrived first, so the weights are
+  read once per step and a decode row costs one token, not a row padded to the chunk (``prefill_budget``
+  does not apply: a step carries one chunk);
 - prefix caching shares pages instead of copying them (:class:`.prefix.PagePool`): a prompt's full pages
   stay in the pool, keyed by a hash chain of their tokens, when their request ends; a later prompt starting
   with the same tokens reads them in place and prefills only the rest. Cached pages nobody holds are
@@ -25,8 +26,8 @@ processors and thread are the engine's. What differs:
   first waiting request that does not fit waits for pages (first come, first served).
 
 Attention reads each row's pages through ``tte::paged_attention`` (:mod:`torchtpu_export.llm.paged`): gathered
-in sequence order by XLA, or on TPU for a decode step JAX's paged attention kernel, which fetches only each
-row's live pages."""
+in sequence order by XLA, or on TPU for a decode step (and a packed step's decode tokens) JAX's paged attention
+kernel, which fetches only each row's live pages."""
 from __future__ import annotations
 
 import re
@@ -34,12 +35,13 @@ import re
 import numpy as np
 
 from ..errors import InputError
-from ..llm.contract import DECODE_PAGED, DECODE_PAGED_BUCKET, PREFILL_PAGED, PREFILL_PAGED_BUCKET, decode_buckets
+from ..llm.contract import (DECODE_PAGED, DECODE_PAGED_BUCKET, MIXED_PAGED, MIXED_PAGED_BUCKET, PREFILL_PAGED,
+                            PREFILL_PAGED_BUCKET, decode_buckets)
 from .prefix import PagePool, page_keys
 from .request import TOP_LOGPROBS
 from .scheduler import Engine, decode_program, first_device, part_rows
-from .step import (cache_shardings, jit_decode, jit_decode_rows, jit_mixed, jit_prefill, jit_set_row, jit_zeros,
-                   mask_words, output_tree, state_row, state_rows)
+from .step import (cache_shardings, jit_decode, jit_decode_rows, jit_get_row, jit_mixed, jit_prefill, jit_set_row,
+                   jit_zeros, mask_words, output_tree, state_row, state_rows)
 
 
 class _Row:
@@ -111,7 +113,7 @@ class PagedEngine(Engine):
         self._fns = {sig: jit_prefill(r, output_tree(program, sig), self.length, self.cache_names, slots=True)
                      for sig, r in self.runners.items()}
         self._decodes: dict = {}
-        self._mixeds: dict = {}  # (prefill signature, alternatives reported) -> jitted mixed step
+        self._mixeds: dict = {}  # (mixed signature, alternatives reported) -> jitted mixed step
         # a light load steps its own rows through a smaller program (decode_paged_<b>): no idle row stepped
         self._buckets = {b: program.runner(DECODE_PAGED_BUCKET.format(b), platform)
                          for b in decode_buckets(sigs, paged=True) if b < self.slots}
@@ -125,7 +127,14 @@ class PagedEngine(Engine):
                     self.runners[sig] = program.runner(sig, platform)
                     self._fns[sig] = jit_prefill(self.runners[sig], output_tree(program, sig), self.length,
                                                  self.cache_names, slots=True)
-        self._set_row = jit_set_row()
+        # packed mixed steps: (chunk length, decode lanes) -> signature (none in an artifact of an older version:
+        # its arrivals are then prefilled between decode steps)
+        self._mixes = {(n, b): sig for n in self.lengths for b in [self.slots] + sorted(self._buckets)
+                       for sig in [MIXED_PAGED.format(n) if b == self.slots else MIXED_PAGED_BUCKET.format(n, b)]
+                       if sig in sigs}
+        for sig in self._mixes.values():
+            self.runners[sig] = program.runner(sig, platform)
+        self._set_row, self._get_row = jit_set_row(), jit_get_row()
         self.stats = {"decode_steps": 0, "tokens": 0, "prefill_tokens": 0, "requests": 0,
                       "decode_bytes_to_device": 0, "decode_bytes_to_host": 0, "busy_slot_steps": 0,
                       "batched_prefill_calls": 0, "prefill_row_chunks": 0, "mixed_steps": 0, "most_pages_in_use": 0,
@@ -139,6 +148,7 @@ class PagedEngine(Engine):
         self._everything = self._put(np.full((self.slots, mask_words(self.vocab)), -1, np.int32))
         self._everything_rows = {b: self._put(np.full((b, mask_words(self.vocab)), -1, np.int32))
                                  for b in self._buckets}
+        self._everything_rows[self.slots] = self._everything
         self._slots = [_Row() for _ in range(self.slots)]
         self._waiting = collections.deque()
         self._inbox = collections.deque()
@@ -158,8 +168,10 @@ class PagedEngine(Engine):
         self._admit()
         busy = self._room([i for i, r in enumerate(self._slots) if r.decoding])
         if busy and self._filling():
-            self._mixed(busy)
-            return True
+            if self._mixes:
+                self._mixed(busy)
+                return True
+            self._prefill_rows()
         if not busy:
             self._prefill_rows()
             busy = self._room([i for i, r in enumerate(self._slots) if r.decoding])
@@ -179,34 +191,28 @@ class PagedEngine(Engine):
         return True
 
     def _mixed(self, busy: list[int]) -> None:
-        """One call of ``prefill_paged_<N>`` carrying every filling row's next chunk and every decoding row's next
-        token (at column 0, sampled from the first column's logits)."""
-        rows = self._filling()
+        """One packed call (``mixed_paged_<N>``, or ``mixed_paged_<N>_rows_<b>`` for fewer decoding rows): every
+        decoding row's next token and the next chunk of the filling row that arrived first, one sequence of
+        ``b + N`` tokens (each decode token with its own row's pages and position)."""
+        i, row = min(self._filling(), key=lambda x: x[1].request.id)
         top, asked = self._top(busy)
-        n, tokens, start, table, takes = self._chunk(rows)
-        table[busy] = self._decode_table(busy)[busy]
-        decoding = np.zeros(self.slots, bool)
-        decoding[busy] = True
-        part = [i for i, _ in rows] + busy
-        b = self._fill_rows(len(part))
-        sig = self._fill[n, b]
-        with self._alone(part):
-            if b < self.slots:  # a light load: a smaller call over those rows
-                out, self._state, self._caches = self._mixed_fn(sig, top)(
-                    self.runners[sig].weights, self._state, self._caches, self._part_allowed(part, b, self._mask()),
-                    *(self._put(part_rows(x, part, b)) for x in (table, tokens, start, decoding)),
-                    self._put(self._index(part, b)))
-                out = self._whole(out, part)
-                self.stats["small_prefill_calls"] += 1
-            else:
-                out, self._state, self._caches = self._mixed_fn(sig, top)(
-                    self.runners[sig].weights, self._state, self._caches, self._allowed(), self._put(table),
-                    self._put(tokens), self._put(start), self._put(decoding))
-            self._filled(rows, takes)
+        n, tokens, start, table, takes = self._chunk([(i, row)])
+        lanes = min(b for m, b in self._mixes if m == n and b >= len(busy))
+        sig = self._mixes[n, lanes]
+        decode = self._decode_table(busy)
+        packed = np.zeros((lanes + 1, self._max_pages), np.int32)
+        packed[:len(busy)], packed[lanes] = decode[busy], table[i]
+        with self._alone([i] + busy):
+            out, self._state, self._caches = self._mixed_fn(sig, top)(
+                self.runners[sig].weights, self._state, self._caches, self._part_allowed(busy, lanes, self._mask()),
+                self._put(packed), self._put(tokens[i]), self._put(start[i]), self._put(self._index(busy, lanes)))
+            self._filled([(i, row)], takes)
             self.stats["mixed_steps"] += 1
             self.stats["decode_steps"] += 1
-            self._hand_out(busy, out, asked)
-        self._filling()  # rows whose prompt is in now enter the decode batch
+            if lanes < self.slots:
+                self.stats["small_mixed_steps"] = self.stats.get("small_mixed_steps", 0) + 1
+            self._hand_out(busy, self._whole(out, busy), asked)
+        self._filling()  # a row whose prompt is in now enters the decode batch
 
     def _decode_fn(self, sig: str, top: int = 0):
         if top not in self._decodes:
@@ -253,10 +259,12 @@ class PagedEngine(Engine):
             h = self._host
             yield sig, self._fns[sig], (self.runners[sig].weights, h((b, n)), h((b,)), self._caches,
                                         h((b, self._max_pages)))
+        for (n, b), sig in sorted(self._mixes.items()):
+            h = self._host
             for top in (0, TOP_LOGPROBS):
-                yield f"mixed.{sig}.top{top}", self._mixed_fn(sig, top), (
+                yield f"{sig}.top{top}", self._mixed_fn(sig, top), (
                     self.runners[sig].weights, self._state, self._caches, h((b, allowed.shape[1])),
-                    h((b, self._max_pages)), h((b, n)), h((b,)), h((b,), bool), *((h((b,)),) if b < B else ()))
+                    h((b + 1, self._max_pages)), h((n,)), h(()), h((b,)))
         for top in (0, TOP_LOGPROBS):
             yield f"{DECODE_PAGED}.top{top}", self._decode_fn(DECODE_PAGED, top), (
                 self.decode_runner.weights, self._state, self._caches, allowed, table)
@@ -266,6 +274,7 @@ class PagedEngine(Engine):
                     runner.weights, self._state, self._caches, self._host((b, allowed.shape[1])),
                     self._host((b, self._max_pages)), self._host((b,)))
         yield f"set_row.{B}", self._set_row, (self._state, i32, self._row_abstract())
+        yield f"get_row.{B}", self._get_row, (self._state, i32)
         yield "pages_zeros", self._pool_zeros, ()
 
     def _top(self, busy: list[int]):
@@ -351,10 +360,10 @@ class PagedEngine(Engine):
         kept in the pool under their hash chain (its readmission reads them), its pages let go; a decoding
         request's decode state row saved, to go on from where it was."""
         row, r = self._slots[i], self._slots[i].request
-        if row.decoding:
-            state = self._jax.device_get(self._state)
+        if row.decoding:  # its state row alone to the host
+            state = self._jax.device_get(self._get_row(self._state, self._put(np.int32(i))))
             seq = r.prompt + r.tokens  # its next decode input is the last of them, at position len(seq) - 1
-            r.resume, written = (seq, tuple(np.asarray(x[i]) for x in state)), seq[:-1]
+            r.resume, written = (seq, tuple(np.asarray(x) for x in state)), seq[:-1]
         else:  # still filling: its prompt (or its earlier preemption's tokens) again, from what is written
             written = row.seq[:row.filled]
         for key, page in zip(page_keys(written, self.page_size), row.pages):

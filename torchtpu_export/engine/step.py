@@ -92,19 +92,20 @@ def program_call(runner, out_spec, length: int, cache_names: list[str], slots: b
     """``call(weights, tokens, pos, caches[, page_table]) -> (logits, caches)`` over ``runner``'s exported
     program, traced inside a jitted step: the attention mask from the positions (``slots``: ``pos`` is each
     row's first position; else each query's position of the one sequence). A paged program
-    (``decode_paged``, ``prefill_paged_<N>``) takes each row's pages too."""
+    (``decode_paged``, ``prefill_paged_<N>``, ``mixed_paged_<N>``) takes each row's pages too, and no mask."""
     import torch.utils._pytree as pytree
     names = [s.name for s in runner.inputs]
     exported, n_out = runner.exported, len(runner.outputs)
 
     def call(weights, tokens, pos, caches, table=None, image_rows=None):
         import jax.numpy as jnp
-        # [B, N]: each query's position (slots: input_pos is each row's first position)
-        rows = pos[:, None] + jnp.arange(tokens.shape[1], dtype=pos.dtype) if slots else pos[None]
-        visible = jnp.arange(length)[None, None, :] <= rows[:, :, None]
-        feed = {"tokens": tokens, "input_pos": pos, "mask": jnp.where(visible, 0.0, jnp.finfo(jnp.float32).min)
-                .astype(jnp.float32)[:, None], "page_table": table, "image_rows": image_rows,
+        feed = {"tokens": tokens, "input_pos": pos, "page_table": table, "image_rows": image_rows,
                 **dict(zip(cache_names, caches))}
+        if "mask" in names:
+            # [B, N]: each query's position (slots: input_pos is each row's first position)
+            rows = pos[:, None] + jnp.arange(tokens.shape[1], dtype=pos.dtype) if slots else pos[None]
+            visible = jnp.arange(length)[None, None, :] <= rows[:, :, None]
+            feed["mask"] = jnp.where(visible, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)[:, None]
         outs = pytree.tree_unflatten(list(exported.call(weights, *[feed[n] for n in names]))[:n_out], out_spec)
         return outs.get("logits"), tuple(outs[n] for n in cache_names)
     return call
@@ -219,30 +220,24 @@ def _decode_body(runner, out_spec, length: int, cache_names: list[str], slots: b
 
 
 def jit_mixed(runner, out_spec, length: int, cache_names: list[str], top: int = 0):
-    """``mixed(weights, state, caches, allowed, page_table, chunk, start, decoding) -> (outputs, state,
-    caches)``, state and caches donated: one call of a paged prefill program (``prefill_paged_<N>``, whose
-    logits are each row's first token's) carrying both prompt chunks and decode steps: a row with
-    ``decoding`` set runs its next token at column 0 from its state's position (the rest of its row is
-    padding, written past its position) and is sampled as :func:`jit_decode` samples; the other rows prefill
-    ``chunk`` from ``start`` and keep their state. Given ``index`` after ``decoding``, a smaller program's call
-    (``prefill_paged_<N>_rows_<b>``) over batch rows ``index`` (int32 ``[b]``, one past the batch: padding): their
-    state rows taken and written back, the other arguments and the outputs the ``b`` rows'."""
+    """``mixed(weights, state, caches, allowed, page_table, chunk, start, lanes) -> (outputs, state, caches)``,
+    state and caches donated: one packed mixed step (``mixed_paged_<N>``, ``llm.contract.mixed_inputs``): the
+    batch rows ``lanes`` (int32 ``[b]``; one past the batch: a lane taking no part, its table row page 0) each
+    run their next token from their state's position and are sampled as :func:`jit_decode` samples (their state
+    rows written back; ``allowed [b, words]``); one row prefills ``chunk [N]`` from position ``start`` (its pages
+    the table's last row, ``page_table [b + 1, T]``). The outputs are the lanes' (``[b, ...]``)."""
     import jax
     call = program_call(runner, out_spec, length, cache_names, slots=True)
 
-    def mixed(weights, state, caches, allowed, table, chunk, start, decoding, *index):
+    def mixed(weights, state, caches, allowed, table, chunk, start, lanes):
         import jax.numpy as jnp
-        whole = state
-        if index:
-            state = _take(whole, index[0])
-        tokens = jnp.where(decoding[:, None], chunk.at[:, 0].set(state[0]), chunk)
-        logits, caches = call(weights, tokens, jnp.where(decoding, state[1], start), caches, table)
-        outs, stepped = _sampled(logits[:, 0], state, allowed, top, length - 1)
-        keep = lambda new, old: jnp.where(decoding.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
-        state = tuple(map(keep, stepped, state))
-        if index:
-            state = _put_back(whole, state, index[0])
-        return outs, state, caches
+        part = _take(state, lanes)
+        pos = jnp.where(lanes < state[0].shape[0], part[1], 0)
+        tokens = jnp.concatenate([part[0], chunk])[None]
+        positions = jnp.concatenate([pos, start + jnp.arange(chunk.shape[0], dtype=pos.dtype)])
+        logits, caches = call(weights, tokens, positions, caches, table)
+        outs, part = _sampled(logits[0], part, allowed, top, length - 1)
+        return outs, _put_back(state, part, lanes), caches
     return Prepared(jax.jit(mixed, donate_argnums=(1, 2)))
 
 
@@ -296,6 +291,12 @@ def jit_set_row():
     """:func:`set_row` jitted, the state donated."""
     import jax
     return Prepared(jax.jit(set_row, donate_argnums=(0,)))
+
+
+def jit_get_row():
+    """``get_row(state, i) -> row``: state row ``i`` (int32), as :func:`jit_set_row` sets it (a copy)."""
+    import jax
+    return Prepared(jax.jit(lambda state, i: tuple(x[i] for x in state)))
 
 
 def jit_insert():

@@ -5,6 +5,7 @@ norms, attention, tied head and logit transforms) and replaces only its cache wi
 slot 0). The attention mask is an input; sliding-window layers mask further by position."""
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 
@@ -46,9 +47,10 @@ class _StepCache(_CacheProtocol):
     The model updates some in place: each is a copy of the step's input, given back as the output."""
 
     def __init__(self, caches: dict, layout: CacheLayout, input_pos, slots: bool, sequential=frozenset(),
-                 padded: bool = False, table=None):
+                 padded: bool = False, table=None, packed: bool = False):
         kv = set(layout.attention_layers())
         self.table = None if table is None else table.to(torch.int64)  # paged: [B, C / page] pool pages
+        self.packed = packed  # one sequence [1, T] of tokens of several rows: token t is row t of table and pos
         self.sequential = sequential
         self.k = [caches[f"kv_cache_k_{i}"] if i in kv else None for i in range(layout.layers)]
         self.v = [caches[f"kv_cache_v_{i}"] if i in kv else None for i in range(layout.layers)]
@@ -68,6 +70,8 @@ class _StepCache(_CacheProtocol):
 
     def _write(self, cache, new):
         new = new.to(cache.dtype)
+        if self.packed:  # [1, heads, T, dim] -> T rows of one token each
+            new = new.permute(2, 1, 0, 3)
         if self.table is not None:
             return self._write_pages(cache, new)
         if self.slots:  # each slot (batch row) from its own start (positions past the cache are dropped):
@@ -267,9 +271,11 @@ class CacheStep(torch.nn.Module):
     With ``slots`` (batched steps for serving), each batch row is a separate sequence:
     ``(tokens [B,N], input_pos [B] (each row's first position), mask [B,1,N,C], caches [B,...])``; writes
     past the cache's end are dropped (the engine parks rows that take no part at position C). ``first``: the
-    logits of each row's first token only (``[B, 1, V]``: a paged prefill carrying decode steps). Given a
-    ``page_table [B, C / page]`` input as well (``llm.contract.paged_inputs``), each cache is a pool of pages
-    shared by the rows (``[heads, pages, page, dim]``) and each row's positions are in its table's pages.
+    Given a ``page_table [B, C / page]`` input as well (``llm.contract.paged_inputs``), each cache is a pool of
+    pages shared by the rows (``[heads, pages, page, dim]``) and each row's positions are in its table's pages.
+    With ``lanes`` (a packed mixed step, ``llm.contract.mixed_inputs``), the step is one sequence of tokens
+    of several rows: ``lanes`` decode tokens, each of its own page table row and position, then one row's
+    prompt chunk; the logits are the lanes' (``[1, lanes, V]``).
 
     ``image`` (``(token id, bidirectional)``, a VLM on the tpu target): the step takes ``image_rows [1,N,D]``
     beside its tokens, and puts row ``i`` in where token ``i`` is the image token (transformers' merge); with
@@ -277,10 +283,10 @@ class CacheStep(torch.nn.Module):
     as transformers' Gemma 3 reads them (``token_type_ids``)."""
 
     def __init__(self, model, layout: CacheLayout, logits: bool, slots: bool = False, padded: bool = False,
-                 first: bool = False, image_end=None, lora=None, image=None):
+                 lanes: int | None = None, image_end=None, lora=None, image=None):
         super().__init__()
         self.model, self.layout, self.logits, self.slots, self.padded = model, layout, logits, slots, padded
-        self.first = first
+        self.lanes = lanes
         self.lora = lora  # an llm.lora.LoraLayout: the step takes a LoRA adapter's inputs too
         # a VLM's (llm.vision.VisionParts.image_end): the embedding row that closes an image's rows
         self.image_end = image_end
@@ -307,13 +313,20 @@ class CacheStep(torch.nn.Module):
         embeddings = caches.pop("embeddings", None)  # instead of tokens: a VLM's, image rows merged
         image_rows = caches.pop("image_rows", None)
         adapter = {n: caches.pop(n) for n in self.lora.names()} if self.lora is not None else None
-        cache = _StepCache(caches, self.layout, input_pos, self.slots, self.sequential, self.padded, table)
         n = (tokens if tokens is not None else embeddings).shape[1]
+        lanes = self.lanes
+        rows = table
+        if lanes is not None:  # packed: token t is written as a row of its own (the chunk's tokens the last row's)
+            rows = torch.cat([table[:lanes], table[lanes:].expand(n - lanes, -1)])
+        cache = _StepCache(caches, self.layout, input_pos, self.slots, self.sequential, self.padded, rows,
+                           packed=lanes is not None)
         positions = input_pos[:, None] + torch.arange(n, dtype=input_pos.dtype) if self.slots else input_pos[None]
+        if lanes is not None:
+            positions = input_pos[None]  # [1, T]: each token's own
         if table is not None:  # paged: causal by position (each row's pages hold its own positions only)
             visible = torch.arange(self.layout.length)[None, None, :] <= positions.to(torch.int64)[:, :, None]
             mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)[:, None]
-            _PAGED.update(table=table, start=input_pos, mask=mask, pools=set(), updates=0, attended=0)
+            _PAGED.update(table=table, start=input_pos, mask=mask, pools=set(), updates=0, attended=0, lanes=lanes)
         if embeddings is not None and self.image_end is not None:
             mask = image_end_causal(mask, embeddings, positions, self.image_end)
         if image_rows is not None:
@@ -325,7 +338,7 @@ class CacheStep(torch.nn.Module):
                 mask = images_open(mask, is_image, positions)
         _GROUP_MASKS.clear()  # each trace of a step makes its own
         try:
-            keep = {"logits_to_keep": torch.zeros(1, dtype=torch.int64)} if self.first and self.keep_kw else {}
+            keep = {"logits_to_keep": torch.arange(lanes, dtype=torch.int64)} if lanes and self.keep_kw else {}
             with adapted(self.model), lora_applied(self.model, self.lora, adapter):
                 given = dict(input_ids=tokens) if embeddings is None else dict(inputs_embeds=embeddings)
                 out = self.model(**given, attention_mask=self._masks(mask, positions),
@@ -336,7 +349,7 @@ class CacheStep(torch.nn.Module):
         finally:
             _GROUP_MASKS.clear()
             _PAGED.clear()
-        result = {"logits": out.logits[:, :1] if self.first else out.logits} if self.logits else {}
+        result = {"logits": out.logits[:, :lanes] if lanes else out.logits} if self.logits else {}
         for i in self.layout.attention_layers():
             result[f"kv_cache_k_{i}"], result[f"kv_cache_v_{i}"] = cache.k[i], cache.v[i]
         result.update(cache.states)
@@ -396,11 +409,18 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
     if _PAGED and id(key) in _PAGED["pools"]:  # a paged step's pools
         _PAGED["attended"] += 1
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        if attention_mask is _PAGED["mask"] and softcap is None and sinks is None:  # causal: one paged attention op
-            out = torch.ops.tte.paged_attention(query, key, value, _PAGED["table"], _PAGED["start"], scale)
-            return out.transpose(1, 2).contiguous(), None
-        key, value = gather_pages(key, _PAGED["table"]), gather_pages(value, _PAGED["table"])  # a mask of its own
+        causal = attention_mask is _PAGED["mask"] and softcap is None and sinks is None  # one paged attention op
+        table, start, lanes = _PAGED["table"], _PAGED["start"], _PAGED["lanes"]
+        attend = functools.partial(_paged, module, key_pages=key, value_pages=value, causal=causal, dropout=dropout,
+                                   scaling=scaling, softcap=softcap, **kwargs)
+        if lanes is None:
+            return attend(query, mask=attention_mask, table=table, start=start).contiguous(), None
+        # packed: the decode lanes as rows of one query each, then the chunk's row
+        lane = attend(query[:, :, :lanes].transpose(0, 2), mask=_rows(attention_mask, 0, lanes), table=table[:lanes],
+                      start=start[:lanes])
+        chunk = attend(query[:, :, lanes:], mask=_rows(attention_mask, lanes, None), table=table[lanes:],
+                       start=start[lanes:lanes + 1])
+        return torch.cat([lane.transpose(0, 1), chunk], dim=1).contiguous(), None
     if key.dtype != query.dtype:  # a bf16 cache under a float32 trace (the bf16 recipe makes it all bf16)
         key, value = key.to(query.dtype), value.to(query.dtype)
     b, heads, n, d = query.shape
@@ -425,6 +445,27 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
             probs = probs[..., :-1]
         out = torch.matmul(probs.to(query.dtype), value)
     return out.reshape(b, heads, n, value.shape[-1]).transpose(1, 2).contiguous(), None  # v's dim may differ (MLA)
+
+
+def _rows(mask, begin: int, end):
+    """A packed step's mask ``[1, h, T, C]`` for its queries ``begin:end`` (the lanes: one row each)."""
+    if mask is None:
+        return None
+    part = mask[:, :, begin:end]
+    return part.transpose(0, 2) if begin == 0 else part
+
+
+def _paged(module, query, *, key_pages, value_pages, mask, table, start, causal: bool, dropout, scaling, softcap,
+           **kwargs):
+    """Attention of ``query [b, heads, n, dim]`` over the rows ``table [b, T]`` of a paged step's pools, from
+    positions ``start [b]`` → ``[b, n, heads, dim]``: one paged attention op where it is causal, else the pages
+    gathered under the mask (its rows ``[b, h, n, C]``)."""
+    if causal:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = torch.ops.tte.paged_attention(query, key_pages, value_pages, table, start, scale)
+        return out.transpose(1, 2)
+    return grouped_attention(module, query, gather_pages(key_pages, table), gather_pages(value_pages, table), mask,
+                             dropout, scaling, softcap, **kwargs)[0]
 
 
 # (id(mask), rep, length) -> (mask, the mask for stacked query heads): made once per traced step and shared by
