@@ -249,8 +249,8 @@ EXPORT_PAGED = textwrap.dedent("""
     model, tok = hf_llms.build("llama")
     # 4 rows of a 64-position cache over 9 pages of 16: two full sequences (and page 0), fewer than the four
     # requests below take together; the pool split by KV head over two chips
-    prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8, 16), cache_length=64, batch_size=4,
-                          platforms=("cpu",), mesh=(("data", 1), ("model", 2)), kv_pages=9)
+    prog = tte.export_llm(model, tok, target="tpu", prefill_lengths=(8,), cache_length=64, batch_size=4,
+                          batch_buckets=(), platforms=("cpu",), mesh=(("data", 1), ("model", 2)), kv_pages=9)
     prog.save(os.path.join(out, "paged.tpu"))
     engine = Engine(tte.load(os.path.join(out, "paged.tpu")))
     rng = np.random.default_rng(5)
@@ -270,8 +270,9 @@ EXPORT_PAGED = textwrap.dedent("""
 def test_a_paged_export_is_served_across_two_processes(tmp_path):
     """``serve --distributed`` of a paged export (the pool split by KV head over two processes' chips): four
     concurrent requests on a pool that holds two of them at a time (they wait, are preempted and readmitted,
-    and share their prompts' first pages) give the tokens one process gives, every process taking the same
-    steps (process 1 follows the pages process 0 hands out)."""
+    and share their prompts' first pages; a readmitted prompt's chunks ride in packed mixed steps) give the
+    tokens one process gives, every process taking the same steps (process 1 follows the pages process 0
+    hands out)."""
     import threading
 
     import openai
@@ -281,6 +282,7 @@ def test_a_paged_export_is_served_across_two_processes(tmp_path):
     assert ref.returncode == 0, ref.stderr[-3000:]
     want = json.loads(ref.stdout.strip().splitlines()[-1])
     assert want["stats"]["preemptions"] > 0 and want["stats"]["prefix_hit_tokens"] > 0, want["stats"]
+    assert want["stats"]["mixed_steps"] > 0, want["stats"]  # a readmitted request's chunks ride in decode steps
     assert want["pool_split"] == ["model", None, None, None]  # [kv heads, pages, page, dim]: a chip's heads' pages
     port, http, procs, logs, log = _serve_distributed(tmp_path / "paged.tpu", env, tmp_path, devices=1)
     try:
