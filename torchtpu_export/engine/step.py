@@ -296,7 +296,7 @@ def jit_set_row():
 def jit_get_row():
     """``get_row(state, i) -> row``: state row ``i`` (int32), as :func:`jit_set_row` sets it (a copy)."""
     import jax
-    return Prepared(jax.jit(lambda state, i: tuple(x[i] for x in state)))
+    return Prepared(jax.jit(_take))
 
 
 def jit_insert():
