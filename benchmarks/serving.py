@@ -435,17 +435,17 @@ def capacity(name: str, topology: str, cache: int = 2048, page: int = 16, slot_b
                 params=sum(p.numel() for p in model.parameters()))
 
 
-# ---- mixed steps: packed (decode tokens and one chunk in one sequence) against the padded rows ------------
+# ---- mixed steps: packed (decode tokens and prompt chunks in one sequence) against the padded rows --------
 
 def mixed_cost(name: str, topology: str, rows: int = 32, cache: int = 1024, lengths=(64, 256), page: int = 16,
                pages: int = 257, recipe: str = "bf16") -> dict:
     """The TPU compiler's view (FLOPs, bytes accessed, roofline) of a paged export's steps while prompts arrive
-    during decoding: the packed mixed step the engine calls (``mixed_paged_<N>``: ``rows`` decode tokens and one
-    row's ``N``-token chunk, ``rows + N`` tokens), against the ``rows x N`` tokens of the call that carried the
-    same work when every row was padded to the chunk (``prefill_paged_<N>``, what the engine called before,
-    then with each row's first-token logits too), and the plain decode step (``decode_paged``). The pool is
-    small (``pages``): a step's cost reads the rows' page tables, not the pool's size, and each program's sample
-    pools are in host memory while it is exported."""
+    during decoding: the packed mixed step the engine calls (``mixed_paged_<N>``: ``rows`` decode tokens and ``N``
+    tokens of up to ``llm.MIXED_CHUNKS`` prompts' chunks, ``rows + N`` tokens), against the ``rows x N`` tokens of
+    the call that carried the same work when every row was padded to the chunk (``prefill_paged_<N>``, what the
+    engine called before, then with each row's first-token logits too), and the plain decode step
+    (``decode_paged``). The pool is small (``pages``): a step's cost reads the rows' page tables, not the pool's
+    size, and each program's sample pools are in host memory while it is exported."""
     import torchtpu_export as tte
     from torchtpu_export import llm
     kind, config = TPU_CONFIGS[name]
@@ -453,7 +453,8 @@ def mixed_cost(name: str, topology: str, rows: int = 32, cache: int = 1024, leng
     prog = tte.export_llm(model, None, target="tpu", prefill_lengths=lengths, cache_length=cache, quant_config=recipe,
                           platforms=("tpu",), check=False, batch_size=rows, batch_buckets=(), kv_pages=pages,
                           page_size=page)
-    out = dict(name=name, topology=topology, rows=rows, cache=cache, pages=pages, recipe=recipe, steps={})
+    out = dict(name=name, topology=topology, rows=rows, cache=cache, pages=pages, recipe=recipe, steps={},
+               chunks=min(llm.MIXED_CHUNKS, rows))
     for sig in [llm.DECODE_PAGED] + [s for n in lengths for s in (llm.MIXED_PAGED.format(n),
                                                                    llm.PREFILL_PAGED.format(n))]:
         out["steps"][sig] = _stats(prog, sig, topology)
@@ -470,8 +471,9 @@ def mixed_text(m: dict, args) -> str:
              f"`python -m benchmarks.serving --concurrency '' --prefix 0 --mixed {m['topology']}`", "",
              f"A paged export of {m['rows']} rows ({m['recipe']}, cache {m['cache']} positions, pool "
              f"{m['pages']} pages). While rows decode, "
-             "an arriving prompt's chunk rides in the decode step. Packed (`mixed_paged_<N>`, what the engine calls): "
-             f"the {m['rows']} decode tokens and one row's chunk of N, {m['rows']} + N tokens. Padded "
+             "arriving prompts' chunks ride in the decode step. Packed (`mixed_paged_<N>`, what the engine calls): "
+             f"the {m['rows']} decode tokens and N prompt tokens of up to {m['chunks']} rows' chunks (each chunk "
+             f"row attends over its own pages), {m['rows']} + N tokens. Padded "
              f"(`prefill_paged_<N>`, the call that carried the same work before): every row padded to the chunk, "
              f"{m['rows']} x N tokens.", "",
              "| step | tokens | GFLOP | bytes accessed | roofline |", "|---|---:|---:|---:|---:|"]

@@ -152,34 +152,42 @@ def test_requests_preempted_when_the_pool_runs_short_make_the_tokens_they_would_
 
 
 def test_mixed_steps_are_packed_and_read_a_window_s_pages_under_its_own_mask():
-    """A packed mixed step is one sequence of B decode tokens and one row's chunk (``mixed_paged_<N>``: tokens
-    ``[1, B + N]``, a position per token, B + 1 page table rows). Gemma 3's sliding-window layers attend under
-    a mask of their own (the pages gathered per decode token and for the chunk's row), its full layers through
-    the paged attention op; requests arriving while others decode, their prompts longer than the window and the
-    chunk, get transformers' greedy tokens, through mixed steps of all three rows and of one; once the engine is
-    warm, none of its calls compiles."""
+    """A packed mixed step is one sequence of B decode tokens and N tokens of up to B rows' chunks
+    (``mixed_paged_<N>``: tokens ``[1, B + N]``, a position and (the chunk's) a row per token, 2B page table
+    rows). Gemma 3's sliding-window layers attend under a mask of their own (the pages gathered per decode token
+    and per chunk row), its full layers through the paged attention op; requests arriving while others decode,
+    their prompts longer than the window and the chunk, two of them together (their chunks in one step), get
+    transformers' greedy tokens, through mixed steps of all three rows and of one; once the engine is warm,
+    none of its calls compiles."""
     model, tok = hf_llms.build("gemma3")
     prog = tte.export_llm(model, tok, target="tpu", platforms=("cpu",), prefill_lengths=(8,), cache_length=48,
                           batch_size=3, batch_buckets=(), kv_pages="auto", page_size=8)
     shapes = {s.name: tuple(s.shape) for s in prog.inputs("mixed_paged_8")}
-    assert (shapes["tokens"], shapes["input_pos"], shapes["page_table"]) == ((1, 11), (11,), (4, 6)), shapes
+    assert (shapes["tokens"], shapes["input_pos"], shapes["page_table"], shapes["chunk_rows"]) == (
+        (1, 11), (11,), (6, 6), (8,)), shapes
     assert tuple(prog.outputs("mixed_paged_8_rows_1")[0].shape) == (1, 1, model.config.vocab_size)
     rng = np.random.default_rng(5)
-    prompts = [rng.integers(3, 300, k).tolist() for k in (3, 19, 12, 27, 9)]
+    prompts = [rng.integers(3, 300, k).tolist() for k in (3, 19, 12, 27, 9, 11, 5)]
     wants = [greedy(model, p, 12) for p in prompts]
     engine = Engine(prog, prefix_cache=False)
     engine.warm()
     events = _compile_events()
     requests = [engine.submit(prompts[0], 12, stop=[2])]
-    for i, p in enumerate(prompts[1:]):
+    for i, p in enumerate(prompts[1:4]):
         engine.step()
         engine.step()
         requests.append(engine.submit(p, 12, stop=[2], **({"logprobs": 2} if i == 1 else {})))
     while engine.busy:
         engine.step()
+    requests.append(engine.submit(prompts[4], 12, stop=[2]))
+    engine.step()
+    # two arrive together: the first's 8, then its 2 left and the second's 4 in one step
+    requests += [engine.submit(p, 12, stop=[2]) for p in prompts[5:]]
+    while engine.busy:
+        engine.step()
     assert [r.result() for r in requests] == wants and events == [], events
     s = engine.stats
-    assert s["mixed_steps"] > s.get("small_mixed_steps", 0) > 0, s
+    assert s["mixed_steps"] > s.get("small_mixed_steps", 0) > 0 and s["most_chunks_in_a_step"] >= 2, s
 
 
 def test_the_page_pool_counts_and_evicts_idle_cached_pages_in_the_order_they_were_let_go():

@@ -27,10 +27,12 @@ DECODE_PAGED_ONE = "decode_paged_1"  # one row of the batch alone (its page tabl
 DECODE_PAGED_BUCKET = "decode_paged_{}"  # ``b`` rows of the batch (``batch_buckets``), as DECODE_BUCKET
 PREFILL_PAGED = "prefill_paged_{}"  # N prompt tokens for each of B rows, each row from its own start
 PREFILL_PAGED_BUCKET = "prefill_paged_{}_rows_{}"  # the same, N tokens for b rows (``batch_buckets``, and 1)
-# a mixed step, packed (``mixed_inputs``): b decode tokens (one per decoding row) and one row's N-token prompt
-# chunk in one sequence of b + N tokens, so a step computes the tokens it carries, not rows x chunk length
+# a mixed step, packed (``mixed_inputs``): b decode tokens (one per decoding row) and N prompt tokens of up to
+# MIXED_CHUNKS rows (each row's chunk a run of them) in one sequence of b + N tokens, so a step computes the
+# tokens it carries, not rows x chunk length
 MIXED_PAGED = "mixed_paged_{}"  # B decode lanes
 MIXED_PAGED_BUCKET = "mixed_paged_{}_rows_{}"  # b decode lanes (``batch_buckets``, and 1)
+MIXED_CHUNKS = 4  # the most prompts whose chunks share a mixed step's N tokens (fewer where the batch is smaller)
 # a vision-language model on the tpu target: ``vision`` (``images [1, H, W, 3]`` in [0, 1] -> ``embeddings
 # [1, R, D]``, an image's rows) and a prefill taking ``image_rows [1, N, D]`` beside its tokens (row ``i`` put in
 # where token ``i`` is the image token, as transformers merges them)
@@ -148,15 +150,17 @@ def paged_inputs(layout: CacheLayout, slots: int, n: int, pages: int, page: int)
                 page_table=torch.zeros(slots, layout.length // page, dtype=torch.int32), **pools)
 
 
-def mixed_inputs(layout: CacheLayout, lanes: int, n: int, pages: int, page: int) -> dict:
+def mixed_inputs(layout: CacheLayout, lanes: int, n: int, pages: int, page: int, chunks: int = 1) -> dict:
     """Sample inputs of a packed mixed step (``MIXED_PAGED``) over a paged cache: ``tokens [1, lanes + n]``,
-    the first ``lanes`` one decode token each (of page table row ``i``, at position ``input_pos[i]``), then one
-    row's prompt chunk of ``n`` (page table row ``lanes``, from position ``input_pos[lanes]``: ``input_pos`` is
-    each token's position), ``page_table [lanes + 1, C / page]``, and the pools (:func:`paged_inputs`). A lane
-    taking no part points at page 0. Its logits are the lanes' (``[1, lanes, V]``)."""
-    feed = paged_inputs(layout, lanes + 1, 1, pages, page)
+    the first ``lanes`` one decode token each (of page table row ``i``, at position ``input_pos[i]``), then
+    ``n`` prompt tokens of up to ``chunks`` rows: token ``lanes + t`` is of page table row ``lanes +
+    chunk_rows[t]`` (``chunk_rows [n]`` int32), each row's tokens one run in position order (``input_pos [lanes
+    + n]`` is each token's position); ``page_table [lanes + chunks, C / page]``, and the pools
+    (:func:`paged_inputs`). A lane or chunk row taking no part points at page 0. Its logits are the lanes'
+    (``[1, lanes, V]``)."""
+    feed = paged_inputs(layout, lanes + chunks, 1, pages, page)
     return dict(feed, tokens=torch.zeros(1, lanes + n, dtype=torch.int32),
-                input_pos=torch.zeros(lanes + n, dtype=torch.int32))
+                input_pos=torch.zeros(lanes + n, dtype=torch.int32), chunk_rows=torch.zeros(n, dtype=torch.int32))
 
 
 def cache_shardings(layout: CacheLayout, mesh, paged=()) -> dict:

@@ -1,14 +1,14 @@
 """Attention over a paged KV cache, as one op of its own: ``tte::paged_attention``.
 
-A paged step (``llm.contract.paged_inputs``) keeps every layer's keys and values in one pool of pages
-``[kv_heads, pages, page, dim]`` shared by the batch's rows; row ``b``'s position ``p`` is slot ``p % page``
-of pool page ``page_table[b, p // page]``. Attention reads a row's pages in sequence order, causally: query
-``i`` of row ``b`` (at position ``start[b] + i``) sees the positions up to its own. As one op, each target
-lowers it its own way (``converters/stablehlo``: the pages gathered on every platform; on tpu a decode step's
-attention is JAX's paged attention kernel, which reads only each row's live pages). A packed mixed step
-(``llm.contract.mixed_inputs``) calls it twice per layer: its decode tokens as rows of one query each, then
-its prompt chunk as one row. Here: its definition and torch's own computation (the gather), which the
-export's checks run."""
+A paged step (``llm.contract.paged_inputs``) keeps every layer's keys and values in one pool of pages ``[kv_heads,
+pages, page, dim]`` shared by the batch's rows; row ``b``'s position ``p`` is slot ``p % page`` of pool page
+``page_table[b, p // page]``. Attention reads a row's pages in sequence order, causally: query ``i`` of row ``b``
+(at position ``start[b] + i``) sees the positions up to its own. As one op, each target lowers it its own way
+(``converters/stablehlo``: the pages gathered on every platform; on tpu a decode step's attention is JAX's paged
+attention kernel, which reads only each row's live pages). A packed mixed step (``llm.contract.mixed_inputs``) calls
+it twice per layer: its decode tokens as rows of one query each, then its prompt chunks as a row each (the row's
+queries: the chunk tokens from its own first on). Here: its definition and torch's own computation (the gather),
+which the export's checks run."""
 from __future__ import annotations
 
 import torch
