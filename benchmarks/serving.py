@@ -28,6 +28,7 @@ import argparse
 import datetime
 import os
 import platform
+import re
 import sys
 import time
 
@@ -440,12 +441,13 @@ def capacity(name: str, topology: str, cache: int = 2048, page: int = 16, slot_b
 def mixed_cost(name: str, topology: str, rows: int = 32, cache: int = 1024, lengths=(64, 256), page: int = 16,
                pages: int = 257, recipe: str = "bf16") -> dict:
     """The TPU compiler's view (FLOPs, bytes accessed, roofline) of a paged export's steps while prompts arrive
-    during decoding: the packed mixed step the engine calls (``mixed_paged_<N>``: ``rows`` decode tokens and ``N``
-    tokens of up to ``llm.MIXED_CHUNKS`` prompts' chunks, ``rows + N`` tokens), against the ``rows x N`` tokens of
-    the call that carried the same work when every row was padded to the chunk (``prefill_paged_<N>``, what the
-    engine called before, then with each row's first-token logits too), and the plain decode step
-    (``decode_paged``). The pool is small (``pages``): a step's cost reads the rows' page tables, not the pool's
-    size, and each program's sample pools are in host memory while it is exported."""
+    during decoding: the packed mixed steps the engine calls (``mixed_paged_<N>``: ``rows`` decode tokens and one
+    row's ``N``-token chunk, ``rows + N`` tokens; ``mixed_paged_<N>_blocks_<k>``: the N in k blocks, each a
+    prompt's, for a burst of arrivals), against the ``rows x N`` tokens of the call that carried the same work when
+    every row was padded to the chunk (``prefill_paged_<N>``, what the engine called before, then with each row's
+    first-token logits too), and the plain decode step (``decode_paged``). The pool is small (``pages``): a step's
+    cost reads the rows' page tables, not the pool's size, and each program's sample pools are in host memory while
+    it is exported."""
     import torchtpu_export as tte
     from torchtpu_export import llm
     kind, config = TPU_CONFIGS[name]
@@ -454,9 +456,10 @@ def mixed_cost(name: str, topology: str, rows: int = 32, cache: int = 1024, leng
                           platforms=("tpu",), check=False, batch_size=rows, batch_buckets=(), kv_pages=pages,
                           page_size=page)
     out = dict(name=name, topology=topology, rows=rows, cache=cache, pages=pages, recipe=recipe, steps={},
-               chunks=min(llm.MIXED_CHUNKS, rows))
-    for sig in [llm.DECODE_PAGED] + [s for n in lengths for s in (llm.MIXED_PAGED.format(n),
-                                                                   llm.PREFILL_PAGED.format(n))]:
+               chunks=llm.mixed_chunks(lengths[0], rows))
+    for sig in [llm.DECODE_PAGED] + [s for n in lengths for s in (
+            llm.MIXED_PAGED.format(n), llm.MIXED_PAGED_BLOCKS.format(n, llm.mixed_chunks(n, rows)),
+            llm.PREFILL_PAGED.format(n))]:
         out["steps"][sig] = _stats(prog, sig, topology)
         st = out["steps"][sig]
         print(f"{name} {sig}: {st['flops'] / 1e9:.1f} GFLOP, {st['bytes'] / 1e9:.2f} GB, "
@@ -472,13 +475,14 @@ def mixed_text(m: dict, args) -> str:
              f"A paged export of {m['rows']} rows ({m['recipe']}, cache {m['cache']} positions, pool "
              f"{m['pages']} pages). While rows decode, "
              "arriving prompts' chunks ride in the decode step. Packed (`mixed_paged_<N>`, what the engine calls): "
-             f"the {m['rows']} decode tokens and N prompt tokens of up to {m['chunks']} rows' chunks (each chunk "
-             f"row attends over its own pages), {m['rows']} + N tokens. Padded "
+             f"the {m['rows']} decode tokens and one row's chunk of N, {m['rows']} + N tokens; for a burst of "
+             f"short prompts (`mixed_paged_<N>_blocks_{m['chunks']}`), the N in {m['chunks']} blocks, each a "
+             "prompt's, attending over its own pages. Padded "
              f"(`prefill_paged_<N>`, the call that carried the same work before): every row padded to the chunk, "
              f"{m['rows']} x N tokens.", "",
              "| step | tokens | GFLOP | bytes accessed | roofline |", "|---|---:|---:|---:|---:|"]
     for sig, st in steps.items():
-        n = int(sig.rsplit("_", 1)[1]) if sig != "decode_paged" else 0
+        n = int(re.match(r"\w+?_paged_(\d+)", sig).group(1)) if sig != "decode_paged" else 0
         tokens = m["rows"] + n if sig.startswith("mixed") else m["rows"] * max(n, 1)
         lines.append(f"| `{sig}` | {tokens:,} | {st['flops'] / 1e9:,.1f} | {st['bytes'] / 1e9:.2f} GB | "
                      f"{st['seconds'] * 1e3:.2f} ms ({st['bound']}) |")

@@ -152,19 +152,20 @@ def test_requests_preempted_when_the_pool_runs_short_make_the_tokens_they_would_
 
 
 def test_mixed_steps_are_packed_and_read_a_window_s_pages_under_its_own_mask():
-    """A packed mixed step is one sequence of B decode tokens and N tokens of up to B rows' chunks
-    (``mixed_paged_<N>``: tokens ``[1, B + N]``, a position and (the chunk's) a row per token, 2B page table
-    rows). Gemma 3's sliding-window layers attend under a mask of their own (the pages gathered per decode token
-    and per chunk row), its full layers through the paged attention op; requests arriving while others decode,
-    their prompts longer than the window and the chunk, two of them together (their chunks in one step), get
-    transformers' greedy tokens, through mixed steps of all three rows and of one; once the engine is warm,
-    none of its calls compiles."""
+    """A packed mixed step is one sequence of B decode tokens and one row's N prompt tokens (``mixed_paged_<N>``:
+    tokens ``[1, B + N]``, a position per token, B + 1 page table rows), or N in blocks of several rows'
+    (``mixed_paged_<N>_blocks_<k>``: a table row per block, two blocks of 4 here). Gemma 3's sliding-window layers
+    attend under a mask of their own (the pages gathered per decode token and per block), its full layers through
+    the paged attention op; requests arriving while others decode, their prompts longer than the window and the
+    chunk, two of them together (their chunks in one step), get transformers' greedy tokens, through mixed steps of
+    all three rows and of one; once the engine is warm, none of its calls compiles."""
     model, tok = hf_llms.build("gemma3")
     prog = tte.export_llm(model, tok, target="tpu", platforms=("cpu",), prefill_lengths=(8,), cache_length=48,
                           batch_size=3, batch_buckets=(), kv_pages="auto", page_size=8)
     shapes = {s.name: tuple(s.shape) for s in prog.inputs("mixed_paged_8")}
-    assert (shapes["tokens"], shapes["input_pos"], shapes["page_table"], shapes["chunk_rows"]) == (
-        (1, 11), (11,), (6, 6), (8,)), shapes
+    assert (shapes["tokens"], shapes["input_pos"], shapes["page_table"]) == ((1, 11), (11,), (4, 6)), shapes
+    shapes = {s.name: tuple(s.shape) for s in prog.inputs("mixed_paged_8_blocks_2")}
+    assert (shapes["tokens"], shapes["input_pos"], shapes["page_table"]) == ((1, 11), (11,), (5, 6)), shapes
     assert tuple(prog.outputs("mixed_paged_8_rows_1")[0].shape) == (1, 1, model.config.vocab_size)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 300, k).tolist() for k in (3, 19, 12, 27, 9, 11, 5)]
@@ -181,7 +182,7 @@ def test_mixed_steps_are_packed_and_read_a_window_s_pages_under_its_own_mask():
         engine.step()
     requests.append(engine.submit(prompts[4], 12, stop=[2]))
     engine.step()
-    # two arrive together: the first's 8, then its 2 left and the second's 4 in one step
+    # two arrive together: the first's 8, then its 2 left and the second's 4 in one step (a block each)
     requests += [engine.submit(p, 12, stop=[2]) for p in prompts[5:]]
     while engine.busy:
         engine.step()
@@ -270,7 +271,8 @@ def test_paged_programs_compile_for_tpu_with_the_kernel_where_it_pays():
     assert {"decode_paged.top0", "decode_paged.top20", "prefill_paged_16", "mixed_paged_16.top0",
             "mixed_paged_16.top20", "decode_paged_1.top0", "decode_paged_1.top20", "set_row.4",
             "pages_zeros", "prefill_paged_16_rows_1", "mixed_paged_16_rows_1.top0", "get_row.4",
-            "mixed_paged_16_rows_1.top20"} == set(engine["calls"])
+            "mixed_paged_16_rows_1.top20", "mixed_paged_16_blocks_4.top0",
+            "mixed_paged_16_blocks_4.top20"} == set(engine["calls"])
     assert all(c["bytes"] > 0 for c in engine["calls"].values())
 
 

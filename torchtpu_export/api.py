@@ -262,9 +262,9 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     import torch
 
     from .llm.contract import (DECODE, DECODE_BATCH, DECODE_BUCKET, DECODE_PAGED, DECODE_PAGED_BUCKET,
-                               MIXED_CHUNKS, MIXED_PAGED, MIXED_PAGED_BUCKET, PREFILL, PREFILL_BATCH, PREFILL_PAGED,
-                               PREFILL_PAGED_BUCKET, cache_shardings, mixed_inputs, paged_inputs, slot_inputs,
-                               step_inputs)
+                               MIXED_PAGED, MIXED_PAGED_BLOCKS, MIXED_PAGED_BUCKET, PREFILL, PREFILL_BATCH,
+                               PREFILL_PAGED, PREFILL_PAGED_BUCKET, cache_shardings, mixed_chunks, mixed_inputs,
+                               paged_inputs, slot_inputs, step_inputs)
     from .llm.source import load_source, recurrent_layers, refuse_recurrent
     from .llm.step import CacheStep, grouped_attention_in, probe_layout
     from .quant import parse
@@ -333,7 +333,7 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
         smaller = [1] + buckets if batch_size > 1 else []
         for n in lengths:
             # prompts prefilled together (and for fewer rows: a light load's); the engine's mixed steps, packed:
-            # each decoding row's next token and N tokens of arriving prompts' chunks (for fewer decoding rows too)
+            # each decoding row's next token and one row's next chunk (for fewer decoding rows too)
             for b, sig in [(batch_size, PREFILL_PAGED.format(n))] + [(b, PREFILL_PAGED_BUCKET.format(n, b))
                                                                      for b in smaller]:
                 sigs.signature(sig, CacheStep(source.model, layout, logits=False, slots=True), (),
@@ -341,7 +341,12 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
             for b, sig in [(batch_size, MIXED_PAGED.format(n))] + [(b, MIXED_PAGED_BUCKET.format(n, b))
                                                                    for b in smaller]:
                 sigs.signature(sig, CacheStep(source.model, layout, logits=True, slots=True, lanes=b), (),
-                               mixed_inputs(layout, b, n, pages, page_size, min(MIXED_CHUNKS, batch_size)))
+                               mixed_inputs(layout, b, n, pages, page_size))
+            k = mixed_chunks(n, batch_size)
+            if k > 1:  # and for a burst of arrivals while rows decode: their chunks share the step
+                sigs.signature(MIXED_PAGED_BLOCKS.format(n, k),
+                               CacheStep(source.model, layout, logits=True, slots=True, lanes=batch_size), (),
+                               mixed_inputs(layout, batch_size, n, pages, page_size, k))
     elif batch_size > 1:
         for b, sig in [(batch_size, DECODE_BATCH)] + [(b, DECODE_BUCKET.format(b)) for b in buckets]:
             sigs.signature(sig, CacheStep(source.model, layout, logits=True, slots=True), (), slot_inputs(layout, b))

@@ -10,10 +10,11 @@ processors and thread are the engine's. What differs:
   advances by one chunk per call (``prefill_paged_<N>``, each row from its own start); rows taking no part
   point at page 0, which no sequence owns. While rows decode, a step is one packed call for all (a mixed
   step, as vLLM TPU's: ``mixed_paged_<N>``): one sequence of the decoding rows' next tokens, each at its own
-  row's pages and position, then N tokens of the filling rows' next chunks in the order they arrived (a
-  burst of short prompts rides in one step, up to ``llm.contract.MIXED_CHUNKS`` of them), so the weights are
-  read once per step and a decode row costs one token, not a row padded to the chunk (``prefill_budget``
-  does not apply: a step carries N prompt tokens);
+  row's pages and position, then the next chunk of the filling row that arrived first; when more than one
+  prompt's chunk fits the N tokens (a burst of short prompts), they share the step, in blocks of N / k
+  (``mixed_paged_<N>_blocks_<k>``) given in the order they arrived. So the weights are read once per step and
+  a decode row costs one token, not a row padded to the chunk (``prefill_budget`` does not apply: a step
+  carries N prompt tokens);
 - prefix caching shares pages instead of copying them (:class:`.prefix.PagePool`): a prompt's full pages
   stay in the pool, keyed by a hash chain of their tokens, when their request ends; a later prompt starting
   with the same tokens reads them in place and prefills only the rest. Cached pages nobody holds are
@@ -128,19 +129,17 @@ class PagedEngine(Engine):
                     self.runners[sig] = program.runner(sig, platform)
                     self._fns[sig] = jit_prefill(self.runners[sig], output_tree(program, sig), self.length,
                                                  self.cache_names, slots=True)
-        # packed mixed steps: (chunk length, decode lanes) -> signature (none in an artifact of an older version:
-        # its arrivals are then prefilled between decode steps), and how many prompts' chunks a step carries
-        self._mixes = {(n, b): sig for n in self.lengths for b in [self.slots] + sorted(self._buckets)
+        # packed mixed steps: (chunk length, decode lanes, blocks of prompt tokens) -> signature (none in an
+        # artifact of an older version: its arrivals are then prefilled between decode steps); a step of one
+        # prompt's chunk, or of several (B lanes, ``mixed_paged_<N>_blocks_<k>``) when more than one rides
+        self._mixes = {(n, b, 1): sig for n in self.lengths for b in [self.slots] + sorted(self._buckets)
                        for sig in [MIXED_PAGED.format(n) if b == self.slots else MIXED_PAGED_BUCKET.format(n, b)]
                        if sig in sigs}
-        self._chunks = {}
-        for (n, b), sig in list(self._mixes.items()):
-            inputs = {s.name: s.shape for s in program.runner(sig, platform).inputs}
-            if "chunk_rows" not in inputs:  # an earlier version's (one prompt's chunk a step): not called
-                del self._mixes[n, b]
-                continue
+        self._mixes.update({(n, self.slots, int(m.group(2))): m.group(0) for m in
+                            (re.fullmatch(r"mixed_paged_(\d+)_blocks_(\d+)", s) for s in sigs) if m
+                            for n in [int(m.group(1))] if (n, self.slots, 1) in self._mixes})
+        for sig in self._mixes.values():
             self.runners[sig] = program.runner(sig, platform)
-            self._chunks[sig] = inputs["page_table"][0] - b
         self._set_row, self._get_row = jit_set_row(), jit_get_row()
         self.stats = {"decode_steps": 0, "tokens": 0, "prefill_tokens": 0, "requests": 0,
                       "decode_bytes_to_device": 0, "decode_bytes_to_host": 0, "busy_slot_steps": 0,
@@ -199,40 +198,41 @@ class PagedEngine(Engine):
 
     def _mixed(self, busy: list[int]) -> None:
         """One packed call (``mixed_paged_<N>``, or ``mixed_paged_<N>_rows_<b>`` for fewer decoding rows): every
-        decoding row's next token, then ``N`` prompt tokens of the filling rows in the order they arrived (each
-        row's next chunk, as much of it as the ``N`` left take, up to the program's number of chunk rows), one
-        sequence of ``b + N`` tokens (each token with its own row's pages and position)."""
+        decoding row's next token, then ``N`` prompt tokens, one sequence of ``b + N`` tokens (each token with
+        its own row's pages and position). The N are the next chunk of the filling row that arrived first, or,
+        where that leaves a block of ``mixed_paged_<N>_blocks_<k>`` for the next, blocks given to the filling
+        rows in the order they arrived (each row's next chunk in as many blocks as it fills and are left)."""
         top, asked = self._top(busy)
         filling = sorted(self._filling(), key=lambda x: x[1].request.id)
         left = [len(r.seq) - 1 - r.filled for _, r in filling]
         # N: the longest that the prompts left fill, else the shortest (little padding, as a prefill chunk)
         n = max((k for k in self.lengths if k <= sum(left)), default=self.lengths[0])
-        lanes = min(b for m, b in self._mixes if m == n and b >= len(busy))
-        sig = self._mixes[n, lanes]
-        chunks = self._chunks[sig]
-        table = np.zeros((lanes + chunks, self._max_pages), np.int32)
+        # several prompts' chunks in blocks where the first leaves a block for the next, else one's
+        blocks = max((k for m, b, k in self._mixes if m == n and len(filling) > 1 and -(-left[0] // (n // k)) < k),
+                     default=1)
+        lanes = min(b for m, b, k in self._mixes if m == n and k == blocks and b >= len(busy))
+        sig, size = self._mixes[n, lanes, blocks], n // blocks
+        table = np.zeros((lanes + blocks, self._max_pages), np.int32)
         table[:len(busy)] = self._decode_table(busy)[busy]
-        tokens, positions, rows = (np.zeros(n, np.int32) for _ in range(3))
-        taken, takes, used = [], {}, 0
+        tokens = np.zeros(n, np.int32)
+        positions = np.tile(np.arange(size, dtype=np.int32), blocks)  # a block taking no part: page 0
+        taken, takes, used = [], {}, 0  # used: blocks given
         for (i, r), k in zip(filling, left):
-            if used == n or len(taken) == chunks:
+            if used == blocks:
                 break
-            takes[i] = take = min(k, n - used)
-            tokens[used:used + take] = r.seq[r.filled:r.filled + take]
-            positions[used:used + take] = r.filled + np.arange(take)
-            rows[used:used + take] = len(taken)
+            takes[i] = take = min(k, (blocks - used) * size)
+            whole = -(-take // size) * size  # its blocks, padding after its tokens at the next positions
+            at = used * size
+            tokens[at:at + take] = r.seq[r.filled:r.filled + take]
+            positions[at:at + whole] = r.filled + np.arange(whole)
             self._grow(r, r.filled + take)
-            table[lanes + len(taken), :len(r.pages)] = r.pages
+            table[lanes + used:lanes + used + whole // size, :len(r.pages)] = r.pages
             taken.append((i, r))
-            used += take
-        if used < n:  # padding: the last chunk's row goes on (written past its prompt, or on page 0 past the cache)
-            positions[used:] = positions[used - 1] + 1 + np.arange(n - used)
-            rows[used:] = len(taken) - 1
+            used += whole // size
         with self._alone([i for i, _ in taken] + busy):
             out, self._state, self._caches = self._mixed_fn(sig, top)(
                 self.runners[sig].weights, self._state, self._caches, self._part_allowed(busy, lanes, self._mask()),
-                self._put(table), self._put(tokens), self._put(positions), self._put(rows),
-                self._put(self._index(busy, lanes)))
+                self._put(table), self._put(tokens), self._put(positions), self._put(self._index(busy, lanes)))
             self._filled(taken, takes)
             self.stats["mixed_steps"] += 1
             self.stats["decode_steps"] += 1
@@ -288,12 +288,12 @@ class PagedEngine(Engine):
             h = self._host
             yield sig, self._fns[sig], (self.runners[sig].weights, h((b, n)), h((b,)), self._caches,
                                         h((b, self._max_pages)))
-        for (n, b), sig in sorted(self._mixes.items()):
+        for (n, b, blocks), sig in sorted(self._mixes.items()):
             h = self._host
             for top in (0, TOP_LOGPROBS):
                 yield f"{sig}.top{top}", self._mixed_fn(sig, top), (
                     self.runners[sig].weights, self._state, self._caches, h((b, allowed.shape[1])),
-                    h((b + self._chunks[sig], self._max_pages)), h((n,)), h((n,)), h((n,)), h((b,)))
+                    h((b + blocks, self._max_pages)), h((n,)), h((n,)), h((b,)))
         for top in (0, TOP_LOGPROBS):
             yield f"{DECODE_PAGED}.top{top}", self._decode_fn(DECODE_PAGED, top), (
                 self.decode_runner.weights, self._state, self._caches, allowed, table)

@@ -97,10 +97,10 @@ def program_call(runner, out_spec, length: int, cache_names: list[str], slots: b
     names = [s.name for s in runner.inputs]
     exported, n_out = runner.exported, len(runner.outputs)
 
-    def call(weights, tokens, pos, caches, table=None, image_rows=None, chunk_rows=None):
+    def call(weights, tokens, pos, caches, table=None, image_rows=None):
         import jax.numpy as jnp
         feed = {"tokens": tokens, "input_pos": pos, "page_table": table, "image_rows": image_rows,
-                "chunk_rows": chunk_rows, **dict(zip(cache_names, caches))}
+                **dict(zip(cache_names, caches))}
         if "mask" in names:
             # [B, N]: each query's position (slots: input_pos is each row's first position)
             rows = pos[:, None] + jnp.arange(tokens.shape[1], dtype=pos.dtype) if slots else pos[None]
@@ -220,23 +220,21 @@ def _decode_body(runner, out_spec, length: int, cache_names: list[str], slots: b
 
 
 def jit_mixed(runner, out_spec, length: int, cache_names: list[str], top: int = 0):
-    """``mixed(weights, state, caches, allowed, page_table, chunk, chunk_pos, chunk_rows, lanes) -> (outputs, state,
-    caches)``, state and caches donated: one packed mixed step (``mixed_paged_<N>``, ``llm.contract.mixed_inputs``):
-    the batch rows ``lanes`` (int32 ``[b]``; one past the batch: a lane taking no part, its table row page 0)
-    each run their next token from their state's position and are sampled as :func:`jit_decode` samples (their
-    state rows written back; ``allowed [b, words]``); ``chunk [N]`` are prompt tokens at positions ``chunk_pos
-    [N]``, token ``t`` of table row ``b + chunk_rows[t]`` (``page_table [b + chunks, T]``). The outputs are the
-    lanes' (``[b, ...]``)."""
+    """``mixed(weights, state, caches, allowed, page_table, chunk, chunk_pos, lanes) -> (outputs, state, caches)``,
+    state and caches donated: one packed mixed step (``mixed_paged_<N>``, ``llm.contract.mixed_inputs``): the
+    batch rows ``lanes`` (int32 ``[b]``; one past the batch: a lane taking no part, its table row page 0) each
+    run their next token from their state's position and are sampled as :func:`jit_decode` samples (their state
+    rows written back; ``allowed [b, words]``); ``chunk [N]`` are prompt tokens at positions ``chunk_pos [N]``,
+    in blocks of table rows ``b`` on (``page_table [b + blocks, T]``). The outputs are the lanes' (``[b, ...]``)."""
     import jax
     call = program_call(runner, out_spec, length, cache_names, slots=True)
 
-    def mixed(weights, state, caches, allowed, table, chunk, chunk_pos, chunk_rows, lanes):
+    def mixed(weights, state, caches, allowed, table, chunk, chunk_pos, lanes):
         import jax.numpy as jnp
         part = _take(state, lanes)
         pos = jnp.where(lanes < state[0].shape[0], part[1], 0)
         tokens = jnp.concatenate([part[0], chunk])[None]
-        positions = jnp.concatenate([pos, chunk_pos.astype(pos.dtype)])
-        logits, caches = call(weights, tokens, positions, caches, table, chunk_rows=chunk_rows)
+        logits, caches = call(weights, tokens, jnp.concatenate([pos, chunk_pos.astype(pos.dtype)]), caches, table)
         outs, part = _sampled(logits[0], part, allowed, top, length - 1)
         return outs, _put_back(state, part, lanes), caches
     return Prepared(jax.jit(mixed, donate_argnums=(1, 2)))

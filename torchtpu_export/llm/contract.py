@@ -27,12 +27,14 @@ DECODE_PAGED_ONE = "decode_paged_1"  # one row of the batch alone (its page tabl
 DECODE_PAGED_BUCKET = "decode_paged_{}"  # ``b`` rows of the batch (``batch_buckets``), as DECODE_BUCKET
 PREFILL_PAGED = "prefill_paged_{}"  # N prompt tokens for each of B rows, each row from its own start
 PREFILL_PAGED_BUCKET = "prefill_paged_{}_rows_{}"  # the same, N tokens for b rows (``batch_buckets``, and 1)
-# a mixed step, packed (``mixed_inputs``): b decode tokens (one per decoding row) and N prompt tokens of up to
-# MIXED_CHUNKS rows (each row's chunk a run of them) in one sequence of b + N tokens, so a step computes the
-# tokens it carries, not rows x chunk length
+# a mixed step, packed (``mixed_inputs``): b decode tokens (one per decoding row) and one row's N prompt tokens
+# in one sequence of b + N tokens, so a step computes the tokens it carries, not rows x chunk length
 MIXED_PAGED = "mixed_paged_{}"  # B decode lanes
 MIXED_PAGED_BUCKET = "mixed_paged_{}_rows_{}"  # b decode lanes (``batch_buckets``, and 1)
-MIXED_CHUNKS = 4  # the most prompts whose chunks share a mixed step's N tokens (fewer where the batch is smaller)
+# the same with B lanes and the N prompt tokens in k blocks of N / k, each block a row's: up to k arriving prompts
+# share the step (k: ``mixed_chunks``, at most MIXED_CHUNKS)
+MIXED_PAGED_BLOCKS = "mixed_paged_{}_blocks_{}"
+MIXED_CHUNKS = 4
 # a vision-language model on the tpu target: ``vision`` (``images [1, H, W, 3]`` in [0, 1] -> ``embeddings
 # [1, R, D]``, an image's rows) and a prefill taking ``image_rows [1, N, D]`` beside its tokens (row ``i`` put in
 # where token ``i`` is the image token, as transformers merges them)
@@ -153,14 +155,20 @@ def paged_inputs(layout: CacheLayout, slots: int, n: int, pages: int, page: int)
 def mixed_inputs(layout: CacheLayout, lanes: int, n: int, pages: int, page: int, chunks: int = 1) -> dict:
     """Sample inputs of a packed mixed step (``MIXED_PAGED``) over a paged cache: ``tokens [1, lanes + n]``,
     the first ``lanes`` one decode token each (of page table row ``i``, at position ``input_pos[i]``), then
-    ``n`` prompt tokens of up to ``chunks`` rows: token ``lanes + t`` is of page table row ``lanes +
-    chunk_rows[t]`` (``chunk_rows [n]`` int32), each row's tokens one run in position order (``input_pos [lanes
-    + n]`` is each token's position); ``page_table [lanes + chunks, C / page]``, and the pools
-    (:func:`paged_inputs`). A lane or chunk row taking no part points at page 0. Its logits are the lanes'
+    ``chunks`` blocks of ``n / chunks`` prompt tokens, block ``j`` of page table row ``lanes + j`` at
+    consecutive positions (``input_pos [lanes + n]`` is each token's position; a prompt's chunk takes one
+    block or several, each with its row of pages), ``page_table [lanes + chunks, C / page]``, and the pools
+    (:func:`paged_inputs`). A lane or block taking no part points at page 0. Its logits are the lanes'
     (``[1, lanes, V]``)."""
     feed = paged_inputs(layout, lanes + chunks, 1, pages, page)
     return dict(feed, tokens=torch.zeros(1, lanes + n, dtype=torch.int32),
-                input_pos=torch.zeros(lanes + n, dtype=torch.int32), chunk_rows=torch.zeros(n, dtype=torch.int32))
+                input_pos=torch.zeros(lanes + n, dtype=torch.int32))
+
+
+def mixed_chunks(n: int, rows: int) -> int:
+    """The blocks of a mixed step's ``n`` prompt tokens for a batch of ``rows``: the most, up to MIXED_CHUNKS and
+    ``rows``, that divide ``n``."""
+    return max(k for k in range(1, min(MIXED_CHUNKS, rows) + 1) if n % k == 0)
 
 
 def cache_shardings(layout: CacheLayout, mesh, paged=()) -> dict:

@@ -6,9 +6,8 @@ pages, page, dim]`` shared by the batch's rows; row ``b``'s position ``p`` is sl
 (at position ``start[b] + i``) sees the positions up to its own. As one op, each target lowers it its own way
 (``converters/stablehlo``: the pages gathered on every platform; on tpu a decode step's attention is JAX's paged
 attention kernel, which reads only each row's live pages). A packed mixed step (``llm.contract.mixed_inputs``) calls
-it twice per layer: its decode tokens as rows of one query each, then its prompt chunks as a row each (the row's
-queries: the chunk tokens from its own first on). Here: its definition and torch's own computation (the gather),
-which the export's checks run."""
+it twice per layer: its decode tokens as rows of one query each, then its prompt tokens' blocks as a row each. Here:
+its definition and torch's own computation (the gather), which the export's checks run."""
 from __future__ import annotations
 
 import torch

@@ -274,9 +274,8 @@ class CacheStep(torch.nn.Module):
     Given a ``page_table [B, C / page]`` input as well (``llm.contract.paged_inputs``), each cache is a pool of
     pages shared by the rows (``[heads, pages, page, dim]``) and each row's positions are in its table's pages.
     With ``lanes`` (a packed mixed step, ``llm.contract.mixed_inputs``), the step is one sequence of tokens
-    of several rows: ``lanes`` decode tokens, each of its own page table row and position, then the prompt
-    chunks of the table's other rows (``chunk_rows``: each token's); the logits are the lanes' (``[1, lanes,
-    V]``).
+    of several rows: ``lanes`` decode tokens, each of its own page table row and position, then blocks of
+    prompt tokens, one per remaining table row; the logits are the lanes' (``[1, lanes, V]``).
 
     ``image`` (``(token id, bidirectional)``, a VLM on the tpu target): the step takes ``image_rows [1,N,D]``
     beside its tokens, and puts row ``i`` in where token ``i`` is the image token (transformers' merge); with
@@ -317,9 +316,10 @@ class CacheStep(torch.nn.Module):
         n = (tokens if tokens is not None else embeddings).shape[1]
         lanes = self.lanes
         rows = table
-        if lanes is not None:  # packed: token t is written as a row of its own (a chunk token's: its row's pages)
-            chunk_rows = caches.pop("chunk_rows").to(torch.int64)
-            rows = torch.cat([table[:lanes], table[lanes:].index_select(0, chunk_rows)])
+        if lanes is not None:  # packed: token t is written as a row of its own (a block's tokens: its row's pages)
+            blocks, pages = table.shape[0] - lanes, table.shape[1]
+            rows = torch.cat([table[:lanes], table[lanes:, None].expand(blocks, (n - lanes) // blocks, pages)
+                              .reshape(n - lanes, pages)])
         cache = _StepCache(caches, self.layout, input_pos, self.slots, self.sequential, self.padded, rows,
                            packed=lanes is not None)
         positions = input_pos[:, None] + torch.arange(n, dtype=input_pos.dtype) if self.slots else input_pos[None]
@@ -329,8 +329,6 @@ class CacheStep(torch.nn.Module):
             visible = torch.arange(self.layout.length)[None, None, :] <= positions.to(torch.int64)[:, :, None]
             mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)[:, None]
             _PAGED.update(table=table, start=input_pos, mask=mask, pools=set(), updates=0, attended=0, lanes=lanes)
-            if lanes is not None:
-                _PAGED.update(_chunk_runs(chunk_rows, input_pos[lanes:], table.shape[0] - lanes))
         if embeddings is not None and self.image_end is not None:
             mask = image_end_causal(mask, embeddings, positions, self.image_end)
         if image_rows is not None:
@@ -419,16 +417,15 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                                    scaling=scaling, softcap=softcap, **kwargs)
         if lanes is None:
             return attend(query, mask=attention_mask, table=table, start=start).contiguous(), None
-        # packed: the decode lanes as rows of one query each, then the chunks' rows: row r's queries are the
-        # chunk tokens from its run's first (``runs``), its outputs those of its run
-        lane = attend(query[:, :, :lanes].transpose(0, 2), mask=_rows(attention_mask, 0, lanes), table=table[:lanes],
-                      start=start[:lanes])
-        runs, mask = _PAGED["runs"], _rows(attention_mask, lanes, None)
-        mask = None if mask is None else mask[0][:, runs].transpose(0, 1)
-        chunk = attend(query[0, :, lanes:][:, runs].transpose(0, 1), mask=mask, table=table[lanes:],
-                       start=_PAGED["run_start"])  # [rows, N, heads, dim]
-        chunk = chunk.flatten(0, 1).index_select(0, _PAGED["pick"])[None]
-        return torch.cat([lane.transpose(0, 1), chunk], dim=1).contiguous(), None
+        # packed: the decode lanes as rows of one query each (queries and mask rows [1, h, lanes, .] as [lanes, h,
+        # 1, .]), then the blocks of prompt tokens as rows of theirs
+        m, blocks = attention_mask, table.shape[0] - lanes
+        lane = attend(query[:, :, :lanes].transpose(0, 2), table=table[:lanes], start=start[:lanes],
+                      mask=None if m is None else m[:, :, :lanes].transpose(0, 2))
+        size = (query.shape[2] - lanes) // blocks
+        chunk = attend(_blocks(query, lanes, blocks), table=table[lanes:], start=start[lanes::size],
+                       mask=None if m is None else _blocks(m, lanes, blocks))  # [blocks, size, heads, dim]
+        return torch.cat([lane.transpose(0, 1), chunk.flatten(0, 1)[None]], dim=1).contiguous(), None
     if key.dtype != query.dtype:  # a bf16 cache under a float32 trace (the bf16 recipe makes it all bf16)
         key, value = key.to(query.dtype), value.to(query.dtype)
     b, heads, n, d = query.shape
@@ -455,27 +452,11 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.reshape(b, heads, n, value.shape[-1]).transpose(1, 2).contiguous(), None  # v's dim may differ (MLA)
 
 
-def _chunk_runs(chunk_rows, positions, rows: int) -> dict:
-    """Where a packed step's chunk rows' runs are among its ``N`` chunk tokens (``chunk_rows [N]``: each token's
-    row, each row's tokens one run; ``positions [N]``: each token's): ``runs [rows, N]``, row r's queries (the
-    chunk tokens from its run's first on, the last repeated past the end; a row with no tokens: the last token),
-    ``run_start [rows]``, the position of each row's first query, and ``pick [N]``, where token t's output is
-    among the rows' queries flattened."""
-    n = chunk_rows.shape[0]
-    t = torch.arange(n, dtype=torch.int64)
-    first = torch.where(chunk_rows[None, :] == torch.arange(rows, dtype=torch.int64)[:, None], t, n).amin(1)
-    first = torch.clamp(first, max=n - 1)  # [rows]
-    runs = torch.clamp(first[:, None] + t, max=n - 1)
-    pick = chunk_rows * n + t - first.index_select(0, chunk_rows)
-    return {"runs": runs, "run_start": positions.index_select(0, first), "pick": pick}
-
-
-def _rows(mask, begin: int, end):
-    """A packed step's mask ``[1, h, T, C]`` for its queries ``begin:end`` (the lanes: one row each)."""
-    if mask is None:
-        return None
-    part = mask[:, :, begin:end]
-    return part.transpose(0, 2) if begin == 0 else part
+def _blocks(x, lanes: int, blocks: int):
+    """``x [1, h, lanes + N, ...]`` (a packed step's queries or mask rows): its last N as ``blocks`` rows of
+    ``N / blocks`` (``[blocks, h, N / blocks, ...]``)."""
+    part = x[0, :, lanes:]
+    return part.reshape(part.shape[0], blocks, part.shape[1] // blocks, *part.shape[2:]).transpose(0, 1)
 
 
 def _paged(module, query, *, key_pages, value_pages, mask, table, start, causal: bool, dropout, scaling, softcap,
