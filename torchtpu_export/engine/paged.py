@@ -37,8 +37,8 @@ import re
 import numpy as np
 
 from ..errors import InputError
-from ..llm.contract import (DECODE_PAGED, DECODE_PAGED_BUCKET, MIXED_PAGED, MIXED_PAGED_BUCKET, PREFILL_PAGED,
-                            PREFILL_PAGED_BUCKET, decode_buckets)
+from ..llm.contract import (DECODE_PAGED, DECODE_PAGED_BUCKET, MIXED_PAGED, MIXED_PAGED_BLOCKS, MIXED_PAGED_BUCKET,
+                            PREFILL_PAGED, PREFILL_PAGED_BUCKET, decode_buckets, mixed_chunks)
 from .prefix import PagePool, page_keys
 from .request import TOP_LOGPROBS
 from .scheduler import Engine, decode_program, first_device, part_rows
@@ -135,9 +135,10 @@ class PagedEngine(Engine):
         self._mixes = {(n, b, 1): sig for n in self.lengths for b in [self.slots] + sorted(self._buckets)
                        for sig in [MIXED_PAGED.format(n) if b == self.slots else MIXED_PAGED_BUCKET.format(n, b)]
                        if sig in sigs}
-        self._mixes.update({(n, self.slots, int(m.group(2))): m.group(0) for m in
-                            (re.fullmatch(r"mixed_paged_(\d+)_blocks_(\d+)", s) for s in sigs) if m
-                            for n in [int(m.group(1))] if (n, self.slots, 1) in self._mixes})
+        for n in self.lengths:
+            k = mixed_chunks(n, self.slots)
+            if MIXED_PAGED_BLOCKS.format(n, k) in sigs and (n, self.slots, 1) in self._mixes:
+                self._mixes[n, self.slots, k] = MIXED_PAGED_BLOCKS.format(n, k)
         for sig in self._mixes.values():
             self.runners[sig] = program.runner(sig, platform)
         self._set_row, self._get_row = jit_set_row(), jit_get_row()
@@ -205,8 +206,7 @@ class PagedEngine(Engine):
         top, asked = self._top(busy)
         filling = sorted(self._filling(), key=lambda x: x[1].request.id)
         left = [len(r.seq) - 1 - r.filled for _, r in filling]
-        # N: the longest that the prompts left fill, else the shortest (little padding, as a prefill chunk)
-        n = max((k for k in self.lengths if k <= sum(left)), default=self.lengths[0])
+        n = self._chunk_length(sum(left))
         # several prompts' chunks in blocks where the first leaves a block for the next, else one's
         blocks = max((k for m, b, k in self._mixes if m == n and len(filling) > 1 and -(-left[0] // (n // k)) < k),
                      default=1)
@@ -435,8 +435,7 @@ class PagedEngine(Engine):
         fills, else the shortest that holds it: little padding), tokens ``[B, N]``, each row's start, the page
         table (pages taken for the chunk), and how many tokens each row takes."""
         left = {i: len(r.seq) - 1 - r.filled for i, r in rows}
-        most = max(left.values())
-        n = max((k for k in self.lengths if k <= most), default=self.lengths[0])
+        n = self._chunk_length(max(left.values()))
         tokens = np.zeros((self.slots, n), np.int32)
         start = np.zeros(self.slots, np.int32)
         table = np.zeros((self.slots, self._max_pages), np.int32)
@@ -448,6 +447,11 @@ class PagedEngine(Engine):
             self._grow(r, r.filled + take)
             table[i, :len(r.pages)] = r.pages
         return n, tokens, start, table, takes
+
+    def _chunk_length(self, left: int) -> int:
+        """A call's prompt chunk length for ``left`` tokens to prefill: the longest exported that they fill, else
+        the shortest (little padding)."""
+        return max((k for k in self.lengths if k <= left), default=self.lengths[0])
 
     def _filled(self, rows, takes) -> None:
         for i, r in rows:
