@@ -5,8 +5,9 @@ and it may relayout the kernel's operands (a KV cache copied whole, layer by lay
 kernel's layout). So with ``kernels="auto"`` each program that uses a kernel is compiled whole by
 libtpu, ahead of time, with its kernels and lowered with XLA alone, for each TPU generation the
 kernels were checked for; the compiler's "bytes accessed" (plus what kernels that declare no
-cost, JAX's splash, would count) decides. That figure counts staging through on-chip memory too,
-so it is not HBM traffic: it compares two programs of the same model, nothing more.
+cost, JAX's splash and paged attention, would count) decides. That figure counts staging through
+on-chip memory too, so it is not HBM traffic: it compares two programs of the same model, nothing
+more.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from .pallas import Unfit, compiler_rejects
 from .pallas.attention import DECODE_MAX_Q, flash_attention, plan_attention
 from .pallas.int8_matmul import int8_matmul, plan_int8_matmul
 from .pallas.norm import layer_norm, plan_norm, rms_norm
-from .pallas.paged import paged_attention, plan_paged
+from .pallas.paged import paged_attention, paged_cost, plan_paged
 from .pallas.splash import plan_splash, splash_attention, splash_cost
 from .registry import LOWERINGS, lowers
 
@@ -266,8 +266,9 @@ def paged_attention_xla(ctx, q, k_pages, v_pages, table, start, scale):
 @lowers(PAGED_ATTENTION, platform="tpu")
 def paged_attention_tpu(ctx, q, k_pages, v_pages, table, start, scale):
     plan = plan_paged(_shape(q), _shape(k_pages), _shape(v_pages), _shape(table), k_pages.dtype)
+    cost = None if isinstance(plan, Unfit) else paged_cost(_shape(q), _shape(k_pages), _shape(table), k_pages.dtype)
     out = dispatch(ctx, Candidate("paged_attention", plan, functools.partial(paged_attention, scale=scale, plan=plan),
-                                  (q, k_pages, v_pages, table, start), (scale,)))
+                                  (q, k_pages, v_pages, table, start), (scale,), cost))
     if out is not None:
         return out.astype(ctx.out_dtype())
     return paged_attention_xla(ctx, q, k_pages, v_pages, table, start, scale)

@@ -51,6 +51,21 @@ def plan_paged(q_shape, k_shape, v_shape, table_shape, dtype) -> PagedPlan | Unf
     return PagedPlan(block, h // hkv)
 
 
+def paged_cost(q_shape, k_shape, table_shape, dtype) -> dict:
+    """What the compiler's cost analysis would count for the kernel: a Mosaic call is opaque to it and JAX's
+    paged attention declares no estimate, so without this a program with the kernel counted its attention as
+    free. Every page of every row's table is counted as read once (the figure the gather's rule is compiled
+    for: the compiler knows no row's length; at run time the kernel reads only each row's live pages), the
+    queries read and the output written."""
+    b, h, n, d = q_shape
+    hkv, _, page, _ = k_shape
+    positions = table_shape[1] * page
+    item = jnp.dtype(dtype).itemsize
+    pairs = b * h * n * positions
+    moved = 2 * b * h * n * d * item + 2 * b * hkv * positions * d * item + 4 * (b * table_shape[1] + b)
+    return {"flops": int(4 * pairs * d), "transcendentals": int(pairs), "bytes_accessed": int(moved)}
+
+
 def paged_attention(q, k_pages, v_pages, table, start, *, scale: float, plan: PagedPlan,
                     interpret: bool | None = None):
     """``q [B, H, 1, d]`` → ``[B, H, 1, d]``: each row's query against its positions ``0..start``."""

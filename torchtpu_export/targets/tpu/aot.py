@@ -534,7 +534,7 @@ def compile_artifact(artifact, topology_name: str, programs=None, *, store: bool
 
 
 def _add_kernel_costs(st: dict, kernels: list, gen: Generation) -> None:
-    """Adds what kernels that declare no cost to the compiler (JAX's splash) would count."""
+    """Adds what kernels that declare no cost to the compiler (JAX's splash and paged attention) would count."""
     extra = [k["cost"] for k in kernels if k.get("platform") == "tpu" and k.get("cost")]
     if not extra:
         return
