@@ -1,8 +1,10 @@
 """Serving over a paged KV cache (`torchtpu-export DIR --target tpu --kv-pages P`): the engine's rows share one
 pool of pages, a prompt's cached prefix pages are read in place, and admission waits for pages; every
-request still gets transformers' greedy tokens. Decode attention over the pages is JAX's paged attention
-kernel on tpu (checked by libtpu, and in Pallas interpret mode against the gather of the XLA rule)."""
+request still gets transformers' greedy tokens. Attention over the pages is JAX's paged attention kernel on tpu
+for decode rows and ours (``paged_blocks``) for rows of several queries (checked by libtpu, and in Pallas
+interpret mode against the gather of the XLA rule)."""
 import concurrent.futures
+import re
 
 import numpy as np
 import openai
@@ -191,6 +193,46 @@ def test_mixed_steps_are_packed_and_read_a_window_s_pages_under_its_own_mask():
     assert s["mixed_steps"] > s.get("small_mixed_steps", 0) > 0 and s["most_chunks_in_a_step"] >= 2, s
 
 
+def test_paged_engine_through_the_kernels_in_interpret_mode_gives_the_gathers_tokens(monkeypatch):
+    """The engine over a bf16 paged export whose programs on this CPU are the tpu lowering, its kernels in Pallas
+    interpret mode (ours for prefill chunks and mixed steps' chunks and blocks; JAX's paged attention for decode
+    rows is left out: its TPU interpret mode calls back to the host, which an exported program cannot, so the
+    single-step test above checks it), against the same export through the gather of the XLA rule: requests of
+    mixed lengths arriving while others decode, two of them together (a step of blocks), get the same tokens."""
+    from torchtpu_export.converters import stablehlo
+    from torchtpu_export.converters.stablehlo import pallas
+    model = _kernel_model()
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 300, k).tolist() for k in (5, 21, 3, 40, 2, 7)]
+
+    def tokens():
+        prog = tte.export_llm(model, None, target="tpu", platforms=("cpu",), prefill_lengths=(16,), cache_length=64,
+                              batch_size=4, batch_buckets=(), kv_pages="auto", quant_config="bf16")
+        engine = Engine(prog, prefix_cache=False)
+        requests = [engine.submit(prompts[0], 10)]
+        for p in prompts[1:4]:
+            engine.step()
+            requests.append(engine.submit(p, 10))
+        engine.step()
+        requests += [engine.submit(p, 10) for p in prompts[4:]]  # together: a step of blocks
+        while engine.busy:
+            engine.step()
+        used = {(e["program"].split("_")[0], e.get("kernel")) for e in prog.kernels()
+                if e["op"] == "tte.paged_attention.default"}
+        return [r.result() for r in requests], used, engine.stats
+
+    gathered, used, _ = tokens()
+    assert not any(kernel for _, kernel in used), used  # the cpu lowering: the gather
+    lowering = stablehlo.LoweringContext
+    monkeypatch.setattr(stablehlo, "LoweringContext",
+                        lambda platform, **kw: lowering("tpu", **dict(kw, kernels_off=("paged_attention",))))
+    with pallas.interpret_mode():
+        kernels, used, stats = tokens()
+    assert {("prefill", "pallas.paged_blocks"), ("mixed", "pallas.paged_blocks")} <= used, used
+    assert stats["mixed_steps"] > 0 and stats["most_chunks_in_a_step"] >= 2, stats
+    assert kernels == gathered
+
+
 def test_the_page_pool_counts_and_evicts_idle_cached_pages_in_the_order_they_were_let_go():
     """PagePool's bookkeeping without an engine: a cached page held by a sequence is never evicted nor counted
     as available; idle cached pages go in the order they were let go, a hit taking its page out of that line."""
@@ -249,18 +291,29 @@ def _kernel_model():
 
 def test_paged_programs_compile_for_tpu_with_the_kernel_where_it_pays():
     """The TPU compiler (libtpu, ahead of time, v5e) accepts the paged decode and prefill steps of a bf16 export
-    with the pool updated in place (aliased); decode attention is JAX's paged attention kernel, kept because it
-    accesses fewer bytes than the gather (both figures recorded), and prefill chunks say why they have none. The
-    engine's calls around them (sampling, mixed steps) compile for v5e as well, for a server to load."""
+    with the pool updated in place (aliased); decode attention is JAX's paged attention kernel and prefill chunks'
+    and a mixed step's blocks are ours (``paged_blocks``), each kept because the program accesses fewer bytes than
+    with the gather (both figures recorded). The engine's calls around them (sampling, mixed steps) compile for v5e
+    as well, for a server to load."""
     prog = tte.export_llm(_kernel_model(), None, target="tpu", prefill_lengths=(16,), cache_length=128, batch_size=4,
                           kv_pages="auto", quant_config="bf16")
     entries = {(e["program"], e["node"]): e for e in prog.kernels() if e["op"] == "tte.paged_attention.default"
                and e["platform"] == "tpu"}
     decode = [e for (p, _), e in entries.items() if p == "decode_paged"]
     assert len(decode) == 2 and all(e.get("kernel") == "pallas.paged_attention" for e in decode), entries
-    assert all("one" in e["reason"] for (p, _), e in entries.items() if p == "prefill_paged_16")
-    cost = prog.manifest["programs"]["decode_paged"]["kernel_cost"]
-    assert cost["kept"] == "pallas" and cost["pallas"]["v5e:2x2"] < cost["xla"]["v5e:2x2"], cost
+    blocks = [e for (p, _), e in entries.items() if p in ("prefill_paged_16", "mixed_paged_16_blocks_4")
+              and e.get("kernel") == "pallas.paged_blocks"]
+    assert len(blocks) == 4, entries  # a prefill chunk per row, and a mixed step's blocks
+    for sig in ("decode_paged", "prefill_paged_16", "mixed_paged_16_blocks_4"):
+        cost = prog.manifest["programs"][sig]["kernel_cost"]
+        assert cost["kept"] == "pallas" and cost["pallas"]["v5e:2x2"] < cost["xla"]["v5e:2x2"], (sig, cost)
+        # each paged kernel was also left out in turn, and stayed because the program accessed more without it
+        kept = {e["kernel"].removeprefix("pallas.") for e in prog.manifest["programs"][sig]["kernels"]
+                if e.get("kernel", "").startswith("pallas.paged")}
+        assert all(cost["without"][k]["v5e:2x2"] > cost["pallas"]["v5e:2x2"] for k in kept), (sig, cost)
+    # a kind left out where the program accessed fewer bytes without it says so, with both figures
+    left = [e for e in prog.kernels() if "the program without pallas." in e.get("reason", "")]
+    assert left and all(re.search(r"accesses [\d.]+ MB on v5e:2x2, with [\d.]+ MB", e["reason"]) for e in left), left
     pools = [s for s in prog.inputs("decode_paged") if s.name.startswith("kv_cache_")]
     pool = sum(int(np.prod(s.shape)) * 2 for s in pools)
     # the compiler cannot see inside the kernel: its reads (every page of every row's table) are added to the
@@ -270,7 +323,7 @@ def test_paged_programs_compile_for_tpu_with_the_kernel_where_it_pays():
     for sig in ("decode_paged", "prefill_paged_16"):
         stats = prog.compiled_stats("v5e:1x1", sig)
         assert stats["fits"] and stats["hbm_bytes"]["aliased"] >= pool, (sig, stats)
-        assert stats.get("kernel_estimates", 0) == (2 if sig == "decode_paged" else 0), (sig, stats)
+        assert stats.get("kernel_estimates", 0) == 2, (sig, stats)
     # every call of the server's engine (steps with sampling, mixed steps, row and pool work) compiles for v5e too
     engine = compile_engine(prog, "v5e:1x1", Engine)
     assert engine["server"] == "PagedEngine" and engine["device_kind"] == "TPU v5 lite" and engine["libtpu"]
@@ -282,31 +335,41 @@ def test_paged_programs_compile_for_tpu_with_the_kernel_where_it_pays():
     assert all(c["bytes"] > 0 for c in engine["calls"].values())
 
 
-def test_paged_decode_kernel_in_interpret_mode_agrees_with_the_gather():
-    """The tpu lowering of a bf16 paged decode step (JAX's paged attention kernel, in Pallas interpret mode on
-    this CPU) against the cpu lowering (the pages gathered) and torch, rows at positions 0 to 127 of scattered
-    pages: the same logits within bf16's precision and the same top-1 tokens; the first layer's cache writes
-    are the same bits."""
+@pytest.mark.parametrize("mixed", [False, True], ids=["decode", "mixed-blocks"])
+def test_paged_kernels_in_interpret_mode_agree_with_the_gather(mixed):
+    """The tpu lowering of a bf16 paged step (in Pallas interpret mode on this CPU) against the cpu lowering (the
+    pages gathered) and torch, rows at positions 0 to 127 of scattered pages: the same logits within bf16's
+    precision and the same top-1 tokens. A decode step's attention is JAX's paged attention kernel, and its first
+    layer's cache writes are the same bits. A packed mixed step's blocks of prompt tokens (two blocks of 16, at
+    positions 40 and 0 of their own rows) are our ``paged_blocks`` kernel, its decode lanes JAX's: the second
+    layer's cache writes (which read the first layer's attention of every token) agree within bf16's precision."""
     import jax
     import torch.utils._pytree as pytree
 
     from torchtpu_export.capture import capture
     from torchtpu_export.converters import stablehlo
     from torchtpu_export.converters.stablehlo import pallas
-    from torchtpu_export.llm.contract import paged_inputs
+    from torchtpu_export.llm.contract import mixed_inputs, paged_inputs
     from torchtpu_export.llm.step import CacheStep, grouped_attention_in, probe_layout
     from torchtpu_export.safetensors_io import to_numpy
     model = _kernel_model().to(torch.bfloat16)
     layout = probe_layout(model, 128, "bfloat16")
-    step = CacheStep(model, layout, logits=True, slots=True)
-    feed = paged_inputs(layout, 4, 1, 33, 16)
     g = torch.Generator().manual_seed(1)
+    lanes = dict(tokens=torch.tensor([[5], [17], [200], [3]], dtype=torch.int32),
+                 input_pos=torch.tensor([0, 17, 60, 127], dtype=torch.int32))
+    if mixed:
+        step = CacheStep(model, layout, logits=True, slots=True, lanes=4)
+        feed = mixed_inputs(layout, 4, 32, 49, 16, chunks=2)
+        feed.update(tokens=torch.cat([lanes["tokens"].T, torch.randint(3, 300, (1, 32), generator=g)], 1).int(),
+                    input_pos=torch.cat([lanes["input_pos"], torch.arange(40, 56), torch.arange(16)]).int(),
+                    page_table=(torch.randperm(48, generator=g) + 1).reshape(6, 8).to(torch.int32))
+    else:
+        step = CacheStep(model, layout, logits=True, slots=True)
+        feed = paged_inputs(layout, 4, 1, 33, 16)
+        feed.update(lanes, page_table=(torch.randperm(32, generator=g) + 1).reshape(4, 8).to(torch.int32))
     for k in feed:
         if k.startswith("kv_cache"):
             feed[k] = torch.randn(feed[k].shape, generator=g).to(torch.bfloat16)
-    feed.update(tokens=torch.tensor([[5], [17], [200], [3]], dtype=torch.int32),
-                input_pos=torch.tensor([0, 17, 60, 127], dtype=torch.int32),
-                page_table=(torch.randperm(32, generator=g) + 1).reshape(4, 8).to(torch.int32))
     with torch.no_grad(), grouped_attention_in(model):
         cap = capture(step, (), feed, keep=stablehlo.KEEP_WHOLE)
         ref = pytree.tree_leaves(step(**{k: v.clone() for k, v in feed.items()}))[0].float().numpy()
@@ -321,12 +384,15 @@ def test_paged_decode_kernel_in_interpret_mode_agrees_with_the_gather():
         return [np.asarray(o, np.float32) for o in out], ctx.kernel_log
 
     kernel, log = run("tpu")
-    assert [e.get("kernel") for e in log if e["op"] == "tte.paged_attention.default"] == ["pallas.paged_attention"] * 2
+    used = [e.get("kernel") for e in log if e["op"] == "tte.paged_attention.default"]
+    assert used == (["pallas.paged_attention", "pallas.paged_blocks"] if mixed else ["pallas.paged_attention"]) * 2
     xla, _ = run("cpu")
     scale = np.abs(ref).max()
     assert np.abs(kernel[0] - xla[0]).max() / scale < 2e-2 and np.abs(xla[0] - ref).max() / scale < 2e-2
     assert (kernel[0].argmax(-1) == ref.argmax(-1)).all() and (xla[0].argmax(-1) == ref.argmax(-1)).all()
     assert np.array_equal(kernel[1], xla[1]) and np.array_equal(kernel[2], xla[2])  # layer 0's k and v pools
+    for a, b in zip(kernel[3:5], xla[3:5]):  # layer 1's: written from layer 0's attention of each token
+        assert np.abs(a - b).max() / np.abs(b).max() < 2e-2
 
 
 def test_serve_batches_concurrent_streams_over_the_pages(llm):

@@ -195,3 +195,47 @@ def test_int8_matmul_plan_refuses():
     assert "int8" in plan_int8_matmul((4, 128), (128, 128), jnp.float32, jnp.int16).reason
     fit = plan_int8_matmul((4, 200), (100, 200), jnp.float32, jnp.int8)
     assert fit.forcible and "multiple of 128" in fit.reason
+
+
+# (rows B, heads, kv heads, queries per row n, head_dim, page, table width T, dtype, interpret): rows of n queries at
+# their own starts (0, the end of the table, between) over scattered pages of a shared pool
+PAGED_BLOCKS_CASES = [
+    pytest.param(3, 4, 2, 8, 128, 16, 4, torch.bfloat16, True, id="gqa-bf16-steps-of-4-pages"),
+    pytest.param(2, 2, 1, 16, 128, 8, 40, torch.float32, "tpu", id="mqa-f32-tpu-interpret-partial-step"),
+    pytest.param(2, 8, 2, 200, 128, 16, 16, torch.bfloat16, True, id="gqa-800-rows-in-blocks-of-512"),
+]
+
+
+@pytest.mark.parametrize("b,h,hkv,n,d,page,t,dtype,interpret", PAGED_BLOCKS_CASES)
+def test_paged_blocks_attention_matches_torch(b, h, hkv, n, d, page, t, dtype, interpret):
+    """Our paged kernel for rows of several queries against ``tte::paged_attention``'s eager definition (the
+    pages gathered, causal from each row's start): pages past a row's last query are never read, so they hold
+    NaN here."""
+    from torchtpu_export.converters.stablehlo.pallas.paged import paged_blocks_attention, plan_paged_blocks
+    from torchtpu_export.llm.paged import paged_attention
+    g = torch.Generator().manual_seed(0)
+    pages = b * t + 1
+    k, v = (torch.randn(hkv, pages, page, d, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(b, h, n, d, generator=g).to(dtype)
+    table = (torch.randperm(pages - 1, generator=g) + 1)[:b * t].reshape(b, t).int()
+    start = torch.tensor([0, t * page - n, (t * page - n) // 3][:b]).int()
+    for row in range(b):  # the pages after a row's last live one
+        dead = table[row, (int(start[row]) + n - 1) // page + 1:].long()
+        k[:, dead], v[:, dead] = float("nan"), float("nan")
+    ref = paged_attention(q, k.nan_to_num(), v.nan_to_num(), table, start, 0.1)
+    plan = plan_paged_blocks(q.shape, k.shape, v.shape, table.shape, _j(q).dtype)
+    assert not isinstance(plan, Unfit), plan
+    got = paged_blocks_attention(_j(q), _j(k), _j(v), _j(table), _j(start), scale=0.1, plan=plan,
+                                 interpret=pltpu.InterpretParams() if interpret == "tpu" else True)
+    _close(got, ref, dtype)
+
+
+def test_paged_blocks_plan_refuses():
+    from torchtpu_export.converters.stablehlo.pallas.paged import plan_paged_blocks
+
+    def why(n, d, page, dtype):
+        return plan_paged_blocks((4, 2, n, d), (1, 9, page, d), (1, 9, page, d), (4, 2), dtype).reason
+    assert "one query" in why(1, 128, 16, jnp.bfloat16)
+    assert "head_dim 64" in why(8, 64, 16, jnp.float32)
+    assert "pages of 8" in why(8, 128, 8, jnp.bfloat16)
+    assert "float16" in why(8, 128, 16, jnp.float16)

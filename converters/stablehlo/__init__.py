@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 from typing import Mapping, Sequence
 
 from torchtpu_export.targets.tpu import aot as tpu_compile
@@ -184,9 +185,9 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
                               if spec["name"].startswith(tuple(donate_prefixes))]
         kernel_cost = None
 
-        def lower(platform, kernels):
+        def lower(platform, kernels, off=()):
             ctx = LoweringContext(platform, narrow_64bit=narrow_64bit, kernels=kernels, float_dtype=float_dtype,
-                                  sharded=bool(mesh_axes), mesh_axes=mesh_axes,
+                                  sharded=bool(mesh_axes), mesh_axes=mesh_axes, kernels_off=off,
                                   expert_axis=plan.get("expert_axis") if plan else None,
                                   kernel_topologies=kernel_topologies if platform == "tpu" else ())
             fn = to_jax_function(cap, ctx, renames, dequantize)
@@ -208,6 +209,7 @@ def convert(captures: Mapping[str, CapturedProgram], *, platforms: Sequence[str]
             if kernels == "auto" and kernel_topologies and any(e.get("kernel") for e in log_entries):
                 exp, log_entries, kernel_cost = kernels_that_pay(
                     exp, log_entries, lambda: lower(platform, "xla")[0],
+                    lambda off: operator.itemgetter(0, 2)(lower(platform, kernels, off)),
                     kernel_topologies if precompile else kernel_topologies[:1], uses_x64=uses_x64,
                     mesh_axes=mesh_axes, shardings=plan, dims=cap.dim_ranges,
                     donate=tpu_format.donated(meta))

@@ -23,11 +23,12 @@ from jax import lax
 from torchtpu_export.fxnodes import op_name, user_source_line
 from torchtpu_export.errors import UnsupportedOpError
 
+from .kernel_cost import LEFT_OUT
 from .pallas import Unfit, compiler_rejects
 from .pallas.attention import DECODE_MAX_Q, flash_attention, plan_attention
 from .pallas.int8_matmul import int8_matmul, plan_int8_matmul
 from .pallas.norm import layer_norm, plan_norm, rms_norm
-from .pallas.paged import paged_attention, paged_cost, plan_paged
+from .pallas.paged import paged_attention, paged_blocks_attention, paged_cost, plan_paged, plan_paged_blocks
 from .pallas.splash import plan_splash, splash_attention, splash_cost
 from .registry import LOWERINGS, lowers
 
@@ -78,6 +79,8 @@ def dispatch(ctx, *candidates: Candidate):
     else:
         for c in candidates:
             why = c.fit.reason if isinstance(c.fit, Unfit) else None
+            if why is None and c.kernel in ctx.kernels_off:
+                why = LEFT_OUT
             if why is None and ctx.sharded and c.shards is None:
                 # XLA cannot partition a Mosaic kernel: it runs per shard (shard_map) or not at all
                 why = "the program is sharded over a mesh, and this kernel has no per-shard form here"
@@ -265,10 +268,18 @@ def paged_attention_xla(ctx, q, k_pages, v_pages, table, start, scale):
 
 @lowers(PAGED_ATTENTION, platform="tpu")
 def paged_attention_tpu(ctx, q, k_pages, v_pages, table, start, scale):
-    plan = plan_paged(_shape(q), _shape(k_pages), _shape(v_pages), _shape(table), k_pages.dtype)
-    cost = None if isinstance(plan, Unfit) else paged_cost(_shape(q), _shape(k_pages), _shape(table), k_pages.dtype)
-    out = dispatch(ctx, Candidate("paged_attention", plan, functools.partial(paged_attention, scale=scale, plan=plan),
-                                  (q, k_pages, v_pages, table, start), (scale,), cost))
+    """Decode rows (one query each): JAX's paged attention kernel; rows of several queries (prompt chunks, a
+    mixed step's blocks): ours (``paged_blocks``). Neither declares its reads to the compiler: ``paged_cost``."""
+    shapes = (_shape(q), _shape(k_pages), _shape(v_pages), _shape(table), k_pages.dtype)
+    cost = paged_cost(_shape(q), _shape(k_pages), _shape(table), k_pages.dtype)
+    operands = (q, k_pages, v_pages, table, start)
+    candidates = []
+    for name, plan_of, kernel in (("paged_attention", plan_paged, paged_attention),
+                                  ("paged_blocks", plan_paged_blocks, paged_blocks_attention)):
+        plan = plan_of(*shapes)
+        candidates.append(Candidate(name, plan, functools.partial(kernel, scale=scale, plan=plan), operands, (scale,),
+                                    None if isinstance(plan, Unfit) else cost))
+    out = dispatch(ctx, *candidates)
     if out is not None:
         return out.astype(ctx.out_dtype())
     return paged_attention_xla(ctx, q, k_pages, v_pages, table, start, scale)

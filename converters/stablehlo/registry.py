@@ -87,7 +87,7 @@ class LoweringContext:
 
     def __init__(self, platform: str, *, narrow_64bit: bool = False, kernels: str = "auto",
                  float_dtype=None, sharded: bool = False, kernel_topologies: tuple[str, ...] = (),
-                 mesh_axes: dict | None = None, expert_axis: str | None = None):
+                 mesh_axes: dict | None = None, expert_axis: str | None = None, kernels_off: tuple[str, ...] = ()):
         self.platform = platform
         # TPU topologies whose compiler must accept a Pallas kernel before it is used (libtpu)
         self.kernel_topologies = tuple(kernel_topologies)
@@ -101,6 +101,8 @@ class LoweringContext:
             self.mesh = AbstractMesh(tuple(mesh_axes.values()), tuple(mesh_axes))
         self.expert_axis = expert_axis  # the mesh axis experts are split over (the sharding plan's)
         self.kernels = kernels
+        # kernels left out of this lowering (kernels="auto": the program accessed fewer bytes without them)
+        self.kernels_off = frozenset(kernels_off)
         self.node: torch.fx.Node | None = None
         self.kernel_log: list[dict] = []  # per hot node: kernel chosen, or why not
         # placeholder name -> (int8 values, scales, channel axis) for weights stored quantized

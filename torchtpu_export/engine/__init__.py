@@ -30,7 +30,9 @@ The design is JetStream's (prefill into a slot, then insert it into the batch) w
 - a program exported with a paged KV cache (``tte.export_llm(..., kv_pages=P)``: ``decode_paged``,
   ``prefill_paged_<N>``) gets a :class:`PagedEngine` (:mod:`.paged`): one pool of pages shared by the
   rows, memory for live tokens, cached prefix pages read in place, a request admitted when its prompt
-  fits and preempted (its pages kept, its state saved) when the pool runs short; decode attention over the pages is JAX's paged attention kernel on TPU.
+  fits and preempted (its pages kept, its state saved) when the pool runs short; on TPU, attention over
+  the pages fetches only each row's live pages (JAX's paged attention kernel for decode rows, ours for
+  prompt chunks and blocks).
 
 :class:`Engine` runs in a thread of its own (``start``) for servers, or step by step in the caller's
 thread (``generate``, tests). Nothing else runs these programs: no Python model code is needed.

@@ -28,8 +28,9 @@ processors and thread are the engine's. What differs:
   first waiting request that does not fit waits for pages (first come, first served).
 
 Attention reads each row's pages through ``tte::paged_attention`` (:mod:`torchtpu_export.llm.paged`): gathered
-in sequence order by XLA, or on TPU for a decode step (and a packed step's decode tokens) JAX's paged attention
-kernel, which fetches only each row's live pages."""
+in sequence order by XLA, or on TPU by kernels that fetch only each row's live pages: JAX's paged attention
+kernel for rows of one query (a decode step, a packed step's decode tokens), ours for rows of several (prompt
+chunks, a packed step's blocks)."""
 from __future__ import annotations
 
 import re

@@ -4,10 +4,11 @@ A paged step (``llm.contract.paged_inputs``) keeps every layer's keys and values
 pages, page, dim]`` shared by the batch's rows; row ``b``'s position ``p`` is slot ``p % page`` of pool page
 ``page_table[b, p // page]``. Attention reads a row's pages in sequence order, causally: query ``i`` of row ``b``
 (at position ``start[b] + i``) sees the positions up to its own. As one op, each target lowers it its own way
-(``converters/stablehlo``: the pages gathered on every platform; on tpu a decode step's attention is JAX's paged
-attention kernel, which reads only each row's live pages). A packed mixed step (``llm.contract.mixed_inputs``) calls
-it twice per layer: its decode tokens as rows of one query each, then its prompt tokens' blocks as a row each. Here:
-its definition and torch's own computation (the gather), which the export's checks run."""
+(``converters/stablehlo``: the pages gathered on every platform; on tpu kernels that read only each row's live
+pages, JAX's paged attention kernel for rows of one query and ours for rows of several). A packed mixed step
+(``llm.contract.mixed_inputs``) calls it twice per layer: its decode tokens as rows of one query each, then its
+prompt tokens' blocks as a row each. Here: its definition and torch's own computation (the gather), which the
+export's checks run."""
 from __future__ import annotations
 
 import torch

@@ -13,7 +13,9 @@ checks each kernel it emits the same way).
 
 Kernels: ``attention`` (flash attention, ours, for masks, padding and decode
 steps), ``splash`` (JAX's splash attention, for causal and unmasked attention),
-``norm`` (RMSNorm, LayerNorm) and ``int8_matmul``.
+``paged`` (attention over a paged KV cache: JAX's paged attention for decode
+rows, ours for rows of several queries), ``norm`` (RMSNorm, LayerNorm) and
+``int8_matmul``.
 """
 from __future__ import annotations
 

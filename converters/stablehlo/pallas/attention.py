@@ -188,7 +188,7 @@ def flash_attention(q, k, v, mask=None, *, causal: bool = False, scale: float | 
             lambda bi, hi, i, j: (bi if mb else 0, hi if mh else 0, i if mrows else 0, kv_block(i, j))))
         operands.append(mask)
     kernel = functools.partial(_kernel, causal=causal, scale=scale, block_q=bq, block_k=bk, kv_len=plan.kv_len,
-                               head_dim=dp, num_kv_blocks=nk, has_mask=mask is not None,
+                               num_kv_blocks=nk, has_mask=mask is not None,
                                q_len=lq if plan.decode else None)
     out = pl.pallas_call(
         kernel,
@@ -255,7 +255,7 @@ def _lanes_to(x, n):
     return x[:, :n]
 
 
-def _kernel(q_ref, k_ref, v_ref, *refs, causal, scale, block_q, block_k, kv_len, head_dim, num_kv_blocks, has_mask,
+def _kernel(q_ref, k_ref, v_ref, *refs, causal, scale, block_q, block_k, kv_len, num_kv_blocks, has_mask,
             q_len):
     mask_ref = refs[0] if has_mask else None
     o_ref, m_ref, l_ref, acc_ref = refs[1:] if has_mask else refs
@@ -288,20 +288,30 @@ def _kernel(q_ref, k_ref, v_ref, *refs, causal, scale, block_q, block_k, kv_len,
                     rows = lax.rem(rows, jnp.int32(q_len))
                 valid = jnp.logical_and(valid, cols <= rows)
             s = jnp.where(valid, s, -jnp.inf)
-        m_prev = m_ref[...]
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        # a row with no unmasked key yet keeps max -inf; subtract 0 instead so exp gives 0, not nan
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-        p = jnp.exp(s - _lanes_to(m_safe, block_k))
-        alpha = jnp.exp(m_prev - m_safe)
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        m_ref[...] = m_next
-        v = v_ref[...]
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        acc_ref[...] = acc_ref[...] * _lanes_to(alpha, head_dim) + pv
+        softmax_update(s, v_ref[...], m_ref, l_ref, acc_ref)
 
     @pl.when(j == num_kv_blocks - 1)
     def _finish():
-        l = l_ref[...]
-        inv = jnp.where(l == 0.0, 0.0, 1.0 / jnp.where(l == 0.0, 1.0, l))
-        o_ref[...] = (acc_ref[...] * _lanes_to(inv, head_dim)).astype(o_ref.dtype)
+        softmax_finish(o_ref, l_ref, acc_ref)
+
+
+def softmax_update(s, v, m_ref, l_ref, acc_ref):
+    """One kv block of online softmax: scores ``s (rows, cols)`` in float32 (masked keys -inf) and values ``v
+    (cols, d)`` into the running max and sum (``(rows, 128)``, lane-replicated) and output ``(rows, d)``."""
+    m_prev = m_ref[...]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    # a row with no unmasked key yet keeps max -inf; subtract 0 instead so exp gives 0, not nan
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+    p = jnp.exp(s - _lanes_to(m_safe, s.shape[1]))
+    alpha = jnp.exp(m_prev - m_safe)
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+    m_ref[...] = m_next
+    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    acc_ref[...] = acc_ref[...] * _lanes_to(alpha, acc_ref.shape[1]) + pv
+
+
+def softmax_finish(o_ref, l_ref, acc_ref):
+    """The output of an online softmax: 0 for a row whose every key was masked, as torch gives."""
+    l = l_ref[...]
+    inv = jnp.where(l == 0.0, 0.0, 1.0 / jnp.where(l == 0.0, 1.0, l))
+    o_ref[...] = (acc_ref[...] * _lanes_to(inv, acc_ref.shape[1])).astype(o_ref.dtype)

@@ -322,7 +322,8 @@ def _manifest_schema():
                       "op_histogram": MapOf(Count()), "quantization": Record({"recipe": STR}),
                       "sharding": Opt(sharding), "donate": ListOf(Count()),
                       "kernel_cost": Record({"kept": OneOf("pallas", "xla")},
-                                            {"pallas": MapOf(NUMBER), "xla": MapOf(NUMBER), "not_compared": STR}),
+                                            {"pallas": MapOf(NUMBER), "xla": MapOf(NUMBER), "not_compared": STR,
+                                             "without": MapOf(MapOf(NUMBER)), "dropped": ListOf(STR)}),
                       "state": ListOf(Record({"name": STR, "shape": ListOf(Count()), "dtype": STR}))})
     return Record({"format": OneOf(FORMAT), "format_version": Count(), "programs": MapOf(program),
                    "weights": Record({"file": NAME}, {"count": Count(), "bytes": Count(),

@@ -369,7 +369,10 @@ def _kernel_cost_line(cost: dict) -> str:
         return f"  kernels vs XLA: not compared ({cost['not_compared']}); kernels kept"
     per = ", ".join(f"{t} {cost['pallas'][t] / 1e6:.1f} vs {cost['xla'].get(t, 0) / 1e6:.1f} MB"
                     for t in cost.get("pallas", {}))
-    return f"  kernels vs XLA (bytes accessed, compiler's cost analysis): {per}; kept {cost.get('kept')}"
+    kept = cost.get("kept")
+    if kept == "pallas" and cost.get("dropped"):
+        kept += f" (without {', '.join('pallas.' + k for k in cost['dropped'])}, which made it access more)"
+    return f"  kernels vs XLA (bytes accessed, compiler's cost analysis): {per}; kept {kept}"
 
 
 def _pages_line(desc: dict, llm: dict) -> str:
