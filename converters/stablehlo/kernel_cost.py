@@ -61,13 +61,11 @@ def kernels_that_pay(exported, kernel_log: list[dict], lower_xla: Callable, lowe
             out[topology] = float(aot.cost_of(compiled).get("bytes accessed", 0.0)) + declared
         return out
 
-    cost = {}
-    for name, program, log in (("pallas", exported, kernel_log), ("xla", lower_xla(), [])):
+    xla, cost = lower_xla(), {}
+    for name, program, log in (("pallas", exported, kernel_log), ("xla", xla, [])):
         cost[name] = accessed(program, log)
         if isinstance(cost[name], str):
             return exported, kernel_log, {"kept": "pallas", "not_compared": f"{name}, {cost[name]}"}
-        if name == "xla":
-            xla = program
     kinds = sorted({k["kernel"].removeprefix("pallas.") for k in kernel_log if k.get("kernel")})
     every, every_log = cost["pallas"], kernel_log  # with every kernel that fits
     dropped = []
