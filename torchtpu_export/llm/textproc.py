@@ -1,46 +1,33 @@
-"""An LLM server's text work (tokenizing, the chat template, detokenizing) in worker processes, each
-operation under a time and a memory budget.
+"""An LLM server's text work (tokenizing, the chat template, detokenizing) in worker processes
+(:class:`torchtpu_export.workers.WorkerPool`), each operation under a time and a memory budget.
 
 A served file's tokenizer and chat template are the file's: a template that loops for ever or builds a
 gigabyte string, or a tokenizer whose regular expression backtracks, must not stall the event loop
 that answers every other request and health check, nor grow the server, nor keep SIGTERM from
-ending it. So they run in worker processes started as plain scripts (``python -I this_file``: no
-torch, jax or threads of the server's), which:
+ending it. So they run in text workers, which load the tokenizer and compile the template once, at
+start (a file whose tokenizer or template does not load is refused then: :class:`TextWorkers` raises
+ArtifactError), within the workers' limits (128 MB of address space past the loaded tokenizer; the
+template's ``*``, ``+`` and ``**`` refuse values longer than it may write; ``time_budget`` seconds an
+operation). The server bounds what it sends (prompt characters, message counts) and how much text a
+template may write.
 
-- load the tokenizer and compile the template once, at start: a file whose tokenizer or template does
-  not load is refused then (:class:`TextWorkers` raises ArtifactError);
-- live under an address-space limit (``RLIMIT_AS``: their size once the tokenizer is loaded plus
-  ``memory_budget``, 128 MB), so an operation that would allocate past it fails alone, with a
-  MemoryError; the template's ``*``, ``+`` and ``**`` refuse values longer than it may write;
-- are killed and replaced when an operation runs past ``time_budget`` seconds, or when they crash:
-  the request that asked fails (:class:`TextError`), no other;
-- end when the server is gone.
-
-Messages are JSON lines over the worker's stdin and stdout; nothing is unpickled. The server bounds
-what it sends (prompt characters, message counts) and how much text a template may write.
-
-This file is also the worker (``__main__`` below), so it imports nothing of the package at its top.
+This module is also the workers' role (:func:`worker_ops`), so it imports nothing of the package at
+its top but :mod:`torchtpu_export.workers`.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import select
-import subprocess
-import sys
-import threading
+import re
 import time
 
-MAX_LINE = 1 << 30  # a reply line (bounded by what the server sends: prompts are capped far below)
-
+from ..workers import WorkerError, WorkerPool
 
 CHARS_PER_POSITION = 32  # prompt characters per cache position: far more than any real text needs
 
-
-class TextError(Exception):
-    """One text operation failed (the template refused the messages, a budget ran out, the worker
-    crashed); the request that asked for it gets this message, nobody else."""
+# One text operation failed (the template refused the messages, a budget ran out, the worker crashed); the
+# request that asked for it gets this message, nobody else.
+TextError = WorkerError
 
 
 # ---- the worker (this file run as a script) ---------------------------------------------------
@@ -73,9 +60,14 @@ class _Codec:
         """:meth:`decode` of several requests' windows at once (one message per engine step, not one per token)."""
         return [self.decode(ids, split) for ids, split in windows]
 
-    def pieces(self, ids: list[int]) -> list[str]:
-        """Each token's own text (logprobs name their tokens)."""
-        return [self.tok.decode([i], skip_special_tokens=False) for i in ids]
+    def pieces(self, ids: list[int]) -> list[list]:
+        """Each token's own text, its vocabulary entry and its bytes (logprobs name their tokens)."""
+        out = []
+        for i in ids:
+            text = self.tok.decode([i], skip_special_tokens=False)
+            entry = self.tok.id_to_token(i)
+            out.append([text, entry if entry is not None else f"<{i}>", _token_bytes(text, entry)])
+        return out
 
     def chat(self, messages: list, tools: list | None = None) -> list[int]:
         if self.template is None:
@@ -100,6 +92,30 @@ class _Codec:
                 raise TextError(f"the images of these messages take more than {self.max_chars:,} characters")
             text = text.replace(marker, sequence)
         return self.encode(text, special=False)
+
+
+def _byte_level() -> dict:
+    """GPT-2's byte-level alphabet (the character each byte is written as in a ByteLevel vocabulary) inverted."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = printable + [256 + k for k in range(256 - len(printable))]
+    order = printable + [b for b in range(256) if b not in printable]
+    return {chr(c): b for c, b in zip(chars, order)}
+
+
+_BYTE_LEVEL = _byte_level()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _token_bytes(text: str, entry: str | None) -> list[int]:
+    """A token's bytes: its text's, unless that is a partial character (\ufffd), then its vocabulary entry's
+    (SentencePiece's byte fallback ``<0xE2>``, a byte-level BPE's ``âĢ``)."""
+    if "\ufffd" in text and entry:
+        byte = _BYTE_TOKEN.fullmatch(entry)
+        if byte:
+            return [int(byte.group(1), 16)]
+        if all(c in _BYTE_LEVEL for c in entry):
+            return [_BYTE_LEVEL[c] for c in entry]
+    return list(text.encode("utf-8", "surrogatepass"))
 
 
 def _sandbox(max_items: int, extensions):
@@ -134,130 +150,21 @@ def _sandbox(max_items: int, extensions):
     return env
 
 
-def _exit_with_parent() -> None:
-    """Ends this worker when the server is gone, even mid-operation (a thread watching the parent:
-    PR_SET_PDEATHSIG would fire when the server thread that started it ends)."""
-    parent = os.getppid()
-
-    def watch():
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                os._exit(0)
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def _limit_memory(budget: int) -> None:
-    import resource
-    with open("/proc/self/statm") as f:
-        size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    resource.setrlimit(resource.RLIMIT_AS, (size + budget, size + budget))
-
-
-def _worker_main() -> None:
-    _exit_with_parent()
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-
-    def send(obj) -> None:
-        stdout.write(json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\n")
-        stdout.flush()
-
-    config = json.loads(stdin.readline())
+def worker_ops(config: dict) -> dict:
+    """The text workers' operations (:mod:`torchtpu_export.workers`' role): the tokenizer loaded, the template
+    compiled at ``start`` (within the memory limit)."""
     import jinja2.ext  # noqa: F401 - imported before the memory limit is set
     import jinja2.sandbox  # noqa: F401
-    try:
-        codec = _Codec(config["tokenizer"], config["bos_id"], config["eos_id"], config["max_chars"],
-                       config.get("images"))
-        # what the file may take from here on: its tokenizer is loaded, the template is compiled within it
-        if os.path.exists("/proc/self/statm"):
-            _limit_memory(config["memory_budget"])
-        if config["template"]:
-            codec.compile(config["template"])
-    except BaseException as e:  # noqa: BLE001 - the tokenizers library's Rust panics are BaseExceptions
-        send(["error", _describe(e)])
-        return
-    send(["ok", None])
+    codec = _Codec(config["tokenizer"], config["bos_id"], config["eos_id"], config["max_chars"], config.get("images"))
     ops = {"encode": codec.encode, "decode": codec.decode, "decode_many": codec.decode_many, "chat": codec.chat,
            "pieces": codec.pieces}
-    for line in stdin:
-        try:
-            op, args = json.loads(line)
-            reply = ["ok", ops[op](*args)]
-        except TextError as e:
-            reply = ["refused", str(e)]
-        except MemoryError:
-            reply = ["error", f"it needs more than the {config['memory_budget'] >> 20} MB a text worker may add"]
-        except BaseException as e:  # noqa: BLE001 - whatever the template or tokenizer raised, for this request
-            reply = ["error", _describe(e)]
-        try:
-            send(reply)
-        except MemoryError:
-            send(["error", "its result is larger than a text worker can send"])
+    if config["template"]:
+        ops["start"] = lambda: codec.compile(config["template"])
+    return ops
 
 
-def _describe(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
-
-
-# ---- the server's side ------------------------------------------------------------------------
-
-_WHAT = {"encode": "tokenizer", "decode": "tokenizer", "decode_many": "tokenizer", "chat": "chat template",
-         "pieces": "tokenizer"}
-
-
-class _Worker:
-    """One worker process and its pipes; ``call`` blocks (run it in a thread)."""
-
-    def __init__(self, config: bytes, start_budget: float):
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONHASHSEED="0")
-        self.proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-        self._buf = b""
-        try:
-            self.proc.stdin.write(config)
-            self.proc.stdin.flush()
-            status, value = self._reply(start_budget)
-        except (TextError, OSError) as e:
-            self.kill()
-            raise TextError(f"its text worker did not start ({e})") from None
-        if status != "ok":
-            self.kill()
-            raise TextError(value)
-
-    def _reply(self, budget: float):
-        deadline = time.monotonic() + budget
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            ready, _, _ = select.select([fd], [], [], left)
-            if ready:
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    code = self.proc.poll()
-                    raise TextError(f"signal {-code}" if code and code < 0 else "it exited")
-                self._buf += chunk
-                if len(self._buf) > MAX_LINE:
-                    raise TextError("the text worker's reply is too large")
-        line, _, self._buf = self._buf.partition(b"\n")
-        return json.loads(line)
-
-    def call(self, op: str, args: list, budget: float):
-        self.proc.stdin.write(json.dumps([op, args], ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\n")
-        self.proc.stdin.flush()
-        return self._reply(budget)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
+_WHAT = {"encode": "the model's tokenizer", "decode": "the model's tokenizer", "decode_many": "the model's tokenizer",
+         "chat": "the model's chat template", "pieces": "the model's tokenizer"}
 
 
 def image_text(vision: dict | None) -> tuple | None:
@@ -267,112 +174,38 @@ def image_text(vision: dict | None) -> tuple | None:
 
 
 class TextWorkers:
-    """A small pool of text workers for one served file. ``encode``, ``chat`` and ``decode`` are
-    coroutines that run in a free worker (waiting for one) and raise :class:`TextError` for the caller
-    alone; a worker that runs past ``time_budget`` or crashes is replaced in the background."""
+    """The text workers of one served file. ``encode``, ``chat`` and ``decode`` are coroutines that run in
+    a free worker (waiting for one) and raise :class:`TextError` for the caller alone; ``run`` does one
+    operation from a plain thread."""
 
     def __init__(self, tokenizer_json: bytes, *, template: str | None, bos_id, eos_id, max_chars: int,
                  workers: int = 2, time_budget: float = 10.0, memory_budget: int = 128 << 20,
                  start_budget: float = 30.0, images: tuple | None = None):
         from ..errors import ArtifactError
         config = {"tokenizer": tokenizer_json.decode("utf-8", "replace"), "template": template, "bos_id": bos_id,
-                  "eos_id": eos_id, "max_chars": max_chars, "memory_budget": memory_budget,
-                  "images": list(images) if images else None}
-        self._config = json.dumps(config).encode() + b"\n"
-        self.time_budget, self.start_budget = time_budget, start_budget
-        self._lock = threading.Lock()
-        self._idle: list[_Worker] = []
-        self._waiters: list = []  # (loop, future) waiting for a worker
-        self._closed = False
+                  "eos_id": eos_id, "max_chars": max_chars, "images": list(images) if images else None}
+        self.time_budget = time_budget
         self._decodes: list = []  # (ids, split, future) waiting for the next batch
         self._flusher = None
         try:
-            first = _Worker(self._config, start_budget)
-        except TextError as e:
+            self._pool = WorkerPool(__name__, config, what=_WHAT, workers=workers, time_budget=time_budget,
+                                    memory_budget=memory_budget, start_budget=start_budget)
+        except WorkerError as e:
             raise ArtifactError(f"the served file's tokenizer or chat template does not load: {e}",
                                 hint="export the model again from a tokenizer that transformers loads") from None
-        self._idle.append(first)
-        for _ in range(workers - 1):
-            self._idle.append(_Worker(self._config, start_budget))
-
-    # -- the pool
-
-    async def _take(self) -> _Worker:
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            if self._closed:
-                raise TextError("the server is stopping")
-            if self._idle:
-                return self._idle.pop()
-            waiter = loop.create_future()
-            self._waiters.append((loop, waiter))
-        return await waiter
-
-    def _give(self, worker: _Worker) -> None:
-        with self._lock:
-            if self._closed:
-                worker.kill()
-                return
-            while self._waiters:
-                loop, waiter = self._waiters.pop(0)
-                if not waiter.done():
-                    loop.call_soon_threadsafe(_hand, waiter, worker, self)
-                    return
-            self._idle.append(worker)
-
-    def _replace(self, worker: _Worker) -> None:
-        worker.kill()
-
-        def start():
-            while not self._closed:
-                try:
-                    self._give(_Worker(self._config, self.start_budget))
-                    return
-                except TextError:
-                    time.sleep(1.0)
-        threading.Thread(target=start, name="tte-text-worker", daemon=True).start()
-
-    def _run(self, worker: _Worker, op: str, args: list):
-        """In a thread: one operation; the worker goes back to the pool, or is replaced."""
-        what = _WHAT[op]
-        try:
-            status, value = worker.call(op, args, self.time_budget)
-        except TimeoutError:
-            self._replace(worker)
-            return "refused", f"the model's {what} took longer than {self.time_budget:g} s on this request and was stopped"
-        except (TextError, OSError, ValueError) as e:
-            self._replace(worker)
-            return "refused", f"the model's {what} crashed on this request" + (f" ({e})" if isinstance(e, TextError) else "")
-        self._give(worker)
-        if status == "error":
-            return "refused", f"the model's {what} failed on this request ({value})"
-        return status, value
 
     def run(self, op: str, *args):
         """One operation from a plain thread (``generate``): waits for a free worker, raises TextError."""
-        with self._lock:
-            worker = self._idle.pop() if self._idle else None
-        if worker is None:
-            return asyncio.run(self.call(op, *args))
-        status, value = self._run(worker, op, list(args))
-        if status != "ok":
-            raise TextError(value)
-        return value
+        return self._pool.run(op, *args)
+
+    async def call(self, op: str, *args):
+        return await self._pool.call(op, *args)
 
     @staticmethod
     def chars_for(cache_length: int) -> int:
         """The most characters of prompt or template output a model with ``cache_length`` positions takes:
         ``CHARS_PER_POSITION`` per position, plus room for a template's own text."""
         return CHARS_PER_POSITION * cache_length + 4096
-
-    async def call(self, op: str, *args):
-        worker = await self._take()
-        # shielded: a request that goes away mid-operation leaves it to finish, and the worker to return
-        status, value = await asyncio.shield(asyncio.get_running_loop().run_in_executor(
-            None, self._run, worker, op, list(args)))
-        if status != "ok":
-            raise TextError(value)
-        return value
 
     # -- the operations
 
@@ -419,18 +252,7 @@ class TextWorkers:
                     future.set_result(tuple(result))
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for w in idle:
-            w.kill()
-
-
-def _hand(waiter, worker, pool) -> None:
-    if waiter.done():  # its request went away meanwhile
-        pool._give(worker)
-    else:
-        waiter.set_result(worker)
+        self._pool.close()
 
 
 class Detokenizer:
@@ -456,7 +278,3 @@ class Detokenizer:
         before, after = await self.text.decode(self.ids[self.prefix:], self.read - self.prefix)
         self.prefix = self.read = len(self.ids)
         return after[len(before):]
-
-
-if __name__ == "__main__":
-    _worker_main()

@@ -1,0 +1,178 @@
+"""What a request brings is worked on within bounds: a grammar's compile and an image's decoding in worker
+processes (``torchtpu_export.workers``) under a time and a memory budget, killed and replaced on overrun;
+the sizes that make them costly refused before any work; a reply's tool calls read in linear time."""
+import asyncio
+import io
+import time
+
+import numpy as np
+import pytest
+
+import hf_llms
+from torchtpu_export.errors import InputError
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    from torchtpu_export.llm.grammar import Grammars
+    tok = hf_llms.tokenizer()
+    g = Grammars(tok.backend_tokenizer.to_str(), len(tok), [tok.eos_token_id])
+    yield g
+    g.close()
+
+
+@pytest.mark.parametrize("kind, value, says", [
+    # a 50-byte schema whose lexer has a million states: refused before anything compiles
+    ("json_schema", {"type": "integer", "multipleOf": 999983}, "multipleOf 999983"),
+    ("json_schema", {"type": "object", "properties": {"a": {"type": "number", "multipleOf": 12345.5}}},
+     "multipleOf 12345.5"),
+    # a regular expression whose lexer passes the worker's memory: the worker dies, the caller gets a message
+    ("regex", "(a{1000}){1000}", "compiling the response format"),
+    # formats no text satisfies: refused up front, in one line (never llguidance's state dump)
+    ("json_schema", {"$ref": "#"}, "no text satisfies it"),
+    ("json_schema", {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+     "no text satisfies it"),
+    ("regex", r"[^\s\S]", "no text satisfies it"),
+])
+def test_costly_or_unsatisfiable_formats_are_refused_in_one_line(grammars, kind, value, says):
+    with pytest.raises(InputError, match=says) as e:
+        grammars.matcher(kind, value)
+    assert "\n" not in str(e.value) and "<state>" not in str(e.value)
+
+
+def test_the_grammar_worker_is_replaced_and_formats_compile_after_an_overrun(grammars):
+    with pytest.raises(InputError):
+        grammars.matcher("regex", "(b{1000}){1000}")
+    m = grammars.matcher("json_schema", {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 7}},
+                                          "required": ["n"]})
+    assert m.error is None
+    m2 = asyncio.run(_compile(grammars, "regex", "[0-9]{3}"))
+    assert "regex" in m2 or "[0-9]" in m2
+
+
+async def _compile(grammars, kind, value):
+    return await grammars.compile_async(kind, value)
+
+
+def test_gbnf_grammars_compile_and_constrain(grammars):
+    """GBNF (llama.cpp's grammar form, ``::=``) goes through llguidance's converter to Lark."""
+    tok = hf_llms.tokenizer()
+    m = grammars.matcher("grammar", 'root ::= "ab" ("c" | "d") "!"')
+    row = np.zeros((len(tok) + 31) // 32, np.int32)
+    text = ""
+    for _ in range(8):
+        m.fill(row)
+        allowed = [t for t in range(len(tok)) if row[t // 32] >> (t % 32) & 1]
+        pick = next((t for t in allowed if tok.decode([t]) and tok.decode([t]) not in ("<eos>",)), None)
+        if pick is None or m.stopped:
+            break
+        assert m.consume(pick)
+        text += tok.decode([pick])
+        if m.stopped:
+            break
+    assert text in ("abc!", "abd!"), text
+
+
+def _scans_jpeg(size: int, repeats: int) -> bytes:
+    """A progressive JPEG whose smallest scan is repeated: a small file that decodes for seconds (each scan
+    walks every block of the image), as a red team's 917 KB file of 26,000 scans did for a minute."""
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.fromarray(np.full((size, size), 128, np.uint8)).save(buf, "JPEG", progressive=True, quality=50)
+    data, i, segments = buf.getvalue(), 2, []
+    while data[i + 1] != 0xD9:
+        j = i + 2 + int.from_bytes(data[i + 2:i + 4], "big")
+        if data[i + 1] == 0xDA:  # a scan: its entropy-coded data runs to the next marker
+            while True:
+                j = data.index(b"\xff", j)
+                if data[j + 1] == 0 or 0xD0 <= data[j + 1] <= 0xD7:
+                    j += 2
+                    continue
+                break
+        segments.append(data[i:j])
+        i = j
+    small = min((s for s in segments if s[1] == 0xDA), key=len)
+    return b"\xff\xd8" + b"".join(segments) + small * repeats + b"\xff\xd9"
+
+
+def _png(width: int, height: int) -> bytes:
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("L", (width, height)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+VISION = {"height": 16, "width": 16, "resample": "bilinear"}
+
+
+def test_images_are_refused_by_their_decoded_size_before_decoding():
+    from torchtpu_export.images import MAX_IMAGE_DECODED, ImageWorkers, open_image
+    thin = _png(1, 64 << 20)  # 1 x 67,108,864: within the pixel bound, 192 MiB once RGB
+    assert len(thin) < 200_000
+    with pytest.raises(InputError, match="decodes to"):
+        open_image(thin, "thin.png")
+    workers = ImageWorkers(workers=1)
+    try:
+        with pytest.raises(InputError, match=f"more than {MAX_IMAGE_DECODED:,}"):
+            asyncio.run(workers.read([(thin, "messages[0].content[0]")], VISION))
+        # several images within the per-image bound, past the per-request one together
+        big = _png(8000, 6000)
+        with pytest.raises(InputError, match="together"):
+            asyncio.run(workers.read([(big, f"part {k}") for k in range(3)], VISION))
+        ok = asyncio.run(workers.read([(_png(40, 30), "small")], VISION))
+        assert ok[0].shape == (16, 16, 3) and ok[0].dtype == np.float32
+    finally:
+        workers.close()
+
+
+def test_a_slow_image_is_stopped_at_its_time_budget_and_others_decode_meanwhile():
+    """A JPEG that decodes for seconds is stopped at the budget (its worker killed and replaced); while it
+    decodes, another request's image decodes in the other worker; the same pixels as in-process decoding."""
+    from torchtpu_export.images import ImageWorkers, read_images
+    slow = _scans_jpeg(4096, 3000)
+    assert len(slow) < 300_000
+    small = _png(40, 30)
+    workers = ImageWorkers(workers=2, time_budget=1.0)
+
+    async def both():
+        return await asyncio.gather(workers.read([(slow, "slow.jpg")], VISION),
+                                    _timed(workers.read([(small, "small.png")], VISION)), return_exceptions=True)
+    try:
+        start = time.monotonic()
+        stopped, (fine, seconds) = asyncio.run(both())
+        assert isinstance(stopped, InputError) and "slow.jpg" in str(stopped) and "took longer" in str(stopped)
+        assert seconds < time.monotonic() - start  # answered before the slow one was stopped
+        assert np.array_equal(fine[0], read_images([(small, "small.png")], VISION)[0])
+        again = asyncio.run(workers.read([(small, "small.png")], VISION))  # a replacement worker answers
+        assert np.array_equal(again[0], fine[0])
+    finally:
+        workers.close()
+
+
+async def _timed(work):
+    start = time.monotonic()
+    out = await work
+    return out, time.monotonic() - start
+
+
+def test_image_files_are_read_only_when_regular(tmp_path):
+    import os
+    from torchtpu_export.images import open_image
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match="not a regular file"):
+        open_image(str(fifo), str(fifo))
+
+
+def test_tool_calls_are_read_in_linear_time_and_only_for_declared_tools():
+    from torchtpu_export.server.openai import _tool_calls
+    start = time.monotonic()
+    calls, text = _tool_calls("<tool_call>" + " " * 200_000 + "x", {"f"})  # the regex took minutes on 4,000
+    assert calls == [] and len(text) == 200_012 and time.monotonic() - start < 5
+    reply = ('hi <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call> and '
+             '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call><tool_call>not json</tool_call>'
+             '<tool_call>' + "[" * 5000 + "]" * 5000 + '</tool_call> bye')
+    calls, text = _tool_calls(reply, {"f"})
+    assert [c["function"]["name"] for c in calls] == ["f"] and calls[0]["function"]["arguments"] == '{"a": 1}'
+    assert text.startswith("hi  and <tool_call>{\"name\": \"rm_rf\"") and text.endswith("</tool_call> bye")
+    assert "not json" in text
