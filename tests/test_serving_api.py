@@ -122,8 +122,8 @@ def served(tmp_path_factory):
 def _ids(client, ids, n, **kw):
     """The reply's token ids (logprobs naming tokens by id, vLLM's return_tokens_as_token_ids)."""
     extra = dict(kw.pop("extra_body", None) or {}, return_tokens_as_token_ids=True)
-    r = client.completions.create(model="tiny-qwen", prompt=ids, max_tokens=n, temperature=0, logprobs=0,
-                                  extra_body=extra, **kw)
+    r = client.completions.create(model="tiny-qwen", prompt=ids, max_tokens=n, logprobs=0, extra_body=extra,
+                                  **dict(dict(temperature=0), **kw))
     return [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens], r
 
 
@@ -283,3 +283,70 @@ def test_bad_combinations_get_one_400(served):
     # the server is fine afterwards
     r = client.chat.completions.create(model="tiny-qwen", messages=msgs, max_tokens=3, temperature=0)
     assert r.choices[0].message.content is not None
+
+
+def test_costly_unsatisfiable_and_conflicting_formats_get_one_400_line(served):
+    """Each gets a 400 in one line, none a 500 with llguidance's state dump, and the server is fine after:
+    schemas whose lexers take gigabytes, formats no text satisfies, tools with a format, GBNF grammars."""
+    import openai
+    _, _, client, _ = served
+    msgs = [{"role": "user", "content": PROMPT}]
+    bad = [dict(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {
+               "type": "integer", "multipleOf": 999983}}}),
+           dict(extra_body={"guided_regex": "(a{1000}){1000}"}),
+           dict(extra_body={"guided_json": {"$ref": "#"}}),
+           dict(extra_body={"guided_json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                            "$ref": "#/$defs/a"}}),
+           dict(extra_body={"guided_regex": r"[^\s\S]"}),
+           dict(tools=[WEATHER], extra_body={"guided_regex": "[a-z]+"}),  # which would win is not defined: refused
+           dict(logit_bias={"\u00b2": 3}),
+           dict(logit_bias={"1" * 5000: 3})]
+    for kw in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny-qwen", messages=msgs, max_tokens=4, **kw)
+        message = e.value.body["message"]
+        assert "\n" not in message and "<state>" not in message and len(message) < 600, (kw, message)
+    deep = "[" * 5000 + "]" * 5000  # a tool call's arguments nested 5,000 deep in the history
+    history = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": deep}}]}]
+    with pytest.raises(openai.BadRequestError, match="nests"):
+        client.chat.completions.create(model="tiny-qwen", messages=history, tools=[WEATHER], max_tokens=4)
+    # a choice of a special token's text: written as text, or refused; never a 500
+    try:
+        r = client.chat.completions.create(model="tiny-qwen", messages=msgs, max_tokens=12, temperature=0,
+                                           extra_body={"guided_choice": ["<|im_end|>", "<eos>"]})
+        assert r.choices[0].message.content in ("<|im_end|>", "<eos>", "")
+    except openai.BadRequestError:
+        pass
+    r = client.completions.create(model="tiny-qwen", prompt=PROMPT, max_tokens=20, temperature=0,
+                                  extra_body={"guided_grammar": 'root ::= "ab" ("c" | "d") "!"'})  # GBNF
+    assert r.choices[0].text in ("abc!", "abd!")
+
+
+def test_tiny_sampling_values_do_not_underflow_on_the_device(served):
+    """top_p and repetition_penalty as small as JSON allows are legal: top_p keeps the most likely token (the
+    greedy reply), a tiny penalty makes the seen tokens' logits huge; neither draws from NaN (all <pad>)."""
+    model, tok, client, _ = served
+    ids = tok(PROMPT)["input_ids"]
+    greedy = _greedy(model, ids, 10)
+    assert _ids(client, ids, 10, temperature=1.0, top_p=1e-300)[0] == greedy
+    for temperature in (0, 0.7):
+        got = _ids(client, ids, 10, temperature=temperature, seed=3, extra_body={"repetition_penalty": 1e-300})[0]
+        assert len(got) == 10 and set(got) != {tok.pad_token_id}, got
+        assert set(got) <= set(ids) | set(got[:1])  # the seen tokens' logits dominate
+
+
+def test_top_logprobs_name_each_alternative_once(served):
+    """Byte tokens of partial characters all read "\ufffd": they are named by their vocabulary entry, so that
+    completions' top_logprobs (keyed by name) hold every alternative asked for, and chat's bytes are theirs."""
+    _, tok, client, _ = served
+    r = client.completions.create(model="tiny-qwen", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=20)
+    lp = r.choices[0].logprobs
+    assert all(len(top) == 20 for top in lp.top_logprobs), [len(top) for top in lp.top_logprobs]
+    assert all(t in top for t, top in zip(lp.tokens, lp.top_logprobs))
+    r = client.chat.completions.create(model="tiny-qwen", messages=[{"role": "user", "content": PROMPT}],
+                                       max_tokens=6, temperature=0, logprobs=True, top_logprobs=20)
+    entries = [alt for c in r.choices[0].logprobs.content for alt in c.top_logprobs]
+    partial = [a for a in entries if bytes(a.bytes).decode("utf-8", "replace") != a.token]
+    assert all(len(a.bytes) == 1 and a.bytes[0] >= 0x80 for a in partial), partial[:3]
+

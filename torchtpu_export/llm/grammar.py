@@ -8,6 +8,16 @@ and transformers at import), whose mask for a 32k vocabulary takes tens of micro
 resource limits on every grammar and step (:data:`LIMITS`), so that a request's schema cannot stall the
 engine for the others. The masks are bitmasks (one bit per token, int32 words), applied on the device in
 the decode step (:func:`torchtpu_export.engine.step.process`).
+
+llguidance's limits bound each step, but not the first building of a grammar's lexer: a 50-byte schema
+(``{"type": "integer", "multipleOf": 999983}``) or a regular expression (``(a{1000}){1000}``) takes
+seconds and hundreds of megabytes before they apply. So a format is first compiled, and its first mask
+computed, in a grammar worker (:mod:`torchtpu_export.workers`: a process, :data:`COMPILE_SECONDS` and
+:data:`COMPILE_MEMORY`, killed and replaced on overrun), and only one that passes there is compiled in
+the caller's process, at a cost now known to be bounded. ``multipleOf`` values whose automaton would be
+that large are refused before anything is compiled.
+
+This module is also the grammar workers' role (:func:`worker_ops`).
 """
 from __future__ import annotations
 
@@ -16,6 +26,7 @@ import json
 import threading
 
 from ..errors import InputError
+from ..workers import WorkerError, WorkerPool
 
 # what one request's grammar may cost: its size, and the work of each step's mask (llguidance's fuel)
 LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
@@ -24,12 +35,18 @@ LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fu
 JSON_OPTIONS = {"whitespace_flexible": False}
 MAX_SPEC = 64 << 10  # characters of schema, pattern or grammar one request may send
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+COMPILE_SECONDS = 5.0  # a format's compile and first mask, in the grammar worker
+COMPILE_MEMORY = 128 << 20  # bytes of address space that may take, past the worker's loaded tokenizer
+# a JSON schema's multipleOf a/b (in lowest terms) with a above this builds a lexer of about a states
+# (llguidance gives up past ~10,000 anyway, after seconds for large primes)
+MAX_MULTIPLE_OF = 10_000
 
 
 def grammar_text(kind: str, value) -> str:
     """The llguidance grammar of a response format: ``kind`` one of :data:`KINDS`, ``value`` its schema
     (a dict), pattern, list of strings or grammar text (Lark, or GBNF with ``::=``)."""
-    from llguidance import LLMatcher, gbnf_to_lark
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import gbnf_to_lark
     try:
         if kind == "json_schema":
             if not isinstance(value, dict):
@@ -54,6 +71,76 @@ def grammar_text(kind: str, value) -> str:
     raise InputError(f"unknown response format {kind!r}; choose one of {', '.join(KINDS)}")
 
 
+def check_bounds(kind: str, value) -> None:
+    """What is refused before anything is compiled: a format longer than :data:`MAX_SPEC` characters, a
+    JSON schema's ``multipleOf`` past :data:`MAX_MULTIPLE_OF` (its lexer's size)."""
+    size = len(value) if isinstance(value, str) else len(json.dumps(value)) if value is not None else 0
+    if size > MAX_SPEC:
+        raise InputError(f"the {kind.replace('_', ' ')} is {size:,} characters; at most {MAX_SPEC:,} are taken")
+    if kind != "json_schema":
+        return
+    from decimal import Decimal
+    from fractions import Fraction
+    todo = [value]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, list):
+            todo.extend(node)
+        elif isinstance(node, dict):
+            for key, item in node.items():
+                if key == "multipleOf" and isinstance(item, (int, float)) and not isinstance(item, bool) \
+                        and item == item and abs(item) != float("inf"):
+                    top = Fraction(Decimal(repr(item))).numerator if item else 0
+                    if abs(top) > MAX_MULTIPLE_OF:
+                        raise InputError(f"multipleOf {item!r} is past what constrained decoding takes (a multiple "
+                                         f"of n/m with n at most {MAX_MULTIPLE_OF:,}): its automaton would have "
+                                         f"about {abs(top):,} states")
+                else:
+                    todo.append(item)
+
+
+def _reason(error: str) -> str:
+    """llguidance's error as one line: its first (the rest is the parser's state dump)."""
+    first = error.strip().splitlines()[0] if error.strip() else "unknown error"
+    return "no text satisfies it" if first.startswith("NoExtensionBias") else first[:300]
+
+
+def _first_mask(matcher, kind: str) -> None:
+    """The matcher's first mask computed (its lexer built); InputError when the format fails there or lets no
+    token start the reply (``{"$ref": "#"}``, the regular expression ``[^\\s\\S]``)."""
+    import numpy as np
+    mask = np.frombuffer(matcher.compute_bitmask(), np.int32)
+    if matcher.is_error():
+        raise InputError(f"the {kind.replace('_', ' ')} cannot be used: {_reason(matcher.get_error())}")
+    if not mask.any() and not matcher.is_stopped():
+        raise InputError(f"the {kind.replace('_', ' ')} cannot be used: no token of this model can start the reply")
+
+
+def _tokenizer(tokenizer_json: str, vocab: int, eos_ids):
+    from llguidance import LLTokenizer
+    try:
+        return LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=list(eos_ids) or None)
+    except Exception as e:  # noqa: BLE001 - llguidance's reading of a tokenizer it cannot use
+        raise InputError(f"structured outputs cannot use this model's tokenizer ({str(e)[:200]})") from None
+
+
+def worker_ops(config: dict) -> dict:
+    """The grammar workers' operation (:mod:`torchtpu_export.workers`' role): ``check(kind, value)`` compiles
+    the format and its first mask with the model's tokenizer, and returns llguidance's grammar text."""
+    from llguidance import LLMatcher, LLParserLimits
+    tokenizer = _tokenizer(config["tokenizer"], config["vocab"], config["eos_ids"])
+    limits = LLParserLimits(**LIMITS)
+
+    def check(kind: str, value) -> str:
+        text = grammar_text(kind, value)
+        failed, messages = LLMatcher.validate_grammar_with_warnings(text, tokenizer, limits=limits)
+        if failed:
+            raise InputError(f"the {kind.replace('_', ' ')} cannot be used: {_reason(messages[0])}")
+        _first_mask(LLMatcher(tokenizer, text, log_level=0, limits=limits), kind)
+        return text
+    return {"check": check}
+
+
 FORMS = ("{'type': 'json_schema', 'json_schema': {'schema': {...}}}, {'type': 'json_object'} or "
          "{'type': 'regex', 'pattern': '...'}")
 
@@ -63,6 +150,13 @@ def format_of(response_format) -> tuple | None:
     "json_schema", "json_schema": {"schema": {...}}}`` (``("json_schema", schema)``; no schema: any JSON),
     ``{"type": "json_object"}`` (a schema of any object), ``{"type": "text"}`` (None: no constraint), or
     ``{"type": "regex", "pattern": "..."}`` (``("regex", pattern)``). One InputError for anything else."""
+    found = _format_of(response_format)
+    if found is not None:
+        check_bounds(*found)
+    return found
+
+
+def _format_of(response_format) -> tuple | None:
     if response_format is None:
         return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -89,43 +183,69 @@ def format_of(response_format) -> tuple | None:
 
 
 class Grammars:
-    """The compiled grammars of one model's tokenizer (``tokenizer.json`` text), cached by their text: a
-    schema sent again is not compiled again. ``matcher(kind, value)`` checks the grammar against the
-    limits and returns a fresh :class:`Matcher` for one reply."""
+    """The formats one model's tokenizer (``tokenizer.json`` text) has compiled, cached by their value: a
+    schema sent again is not checked again. ``compile`` / ``compile_async`` check a format in the grammar
+    worker (started here) and return its grammar text; ``matcher(kind, value)`` a fresh
+    :class:`Matcher` for one reply."""
 
     def __init__(self, tokenizer_json: str, vocab: int, eos_ids, cache: int = 256):
-        from llguidance import LLParserLimits, LLTokenizer
-        try:
-            self.tokenizer = LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=list(eos_ids) or None)
-        except Exception as e:  # noqa: BLE001 - llguidance's reading of a tokenizer it cannot use
-            raise InputError(f"structured outputs cannot use this model's tokenizer ({str(e)[:200]})") from None
+        from llguidance import LLParserLimits
+        self.tokenizer = _tokenizer(tokenizer_json, vocab, eos_ids)
         self.vocab = vocab
         self.limits = LLParserLimits(**LIMITS)
-        self._checked: collections.OrderedDict = collections.OrderedDict()  # grammar text -> None (valid)
+        try:
+            self._pool = WorkerPool(__name__, {"tokenizer": tokenizer_json, "vocab": vocab, "eos_ids": list(eos_ids)},
+                                    what={"check": "compiling the response format"}, time_budget=COMPILE_SECONDS,
+                                    memory_budget=COMPILE_MEMORY)
+        except WorkerError as e:
+            raise InputError(f"structured outputs cannot use this model's tokenizer ({e})") from None
+        self._checked: collections.OrderedDict = collections.OrderedDict()  # (kind, value) -> grammar text
         self._size = cache
         self._lock = threading.Lock()
 
-    def matcher(self, kind: str, value) -> "Matcher":
-        """A matcher for one reply in ``kind`` (see :func:`grammar_text`); raises InputError for a format
-        llguidance cannot compile or that is over the limits."""
-        size = len(value) if isinstance(value, str) else len(json.dumps(value)) if value is not None else 0
-        if size > MAX_SPEC:
-            raise InputError(f"the {kind.replace('_', ' ')} is {size:,} characters; at most {MAX_SPEC:,} are taken")
-        text = grammar_text(kind, value)
+    def _known(self, kind: str, value):
+        check_bounds(kind, value)
+        key = (kind, json.dumps(value, sort_keys=True))
         with self._lock:
-            known = text in self._checked
-            if known:
-                self._checked.move_to_end(text)
-        if not known:
-            from llguidance import LLMatcher
-            failed, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer, limits=self.limits)
-            if failed:
-                raise InputError(f"the {kind.replace('_', ' ')} cannot be used: {messages[0][:300]}")
-            with self._lock:
-                self._checked[text] = None
-                while len(self._checked) > self._size:
-                    self._checked.popitem(last=False)
-        return Matcher(self, text)
+            text = self._checked.get(key)
+            if text is not None:
+                self._checked.move_to_end(key)
+        return key, text
+
+    def _remember(self, key, text: str) -> str:
+        with self._lock:
+            self._checked[key] = text
+            while len(self._checked) > self._size:
+                self._checked.popitem(last=False)
+        return text
+
+    def compile(self, kind: str, value) -> str:
+        """``kind``'s ``value`` (see :func:`grammar_text`) checked in the grammar worker: its grammar text, or
+        InputError for a format llguidance cannot compile, that no text satisfies, or past the limits."""
+        key, text = self._known(kind, value)
+        if text is not None:
+            return text
+        try:
+            return self._remember(key, self._pool.run("check", kind, value))
+        except WorkerError as e:
+            raise InputError(str(e)) from None
+
+    async def compile_async(self, kind: str, value) -> str:
+        """:meth:`compile` from the event loop (waiting for the worker holds no thread)."""
+        key, text = self._known(kind, value)
+        if text is not None:
+            return text
+        try:
+            return self._remember(key, await self._pool.call("check", kind, value))
+        except WorkerError as e:
+            raise InputError(str(e)) from None
+
+    def matcher(self, kind: str, value) -> "Matcher":
+        """A matcher for one reply in ``kind`` (see :meth:`compile`)."""
+        return Matcher(self, self.compile(kind, value))
+
+    def close(self) -> None:
+        self._pool.close()
 
 
 class Matcher:
@@ -134,9 +254,10 @@ class Matcher:
     ``stopped`` (nothing more may come), ``error`` (why it cannot go on, or None)."""
 
     def __init__(self, grammars: Grammars | None, text: str | None, matcher=None):
-        if matcher is None:
+        if matcher is None:  # a checked grammar: its lexer built here, before the engine steps with it
             from llguidance import LLMatcher
             matcher = LLMatcher(grammars.tokenizer, text, log_level=0, limits=grammars.limits)
+            _first_mask(matcher, "response format")
         self._m = matcher
 
     def copy(self) -> "Matcher":
@@ -158,4 +279,4 @@ class Matcher:
 
     @property
     def error(self) -> str | None:
-        return self._m.get_error() or None if self._m.is_error() else None
+        return _reason(self._m.get_error()) if self._m.is_error() else None

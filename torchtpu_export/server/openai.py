@@ -20,8 +20,9 @@ from .common import Limits, one_line, stream_tokens
 MAX_CHOICES = 16  # n and best_of
 MAX_TOOLS = 64
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-# a tool call as Qwen's and Hermes' templates ask the model to write it
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+# a tool call as Qwen's and Hermes' templates ask the model to write it: <tool_call>{json}</tool_call>
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key
 
 
 @dataclasses.dataclass
@@ -68,6 +69,11 @@ class OpenAIServer:
                  tokenizer_json: str | None = None):
         self.name, self.engine, self.text, self.stop_ids = name, engine, text, tuple(stop_ids)
         self.tokenizer_json, self.grammars = tokenizer_json, None  # structured outputs: llguidance's grammars
+        self._grammars_made = None  # a lock, made on the event loop
+        self.images = None  # a VLM's image workers
+        if getattr(engine, "vision", None) is not None:
+            from ..images import ImageWorkers
+            self.images = ImageWorkers()
         self.limits = limits or Limits.for_cache(engine.length)
         self.created = int(time.time())
 
@@ -102,6 +108,12 @@ class OpenAIServer:
         app.add_route("/v1/chat/completions", handler("chat.completion"), methods=["POST"])
         app.add_route("/v1/models", models, methods=["GET"])
         app.add_route("/v1/models/{model_name}", model, methods=["GET"])
+
+    def close(self) -> None:
+        """Ends the grammar and image workers (the text workers are the served file's)."""
+        for pool in (self.grammars, self.images):
+            if pool is not None:
+                pool.close()
 
     def _model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "torchtpu-export",
@@ -170,7 +182,8 @@ class OpenAIServer:
         bias = _field(body, "logit_bias", dict, {}, None, "an object of token ids to biases")
         logit_bias = []
         for key, value in bias.items():
-            if not (isinstance(key, str) and key.isdigit() and int(key) < self.engine.vocab) or isinstance(value, bool) \
+            if not (isinstance(key, str) and _TOKEN_ID.fullmatch(key) and int(key) < self.engine.vocab) \
+                    or isinstance(value, bool) \
                     or not isinstance(value, number) or not -100 <= value <= 100 or len(bias) > MAX_LOGIT_BIAS:
                 raise OpenAIError(f"logit_bias maps at most {MAX_LOGIT_BIAS} token ids (below {self.engine.vocab}) to "
                                   "biases from -100 to 100", param="logit_bias")
@@ -195,19 +208,26 @@ class OpenAIServer:
                       f"an integer from 0 to {TOP_LOGPROBS}")
 
     async def _matchers(self, format_: tuple, count: int) -> list:
-        """A grammar matcher per choice for ``format_`` (kind, value), compiled off the event loop."""
+        """A grammar matcher per choice for ``format_`` (kind, value): checked in the grammar worker, then
+        compiled here off the event loop (its cost now bounded by the worker's limits)."""
         import asyncio
         if self.tokenizer_json is None:
             raise OpenAIError("structured outputs need the model's tokenizer, which this artifact does not carry",
                               param="response_format")
-
-        def make():
-            if self.grammars is None:
-                from ..llm.grammar import Grammars
-                self.grammars = Grammars(self.tokenizer_json, self.engine.vocab, self.stop_ids)
-            first = self.grammars.matcher(*format_)
-            return [first] + [first.copy() for _ in range(count - 1)]
         try:
+            if self.grammars is None:  # its tokenizer loaded and its worker started off the event loop, once
+                from ..llm.grammar import Grammars
+                self._grammars_made = self._grammars_made or asyncio.Lock()
+                async with self._grammars_made:
+                    if self.grammars is None:
+                        self.grammars = await asyncio.get_running_loop().run_in_executor(
+                            None, Grammars, self.tokenizer_json, self.engine.vocab, self.stop_ids)
+            text = await self.grammars.compile_async(*format_)
+
+            def make():
+                from ..llm.grammar import Matcher
+                first = Matcher(self.grammars, text)
+                return [first] + [first.copy() for _ in range(count - 1)]
             return await asyncio.get_running_loop().run_in_executor(None, make)
         except InputError as e:
             raise OpenAIError(one_line(e), param="response_format") from None
@@ -226,18 +246,15 @@ class OpenAIServer:
 
     async def _images(self, found: list) -> list:
         """The images of a chat's ``image_url`` parts (data URLs), decoded and resized as the model's image
-        processor does, off the event loop; one bad image is a 400 naming its part."""
-        import asyncio
-
-        from ..images import MAX_IMAGES, data_url_bytes, read_images
-        if len(found) > MAX_IMAGES:  # before any data URL is decoded (read_images counts them too)
+        processor does, in the image workers (``images.ImageWorkers``: bounded in bytes, pixels and seconds,
+        apart from the text work); one bad image is a 400 naming its part."""
+        from ..images import MAX_IMAGES, data_url_bytes
+        if len(found) > MAX_IMAGES:  # before any data URL is decoded
             raise OpenAIError(f"{len(found)} images are more than the {MAX_IMAGES} a request may hold",
                               param="messages")
-
-        def decode():
-            return read_images([(data_url_bytes(url, where), where) for where, url in found], self.engine.vision)
         try:
-            return await asyncio.get_running_loop().run_in_executor(None, decode)
+            items = [(data_url_bytes(url, where), where) for where, url in found]
+            return await self.images.read(items, self.engine.vision)
         except InputError as e:
             raise OpenAIError(one_line(e), param="messages") from None
 
@@ -343,16 +360,16 @@ class OpenAIServer:
         for index, i in enumerate(order[:job.n]):
             text, reason, used = results[i]
             logprobs = await self._logprobs(job, job.requests[i], 0, used, 0) if job.logprobs is not None else None
-            choices.append(self._choice(job, index, text, reason, logprobs))
+            choices.append(await self._choice(job, index, text, reason, logprobs))
         return {"id": _id(job.kind), "object": job.kind, "created": int(time.time()), "model": self.name,
                 "choices": choices, "usage": _usage(job)}
 
-    def _choice(self, job: _Job, index: int, text: str, reason, logprobs) -> dict:
+    async def _choice(self, job: _Job, index: int, text: str, reason, logprobs) -> dict:
         if job.kind == "text_completion":
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         message = {"role": "assistant", "content": text}
         if job.tools:
-            calls, content = _tool_calls(text)
+            calls, content = await _tool_calls_of(text, job.tools)
             if calls:
                 message, reason = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
@@ -361,25 +378,26 @@ class OpenAIServer:
         """The logprobs of tokens ``start:end`` of a choice in OpenAI's form (chat: ``content`` entries with
         ``top_logprobs``; completions: tokens, token_logprobs, top_logprobs, text_offset from ``offset``)."""
         tokens, entries = request.tokens[start:end], request.logprobs[start:end]
-        ids = list(tokens) + [t for _, top in entries for t, _ in top]
+        ids = list(dict.fromkeys(list(tokens) + [t for _, top in entries for t, _ in top]))
         if job.token_ids:
-            names = [f"token_id:{t}" for t in ids]
+            pieces = [[f"token_id:{t}", f"token_id:{t}", list(f"token_id:{t}".encode())] for t in ids]
         elif self.text is not None and ids:
-            names = await self._text("logprobs", self.text.pieces(ids))
+            pieces = await self._text("logprobs", self.text.pieces(ids))
         else:
-            names = [f"<{t}>" for t in ids]
-        name = dict(zip(ids, names))
+            pieces = [[f"<{t}>", f"<{t}>", list(f"<{t}>".encode())] for t in ids]
+        name = _token_names(ids, pieces)
+        text = {t: p[0] for t, p in zip(ids, pieces)}
+        raw = {t: p[2] for t, p in zip(ids, pieces)}
         if job.kind == "text_completion":
             offsets, at = [], offset
             for t in tokens:
                 offsets.append(at)
-                at += len(name[t])
+                at += len(text[t])
             return {"tokens": [name[t] for t in tokens], "token_logprobs": [lp for lp, _ in entries],
                     "top_logprobs": [{name[a]: v for a, v in top} for _, top in entries] if job.logprobs else None,
                     "text_offset": offsets}
-        return {"content": [{"token": name[t], "logprob": lp, "bytes": list(name[t].encode("utf-8", "replace")),
-                             "top_logprobs": [{"token": name[a], "logprob": v,
-                                               "bytes": list(name[a].encode("utf-8", "replace"))}
+        return {"content": [{"token": name[t], "logprob": lp, "bytes": raw[t],
+                             "top_logprobs": [{"token": name[a], "logprob": v, "bytes": raw[a]}
                                               for a, v in top[:job.logprobs]]}
                             for t, (lp, top) in zip(tokens, entries)]}
 
@@ -430,7 +448,7 @@ class OpenAIServer:
                     text[index] += delta
                     if reason is None:
                         continue
-                    calls, content = _tool_calls(text[index])
+                    calls, content = await _tool_calls_of(text[index], job.tools)
                     if calls:
                         reason = "tool_calls"
                     yield chunk(index, content or "", reason, first[index], calls=calls or None)
@@ -511,6 +529,10 @@ def _response_format(body: dict, tools, tool_choice: str):
                 except ValueError:
                     raise OpenAIError(f"{key} must be a JSON schema", param=key) from None
             found.append((kind, value))
+    if found and tool_choice != "none":
+        raise OpenAIError(f"tools with tool_choice {tool_choice!r} and a response format (response_format, guided_*) "
+                          "conflict: a reply cannot be both a tool call and the format's text; pass tool_choice "
+                          "'none' to constrain a reply to the format", param="tool_choice")
     if tool_choice not in ("none", "auto"):
         found.append(("grammar", _tool_grammar(tools, tool_choice)))
     if len(found) > 1:
@@ -530,22 +552,55 @@ def _tool_grammar(tools: list, choice: str) -> str:
     return f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {json.dumps(schema)}\n'
 
 
-def _tool_calls(text: str):
-    """The tool calls in a reply (Qwen's and Hermes' ``<tool_call>{json}</tool_call>``), and the text
-    around them (None when there is none)."""
-    calls = []
-    for m in _TOOL_CALL.finditer(text):
+def _tool_calls(text: str, names) -> tuple[list, str | None]:
+    """The calls of declared tools (``names``) in a reply (Qwen's and Hermes' ``<tool_call>{json}</tool_call>``),
+    and the text around them (None when there is none). Linear in the reply: each block is found with two
+    ``find`` (a run of blanks with no closing tag is read once, where a regular expression backtracks over
+    it); a block that is not a call of a declared tool (not JSON, nested past the JSON bounds, another
+    name) stays in the text."""
+    from ..untrusted import load_json
+    calls, kept, at = [], [], 0
+    while True:
+        start = text.find(TOOL_CALL_OPEN, at)
+        end = text.find(TOOL_CALL_CLOSE, start + len(TOOL_CALL_OPEN)) if start >= 0 else -1
+        if end < 0:
+            break
         try:
-            obj = json.loads(m.group(1))
+            obj = load_json(text[start + len(TOOL_CALL_OPEN):end].strip(), "a tool call", error=ValueError)
         except ValueError:
-            continue
-        if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+            obj = None
+        if isinstance(obj, dict) and obj.get("name") in names:
             args = obj.get("arguments", obj.get("parameters", {}))
             calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                           "function": {"name": obj["name"], "arguments": json.dumps(args)}})
+            kept.append(text[at:start])
+        else:
+            kept.append(text[at:end + len(TOOL_CALL_CLOSE)])
+        at = end + len(TOOL_CALL_CLOSE)
     if not calls:
         return [], text
-    return calls, _TOOL_CALL.sub("", text).strip() or None
+    return calls, ("".join(kept) + text[at:]).strip() or None
+
+
+async def _tool_calls_of(text: str, tools: list) -> tuple[list, str | None]:
+    """:func:`_tool_calls` off the event loop (a reply may be long)."""
+    import asyncio
+    names = {t["function"]["name"] for t in tools}
+    return await asyncio.get_running_loop().run_in_executor(None, _tool_calls, text, names)
+
+
+def _token_names(ids: list, pieces: list) -> dict:
+    """Each token's name in logprobs: its text, unless another token of the reply has the same text (byte
+    tokens of a partial character all read "\ufffd"; completions' ``top_logprobs`` keys them by name): then
+    its vocabulary entry (``<0xE2>``, ``âĢ``), and failing that its id."""
+    count: dict = {}
+    for text, _, _ in pieces:
+        count[text] = count.get(text, 0) + 1
+    name = {t: (text if count[text] == 1 else entry) for t, (text, entry, _) in zip(ids, pieces)}
+    seen: dict = {}
+    for t in ids:
+        seen[name[t]] = seen.get(name[t], 0) + 1
+    return {t: (n if seen[n] == 1 else f"token_id:{t}") for t, n in name.items()}
 
 
 def _error_object(e: OpenAIError) -> dict:
@@ -607,10 +662,11 @@ def _plain_message(m: dict, images: list | None = None, where: str = "messages")
 def _arguments(value):
     """A tool call's arguments as an object (OpenAI sends them as JSON text)."""
     if isinstance(value, str):
+        from ..untrusted import load_json
         try:
-            value = json.loads(value)
-        except ValueError:
-            raise OpenAIError("a tool call's arguments must be JSON text", param="messages") from None
+            value = load_json(value, "a tool call's arguments", error=ValueError)
+        except ValueError as e:
+            raise OpenAIError(f"{e}: a tool call's arguments must be JSON text", param="messages") from None
     return value if isinstance(value, dict) else {}
 
 
