@@ -273,7 +273,8 @@ def process(logits, allowed, presence, frequency, repetition, counts, seen, bias
     import jax.numpy as jnp
     vocab = logits.shape[-1]
     hit = seen | (counts > 0)
-    rep = repetition[:, None]
+    # a penalty that float32 flushes to 0 (1e-40 is a legal value) would make 0 / 0: NaN, and the draw <pad>
+    rep = jnp.maximum(repetition, jnp.finfo(jnp.float32).tiny)[:, None]
     x = jnp.where(hit, jnp.where(logits < 0, logits * rep, logits / rep), logits)
     x = x - presence[:, None] * (counts > 0) - frequency[:, None] * counts.astype(jnp.float32) + bias
     ids = jnp.arange(vocab)
@@ -372,12 +373,16 @@ def sample(logits, key, temperature, top_k, top_p):
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)
+    # a tiny repetition penalty or temperature overflows the top logits to +inf, whose softmax is NaN: they
+    # become the largest float (equal among themselves, as transformers' argmax sees them)
+    scaled = jnp.where(jnp.isnan(scaled), -jnp.inf, jnp.minimum(scaled, jnp.finfo(jnp.float32).max))
     order = jnp.argsort(-scaled)
     ranked = scaled[order]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     ranked = jnp.where(jnp.arange(vocab) < k, ranked, -jnp.inf)
     probs = jax.nn.softmax(ranked)
-    keep = (jnp.cumsum(probs) - probs) < top_p  # the smallest prefix reaching top_p (the first always kept)
+    # the smallest prefix reaching top_p; the first always kept (a top_p that float32 flushes to 0 keeps it too)
+    keep = ((jnp.cumsum(probs) - probs) < top_p) | (jnp.arange(vocab) == 0)
     filtered = jnp.full_like(scaled, -jnp.inf).at[order].set(jnp.where(keep, ranked, -jnp.inf))
     drawn = jax.random.categorical(key, filtered).astype(jnp.int32)
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits).astype(jnp.int32))
