@@ -1,8 +1,9 @@
 """Runs a ``.tpu`` program on the local PJRT backend (cpu here; tpu or gpu where present).
 
 On a TPU host, a program whose artifact stores an executable for these chips, this libtpu and
-this jax (``torchtpu-export compile``) runs it without compiling; otherwise the StableHLO is
-compiled, and a warning says once why no stored executable could be used.
+this jax (``torchtpu-export compile``) runs it without compiling, where the file was loaded as
+trusted (``trust_stored_executables``: an executable is native code); otherwise the StableHLO is
+compiled, and a warning says once why no stored executable was used.
 """
 from __future__ import annotations
 
@@ -37,11 +38,12 @@ class XlaRunner:
     name = "xla"
 
     def __init__(self, artifact: TpuArtifact, program: str = "main", platform: str | None = None,
-                 placed: dict | None = None, state: dict | None = None):
+                 placed: dict | None = None, state: dict | None = None, *, trust_stored_executables: bool = False):
         """``placed``: weights already on the device, shared by the programs of one artifact (keyed by
         name and sharding); the weights this runner places are added to it. ``state``: the values of
         the buffers the programs change in place, on the device, shared likewise (by name and platform);
-        each call takes them (donated) and leaves their new values there."""
+        each call takes them (donated) and leaves their new values there. ``trust_stored_executables``:
+        the file's stored executable for these chips may be loaded (never read without it)."""
         spec = artifact.manifest["programs"].get(program)
         if spec is None:
             raise InputError(f"no program {program!r} in the artifact; it has {sorted(artifact.manifest['programs'])}")
@@ -105,7 +107,7 @@ class XlaRunner:
                                     f"({type(e).__name__}: {str(e)[:200]})", hint="export the model again") from e
             self._call = None
             if platform == "tpu":
-                self._call = self._stored(artifact, program)
+                self._call = self._stored(artifact, program, trust_stored_executables)
             # inputs the program updates in place (a KV cache): their buffers become the outputs'
             self.donate = tpu_format.donated(spec)
             if self._call is None:
@@ -144,9 +146,13 @@ class XlaRunner:
             raise ArtifactError("the artifact's program returns fewer results than its manifest lists",
                                 hint="export the model again")
 
-    def _stored(self, artifact: TpuArtifact, program: str):
+    def _stored(self, artifact: TpuArtifact, program: str, trusted: bool):
         devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
-        found, why = tpu_compile.stored_executable(artifact, program, devices, self.uses_x64)
+        if trusted:
+            found, why = tpu_compile.stored_executable(artifact, program, devices, self.uses_x64)
+        else:
+            found, why = None, ("the file is not marked trusted: its executables are native code, loaded only "
+                                "with --trust-stored-executables (tte.load(path, trust_stored_executables=True))")
         if found is not None:
             topology, data = found
             try:
@@ -159,7 +165,7 @@ class XlaRunner:
         key = (id(artifact), program)
         if artifact.manifest.get("compiled") and key not in _WARNED:
             _WARNED.add(key)
-            log.warning("compiling the tpu program %r: no stored executable can run here (%s)", program, why)
+            log.warning("compiling the tpu program %r: no stored executable is used here (%s)", program, why)
         return None
 
     @property

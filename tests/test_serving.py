@@ -467,7 +467,7 @@ def test_a_server_compiles_nothing_once_started_and_loads_stored_executables(llm
     assert "cpu serving engine (Engine): 22 calls stored" in r.stdout and "starts without compiling" in r.stdout
     assert "serving engine [cpu, cpu, jax" in cli("inspect", stored).stdout
     events = _compile_events()
-    engine = Engine(tte.load(stored))
+    engine = Engine(tte.load(stored, trust_stored_executables=True))
     engine.warm()
     assert engine.stats["stored_executables"] == 22
     assert _traffic(engine, prompts, 10) == wants and events == [], events
@@ -480,7 +480,7 @@ def test_a_server_compiles_nothing_once_started_and_loads_stored_executables(llm
     prog = tte.load(stored)
     prog.manifest["llm"]["engine"]["cpu"]["jax"] = "0.0.1"
     prog.save(tmp_path / "old.tpu")
-    r = cli("serve", tmp_path / "old.tpu", "--port", str(_free_port()))
+    r = cli("serve", tmp_path / "old.tpu", "--port", str(_free_port()), "--trust-stored-executables")
     assert r.returncode == 5 and "stored engine executables cannot run here" in r.stderr, r.stderr
     assert "compiled by jax 0.0.1" in r.stderr and "Traceback" not in r.stderr
     r = cli("compile", path, "--topology", "cpu", "--signature", "decode_batch", "-o", tmp_path / "one.tpu")

@@ -382,10 +382,10 @@ def test_a_host_whose_chips_match_no_executable_compiles_and_says_why_once(preco
     """Here the "chips" are this CPU: the tpu runner finds no executable for them, warns once per
     artifact with the reason, and would compile the StableHLO instead."""
     _, _, _, path = precompiled
-    prog = tte.load(path)
+    prog = tte.load(path, trust_stored_executables=True)
     with caplog.at_level("WARNING", logger="torchtpu_export"):
         runner = prog.runner(platform="tpu")
-        again = tte.load(path)
+        again = tte.load(path, trust_stored_executables=True)
         again.runner(platform="tpu")
         prog._runners.clear()
         prog.runner(platform="tpu")

@@ -164,14 +164,22 @@ def experimental_add_compilation_backend(target=None, **kwargs) -> SignatureSet:
     return SignatureSet().experimental_add_compilation_backend(target, **kwargs)
 
 
-def load(path: str | os.PathLike):
-    """Loads an artifact (``.tpu``, ``.tflite``, ``.onnx``) into its target's runnable object."""
+def load(path: str | os.PathLike, *, trust_stored_executables: bool = False):
+    """Loads an artifact (``.tpu``, ``.tflite``, ``.onnx``) into its target's runnable object.
+
+    ``trust_stored_executables=True`` marks the file trusted: a ``.tpu``'s stored executables
+    (``torchtpu-export compile``: its programs' for TPU chips, its serving engine's calls) are native code,
+    loaded only then; otherwise they are never read and everything compiles as if the file stored none.
+    Files of other kinds store none."""
     from .models import sniff_model
     kind = sniff_model(os.fspath(path))
     if kind not in targets.NAMES:
         raise InputError(f"{path} is a {kind} file, not a converted artifact; convert it first "
                          f"(torchtpu-export {os.fspath(path)} --target tpu)")
-    return targets.get(kind).load(path)
+    target = targets.get(kind)
+    if target.stored_executables:
+        return target.load(path, trust_stored_executables=trust_stored_executables)
+    return target.load(path)
 
 
 # ---- LLMs ------------------------------------------------------------------------------------

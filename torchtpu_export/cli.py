@@ -442,6 +442,10 @@ def _compile(args) -> int:
 
 # ---- run -----------------------------------------------------------------------------------
 
+TRUST_HELP = (".tpu: load the file's stored executables (torchtpu-export compile) instead of compiling. They are "
+              "native code, run as they are: only for files you trust (without this flag they are never read)")
+
+
 def _run_args(p):
     p.add_argument("artifact", help="a .tpu, .tflite, .onnx or .litertlm file")
     p.add_argument("--inputs", nargs="+", default=None, metavar="SPEC",
@@ -465,6 +469,7 @@ def _run_args(p):
     p.add_argument("--runtime", default=None, metavar="NAME",
                    help=".tflite: interpreter (default), compiled_model, or qnn_htp (a file compiled for a Qualcomm "
                         "NPU, on QNN's HTP simulator: x86-64 with onnxruntime-qnn)")
+    p.add_argument("--trust-stored-executables", action="store_true", help=TRUST_HELP)
 
 
 def _run(args) -> int:
@@ -482,7 +487,7 @@ def _run(args) -> int:
     if args.lora and args.prompt is None:
         raise InputError("--lora goes with --prompt: the adapter applies to the text an LLM generates")
     response_format = _response_format(args)
-    art = api.load(args.artifact)
+    art = api.load(args.artifact, trust_stored_executables=args.trust_stored_executables)
     if args.prompt is not None:
         t0 = time.perf_counter()
         extra = {**({"images": args.image} if args.image else {}), **({"lora": args.lora} if args.lora else {})}

@@ -3,9 +3,12 @@
 ``torchtpu-export compile model.tpu --topology v5e`` (or ``cpu``: this host's processor) compiles every call
 that a server's engine makes: each prefill and decode program with its sampling, the mixed steps of a paged
 cache, the row and page copies. It stores the executables beside the programs
-(``engine/<topology>/<call>.bin``, listed in the manifest's ``llm.engine``). A server on matching chips,
-with the same jax, jaxlib and libtpu, loads them and compiles nothing. When the file holds executables and
-none of them can run here, the server refuses to start rather than compile behind them.
+(``engine/<topology>/<call>.bin``, listed in the manifest's ``llm.engine``). They are native code, so they
+are read only from a file the user marked trusted (``tte.load(path, trust_stored_executables=True)``,
+``--trust-stored-executables``): a file's digests prove nothing, whoever edits it recomputes them. Otherwise
+the engine compiles every call as if the file stored none. A server over a trusted file, on matching chips
+with the same jax, jaxlib and libtpu, loads them and compiles nothing; when none of them can run here, it
+refuses to start rather than compile behind them.
 
 For a TPU topology no chip is needed: the engine is built over libtpu's description of the slice
 (:class:`TopologyProgram`), its arrays abstract, and each call is lowered for ``tpu``.
@@ -110,16 +113,17 @@ def compile_engine(program, topology_name: str, engine_class) -> dict:
         raise InputError("only an LLM's program (tte.export_llm) has engine calls to compile for the cpu",
                          hint="compile other programs for TPU topologies, e.g. --topology v5e")
     on_cpu = topology_name == CPU
+    artifact = program.artifact
+    # the executables this replaces go first: an engine over a trusted file would load them as it starts
+    old = ((llm.get("engine") or {}).pop(topology_name, None) or {}).get("calls", {})
+    for call in old.values():
+        artifact.extras.pop(call["file"], None)
     if on_cpu:
         engine = Engine(program, platform="cpu")
         kind, versions = engine.device.device_kind, {"libtpu": None}
     else:
         engine = Engine(TopologyProgram(program, topology_name))
         kind, versions = aot.generation(topology_name).device_kind, {"libtpu": aot.libtpu_version()}
-    artifact = program.artifact
-    old = (llm.get("engine") or {}).get(topology_name, {}).get("calls", {})
-    for call in old.values():
-        artifact.extras.pop(call["file"], None)
     calls = {}
     for name, fn, args in engine._calls():
         t0 = time.perf_counter()
@@ -142,16 +146,30 @@ def compile_engine(program, topology_name: str, engine_class) -> dict:
     return entry
 
 
+def trusted(program) -> bool:
+    """Whether ``program``'s file was marked trusted when it was loaded (``trust_stored_executables``): only
+    then is any of its stored executables read."""
+    return getattr(program, "trust_stored_executables", False) is True
+
+
+def ignored_calls(program) -> int:
+    """How many engine executables ``program``'s file stores that are never read because it is not trusted."""
+    if trusted(program):
+        return 0
+    stored = (program.manifest.get("llm") or {}).get("engine") or {}
+    return sum(len(entry.get("calls", {})) for entry in stored.values())
+
+
 def stored_calls(program, devices: list) -> dict[str, bytes] | None:
     """The file's stored engine executables that run on ``devices`` with this jax (call name -> bytes), or
-    None when it stores none. Raises ArtifactError when it stores some and none can run here: a server
-    never compiles behind them."""
+    None when it stores none or is not trusted (:func:`trusted`; nothing stored is then read). Raises
+    ArtifactError when it stores some and none can run here: a server never compiles behind them."""
     import jax
 
     from ..targets.tpu import aot
     manifest = program.manifest
     stored = (manifest.get("llm") or {}).get("engine") or {}
-    if not stored:
+    if not stored or not trusted(program):
         return None
     kind = getattr(devices[0], "device_kind", "?")
     here = {"jax": jax.__version__, "jaxlib": aot.jaxlib_version(),

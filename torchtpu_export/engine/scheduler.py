@@ -151,7 +151,7 @@ class Engine(Following):
         self.stats = {"decode_steps": 0, "tokens": 0, "prefill_tokens": 0, "requests": 0,
                       "decode_bytes_to_device": 0, "decode_bytes_to_host": 0, "busy_slot_steps": 0}
         self._batch_zeros = jit_zeros(self.slots, self._slot_specs, batch_sh)
-        self._caches = self._made(self._batch_zeros, "batch_zeros")
+        self._caches = self._made(self._batch_zeros, f"batch_zeros.{self.slots}")
         self._prefix = None
         if prefix_cache and not self.exact and self.processes == 1 and 1 <= page_size <= self.length and all(
                 len(shape) == 3 and shape[1] == self.length for shape, _ in self._slot_specs):
@@ -161,7 +161,7 @@ class Engine(Following):
                 raise InputError(f"prefix_pages must be a positive integer, got {pages!r}")
             self._prefix = PrefixCache(pages, page_size, self.stats)
             self._pool_zeros = jit_zeros(pages, [((s[0], page_size, s[2]), d) for s, d in self._slot_specs], slot_sh)
-            self._pool = self._made(self._pool_zeros, "pool_zeros")
+            self._pool = self._made(self._pool_zeros, f"pool_zeros.{pages}x{page_size}")
             self._page_store = jit_page_store(page_size)
             self._page_store_batch = jit_page_store(page_size)  # the batch's cache rows: other shapes
             self._page_load = jit_page_load(page_size, self._slot_specs, slot_sh)
@@ -185,26 +185,32 @@ class Engine(Following):
     def warm(self) -> float:
         """Readies every device function the engine may call, for the shapes it calls it with, so that serving
         compiles nothing (a server does this before it takes requests): the file's stored executables for these
-        devices (``torchtpu-export compile FILE --topology ...``) loaded, or where it stores none, each call
-        compiled now. Raises ArtifactError when the file stores executables that cannot run here, or lacks
-        one this engine calls. Returns the seconds taken."""
+        devices (``torchtpu-export compile FILE --topology ...``) loaded where the file was loaded as trusted
+        (``trust_stored_executables``), or else each call compiled now (a file not trusted: its stored ones
+        never read, counted in ``stats["stored_executables_ignored"]``). Raises ArtifactError when a trusted
+        file stores executables that cannot run here, or lacks one this engine calls. Returns the seconds taken."""
         import time
 
         from ..errors import ArtifactError
         from .aot import stored_calls
         t0 = time.perf_counter()
         devices = self._devices()
+        self._say_ignored()
         stored = stored_calls(self.program, devices)
         for name, fn, args in self._calls():
             if stored is None:
                 fn.compile(*args)
             elif name in stored:
-                fn.load(stored[name], *args, devices=devices)
+                try:
+                    fn.load(stored[name], *args, devices=devices)
+                except ArtifactError as e:
+                    raise ArtifactError(f"the file's stored engine call {name!r}: {e}", hint=e.hint) from e
             else:
                 raise ArtifactError(f"the file's stored executables lack the engine call {name!r}: they were "
                                     "compiled for the server's defaults (batched, prefix cache), or by an older "
                                     "torchtpu-export", hint="serve with the defaults, compile the file again "
-                                    "(torchtpu-export compile), or serve with --no-warm to compile as it serves")
+                                    "(torchtpu-export compile), serve without --trust-stored-executables to compile "
+                                    "every call at start, or with --no-warm to compile each on first use")
         self.stats["warm_seconds"] = round(time.perf_counter() - t0, 3)
         self.stats["stored_executables"] = 0 if stored is None else len(stored)
         return self.stats["warm_seconds"]
@@ -256,13 +262,14 @@ class Engine(Following):
         yield f"set_row.{B}", self._set_row, (self._state, i32, self._row_abstract())
         yield f"insert.{B}", self._insert, (self._state, self._caches, one, i32, self._row_abstract())
         yield "zeros", self._zeros, ()
-        yield "batch_zeros", self._batch_zeros, ()
+        yield f"batch_zeros.{B}", self._batch_zeros, ()
         if self._prefix is not None:
             ids = self._host((self._max_pages,))
-            yield "pool_zeros", self._pool_zeros, ()
-            yield "page_load", self._page_load, (self._pool, ids, i32)
-            yield "page_store", self._page_store, (self._pool, one, i32, ids, ids)
-            yield f"page_store.{B}", self._page_store_batch, (self._pool, self._caches, i32, ids, ids)
+            pool = f"{self._prefix.pages}x{self.page_size}"  # the pool's shape: an engine's options, not the file's
+            yield f"pool_zeros.{pool}", self._pool_zeros, ()
+            yield f"page_load.{pool}", self._page_load, (self._pool, ids, i32)
+            yield f"page_store.{pool}", self._page_store, (self._pool, one, i32, ids, ids)
+            yield f"page_store.{B}.{pool}", self._page_store_batch, (self._pool, self._caches, i32, ids, ids)
 
     def _put(self, x):
         """Host values (a tree of them) on the engine's devices, replicated; under several processes every
@@ -279,7 +286,11 @@ class Engine(Following):
             return fn.shapes()
         blob = self._stored().get(name)
         if blob is not None:
-            fn.load(blob, devices=self._devices())
+            from ..errors import ArtifactError
+            try:
+                fn.load(blob, devices=self._devices())
+            except ArtifactError as e:
+                raise ArtifactError(f"the file's stored engine call {name!r}: {e}", hint=e.hint) from e
         return fn()
 
     def _devices(self) -> list:
@@ -287,16 +298,28 @@ class Engine(Following):
         return [self.device] if mesh is None else list(mesh.devices.flat)
 
     def _stored(self) -> dict:
-        """The file's stored executables for these devices (none where it has none, or none that run here:
-        :meth:`warm` says why)."""
+        """The file's stored executables for these devices (none where it has none, is not trusted, or has
+        none that run here: :meth:`warm` says why)."""
         if getattr(self, "_stored_calls", None) is None:
             from ..errors import ArtifactError
             from .aot import stored_calls
+            self._say_ignored()
             try:
                 self._stored_calls = stored_calls(self.program, self._devices()) or {}
             except ArtifactError:
                 self._stored_calls = {}
         return self._stored_calls
+
+    def _say_ignored(self) -> None:
+        """The file's stored executables left unread because it is not trusted: counted in the stats, and
+        said once in the log (a user who compiled the file learns why the engine compiles)."""
+        from .aot import ignored_calls
+        ignored = ignored_calls(self.program)
+        if ignored and "stored_executables_ignored" not in self.stats:
+            log.warning("ignoring the file's %d stored engine executables: they are native code, loaded only from "
+                        "a file marked trusted (--trust-stored-executables; tte.load(path, "
+                        "trust_stored_executables=True)); compiling the engine's calls instead", ignored)
+        self.stats["stored_executables_ignored"] = ignored
 
     # ---- requests -----------------------------------------------------------------------------
 

@@ -37,18 +37,23 @@ class Prepared:
 
     def load(self, blob: bytes, *args, devices: list) -> None:
         """The executable stored for ``args`` (``aot.serialize``'s bytes), loaded for ``devices``; ArtifactError
-        when it takes other arguments than ``args``."""
+        when it takes other arguments than ``args`` or gives other results than this function does."""
         import jax
         from ..errors import ArtifactError
         from ..targets.tpu.aot import load_executable
         args = abstract(args)
-        out_tree = jax.tree.structure(self.jitted.trace(*args).out_info)
+        out_info = self.jitted.trace(*args).out_info
         compiled = load_executable(blob, None, uses_x64=jax.config.jax_enable_x64, devices=devices,
-                                   trees=(jax.tree.structure((args, {})), out_tree))
-        want = [(tuple(a.shape), np.dtype(a.dtype)) for a in jax.tree.leaves(args)]
-        got = [(tuple(i.shape), np.dtype(i.dtype)) for i in jax.tree.leaves(compiled.in_avals)]
-        if want != got:
+                                   trees=(jax.tree.structure((args, {})), jax.tree.structure(out_info)))
+
+        def avals(tree):
+            return [(tuple(a.shape), np.dtype(a.dtype)) for a in jax.tree.leaves(tree)]
+        if avals(args) != avals(compiled.in_avals):
             raise ArtifactError("a stored executable takes other arguments than this engine passes",
+                                hint="compile the file again for this server (torchtpu-export compile)")
+        # results of other shapes would be the engine's next arguments: a failure far from its cause
+        if avals(out_info) != avals(compiled.out_info):
+            raise ArtifactError("a stored executable gives other results than this engine's call",
                                 hint="compile the file again for this server (torchtpu-export compile)")
         self.compiled = compiled
 

@@ -44,14 +44,15 @@ class Served:
     """What one served file is: its program, and for an LLM the engine and text workers."""
 
     def __init__(self, path: str, name: str | None = None, *, batched: bool = True, text_workers: int = 2,
-                 text_budget: float = 10.0, prefix_cache: bool = True, warm: bool = False):
+                 text_budget: float = 10.0, prefix_cache: bool = True, warm: bool = False,
+                 trust_stored_executables: bool = False):
         from ..api import load
         self.path = os.fspath(path)
         self.name = name or os.path.splitext(os.path.basename(self.path))[0]
         if not self.name or len(self.name) > 128 or not all(c.isalnum() or c in "-_." for c in self.name):
             raise InputError(f"model name {self.name!r}: use up to 128 letters, digits, '-', '_' and '.'",
                              hint="pass --name")
-        self.program = load(self.path)
+        self.program = load(self.path, trust_stored_executables=trust_stored_executables)
         manifest = getattr(self.program, "manifest", None) or {}
         self.llm = manifest.get("llm") if isinstance(manifest, dict) else None
         self.engine = self.text = self.model = self.tokenizer_json = None
@@ -106,13 +107,15 @@ class Served:
 
 def serve(path, *, name: str | None = None, host: str = "127.0.0.1", port: int = 8080,
           batched: bool = True, allow_origins=(), text_budget: float = 10.0, prefix_cache: bool = True,
-          warm: bool = True) -> None:
+          warm: bool = True, trust_stored_executables: bool = False) -> None:
     """Serves one artifact until interrupted (SIGINT/SIGTERM). Under several processes (jax.distributed,
     a sharded LLM program) process 0 serves HTTP and the others run the steps its engine schedules,
-    until it stops."""
+    until it stops. ``trust_stored_executables``: load the file's stored executables (native code; see
+    ``tte.load``) rather than compile."""
     kserve = import_kserve()
     from kserve.model_server import ModelServer, app
-    served = Served(path, name, batched=batched, text_budget=text_budget, prefix_cache=prefix_cache, warm=warm)
+    served = Served(path, name, batched=batched, text_budget=text_budget, prefix_cache=prefix_cache, warm=warm,
+                    trust_stored_executables=trust_stored_executables)
     try:
         if served.engine is not None and "warm_seconds" in served.engine.stats:
             print(f"compiled the engine's device calls in {served.engine.stats['warm_seconds']:.1f} s: serving "
@@ -193,6 +196,10 @@ def add_arguments(p) -> None:
     p.add_argument("--no-warm", action="store_true",
                    help="LLMs: compile each device call on its first use (by default every program and step the "
                         "engine may call is compiled before the server takes requests, and serving compiles nothing)")
+    p.add_argument("--trust-stored-executables", action="store_true",
+                   help=".tpu: load the file's stored executables (torchtpu-export compile) instead of compiling. "
+                        "They are native code, run as they are: only for files you trust (without this flag they "
+                        "are never read)")
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="let browser pages from ORIGIN (e.g. https://app.example.com; '*' for any) call the server "
                         "(CORS); without it, requests a browser marks cross-site are refused")
@@ -243,5 +250,5 @@ def run_cli(args) -> int:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id, token_file=args.token_file)
     serve(args.model, name=args.name, host=args.host, port=args.port, batched=not args.one_slot,
           allow_origins=args.allow_origin, text_budget=args.text_timeout, prefix_cache=not args.no_prefix_cache,
-          warm=not args.no_warm)
+          warm=not args.no_warm, trust_stored_executables=args.trust_stored_executables)
     return 0

@@ -84,6 +84,9 @@ class Target:
     # programs take weights by shape and dtype alone (a model built under abstract_weights()); values
     # are bound at load. Other targets write weight values into their files.
     abstract_weights: bool = False
+    # its files may store executables compiled ahead of time (`compile`), native code: its ``load`` takes
+    # ``trust_stored_executables`` and reads them only when that is True
+    stored_executables: bool = False
 
 
     @property

@@ -26,12 +26,19 @@ class TpuProgram(Runnable):
     ``prog(*args)`` runs a program on the local PJRT backend (cpu on a machine without TPU) and
     returns numpy arrays in the model's output structure. With several programs
     (``tte.signature``), pick one with ``signature_name``.
+
+    ``trust_stored_executables``: the file's stored executables (``compile``: its programs' for TPU chips,
+    its serving engine's calls) are native code, read only when this is True; otherwise the programs and
+    engine compile as if the file stored none.
     """
 
     default_signature = "main"
 
-    def __init__(self, artifact: tpu_format.TpuArtifact):
+    def __init__(self, artifact: tpu_format.TpuArtifact, *, trust_stored_executables: bool = False):
+        if not isinstance(trust_stored_executables, bool):  # an opt-in to native code is said in so many words
+            raise InputError(f"trust_stored_executables takes True or False, not {trust_stored_executables!r}")
         self.artifact = artifact
+        self.trust_stored_executables = trust_stored_executables
         self._runners: dict = {}
         self._placed: dict = {}  # weights on the device, shared by the runners of every program
         self._state: dict = {}  # buffers the programs change in place: their current values, on the device
@@ -64,7 +71,8 @@ class TpuProgram(Runnable):
                              "values): it compiles and inspects, but runs only once values are bound",
                              hint="prog = prog.bind_weights('model.safetensors' or a folder of safetensors shards)")
         if key not in self._runners:
-            self._runners[key] = XlaRunner(self.artifact, key[0], platform, self._placed, self._state)
+            self._runners[key] = XlaRunner(self.artifact, key[0], platform, self._placed, self._state,
+                                           trust_stored_executables=self.trust_stored_executables)
         return self._runners[key]
 
     @property
@@ -97,7 +105,7 @@ class TpuProgram(Runnable):
         the checkpoint's names), or with ``prefix`` removed. Floats are cast to the program's dtype (bf16);
         the int8 recipe quantizes here, as export would have. Every weight must be found, with its shape."""
         from .bind import bind
-        return TpuProgram(bind(self.artifact, source, prefix))
+        return TpuProgram(bind(self.artifact, source, prefix), trust_stored_executables=self.trust_stored_executables)
 
     def stablehlo_text(self, platform: str = "tpu", signature_name: str | None = None) -> str:
         """The StableHLO module of one platform, as MLIR text."""
@@ -228,6 +236,8 @@ class TpuProgram(Runnable):
         return f"TpuProgram(programs={self.signatures}, platforms={self.manifest['platforms']})"
 
 
+TRUST_FLAG = "--trust-stored-executables"  # the opt-in to a file's stored executables (run, serve)
+
 _OPTIONS = ("platforms", "kernels", "narrow_64bit", "quant_config", "mesh", "sharding", "input_shardings",
             "precompile", "quant_report", "llm")
 
@@ -257,8 +267,10 @@ def build(captures: dict, options: dict) -> TpuProgram:
     return prog
 
 
-def load(path) -> TpuProgram:
-    return TpuProgram(tpu_format.read(path))
+def load(path, *, trust_stored_executables: bool = False) -> TpuProgram:
+    """A ``.tpu`` file as a :class:`TpuProgram`; its stored executables are read only with
+    ``trust_stored_executables`` (native code: for files you trust)."""
+    return TpuProgram(tpu_format.read(path), trust_stored_executables=trust_stored_executables)
 
 
 def describe(path: str, topologies=None) -> dict:
@@ -288,12 +300,15 @@ def describe(path: str, topologies=None) -> dict:
             "sharding": spec.get("sharding"),
             "compiled": {topo: per[name] for topo, per in sorted(m.get("compiled", {}).items()) if name in per},
         }
+    stored = {"programs": sum(1 for per in m.get("compiled", {}).values() for e in per.values() if e.get("executable")),
+              "engine_calls": sum(len(e.get("calls", {})) for e in ((m.get("llm") or {}).get("engine") or {}).values())}
     return {
         "path": path, "kind": "tpu", "size": os.path.getsize(path), "format_version": m["format_version"],
         "versions": m.get("versions", {}), "platforms": m.get("platforms", []), "programs": programs,
         "weights": {k: (len(v) if k == "abstract" else v) for k, v in m.get("weights", {}).items()},
         "entries": entries, "mesh": m.get("mesh"),
         **({"topologies": slices} if slices else {}), **({"llm": _llm_summary(m["llm"])} if "llm" in m else {}),
+        **({"stored_executables": dict(stored, loaded_only_with=TRUST_FLAG)} if any(stored.values()) else {}),
     }
 
 
@@ -330,8 +345,15 @@ def describe_lines(desc: dict, program: str | None) -> list[str]:
         for topo, entry in sorted(((llm or {}).get("engine") or {}).items()):
             lines.append(f"serving engine [{topo}, {entry.get('device_kind')}, jax {entry.get('jax')}"
                          + (f", libtpu {entry['libtpu']}" if entry.get("libtpu") else "")
-                         + f"]: {len(entry.get('calls', {}))} calls stored (a matching server starts without "
-                           "compiling)")
+                         + f"]: {len(entry.get('calls', {}))} calls stored (a matching server given "
+                           f"{TRUST_FLAG} starts without compiling)")
+        stored = desc.get("stored_executables")
+        if stored:
+            what = [f"{n} {kind}" for n, kind in ((stored["programs"], "program executables"),
+                                                  (stored["engine_calls"], "serving engine calls")) if n]
+            lines.append(f"stored executables: {' and '.join(what)}, native code: loaded only with {TRUST_FLAG} "
+                         "(run, serve; tte.load(path, trust_stored_executables=True)), never read without it "
+                         "(everything compiles)")
         return lines
     prog = desc["programs"][program]
     for k in prog.get("kernels") or []:
@@ -445,8 +467,8 @@ def compile_cli(args) -> list[str]:
             calls = entry["calls"].values()
             lines.append(f"{topo} serving engine ({entry.get('server')}): {len(calls)} calls stored, "
                          f"{sum(c['bytes'] for c in calls) / 2**20:.1f} MiB, compiled in "
-                         f"{sum(c['seconds'] for c in calls):.1f} s: a server on {entry['device_kind']} starts "
-                         "without compiling")
+                         f"{sum(c['seconds'] for c in calls):.1f} s: a server on {entry['device_kind']} given "
+                         f"{TRUST_FLAG} starts without compiling")
     lines.append(f"wrote {output} ({os.path.getsize(output):,} bytes)")
     return lines
 
@@ -522,5 +544,5 @@ TARGET = Target(
     recipes=("int8_weight_only", "bf16"), magic=lambda head, names: names is not None and "manifest.json" in names,
     zipped=True, describe_lines=describe_lines,
     local_options={"platforms": ("cpu",)}, llm_options=llm_options, serving=True, abstract_weights=True, stateful=True,
-    recurrent_state=True, vision=True,
+    recurrent_state=True, vision=True, stored_executables=True,
 )
