@@ -117,3 +117,50 @@ def test_lora_goes_where_the_runtime_takes_it(made, tmp_path):
                    "-o", plain).returncode == 0
     r = run_cli("run", plain, "--prompt", PROMPT, "--lora", root / "llama.lora.tflite")
     assert r.returncode == 2 and "takes no LoRA adapter" in r.stderr, r.stderr
+
+
+def test_adapters_with_nan_or_inf_weights_are_refused(made, tmp_path):
+    """A NaN or infinity in a LoRA weight reaches every logit: LiteRT-LM sampled <pad> for ever (red team round 5,
+    issue #65). A PEFT folder's is exit 2 (export and the adapter command), an adapter file's exit 5 (run), each
+    naming the tensor."""
+    import json
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from conftest import run_cli_many
+    from torchtpu_export.llm.lora import read_adapter
+    root, out = made[0], made[4]
+    inf = tmp_path / "peft-inf"
+    shutil.copytree(root / "peft", inf)
+    weights = load_file(inf / "adapter_model.safetensors")
+    key = sorted(k for k in weights if "lora_B" in k)[0]
+    weights[key] = weights[key].copy()
+    weights[key].flat[3] = np.inf
+    save_file(weights, inf / "adapter_model.safetensors")
+    huge = tmp_path / "peft-huge-alpha"  # finite weights, A times alpha / r past float32
+    shutil.copytree(root / "peft", huge)
+    config = json.loads((huge / "adapter_config.json").read_text())
+    (huge / "adapter_config.json").write_text(json.dumps(dict(config, lora_alpha=1e300)))
+    good = root / "llama.lora.tflite"
+    name, (_, offset, _) = sorted(read_adapter(good)["tensors"].items())[0]
+    data = bytearray(good.read_bytes())
+    data[offset + 8:offset + 12] = np.float32(np.nan).tobytes()
+    (tmp_path / "nan.lora.tflite").write_bytes(data)
+    (tmp_path / "cut.lora.tflite").write_bytes(data[:offset])  # the flatbuffer, none of the data
+    folder = root / "llama"
+    export, command, alpha, nan, cut = run_cli_many([
+        [folder, "--target", "litertlm", "--prefill-lengths", "8", "--cache-length", "64", "--lora", inf,
+         "-o", tmp_path / "x.litertlm"],
+        ["adapter", inf, "--base", out, "-o", tmp_path / "a.lora.tflite"],
+        ["adapter", huge, "--base", out, "-o", tmp_path / "b.lora.tflite"],
+        ["run", out, "--prompt", PROMPT, "--lora", tmp_path / "nan.lora.tflite"],
+        ["run", out, "--prompt", PROMPT, "--lora", tmp_path / "cut.lora.tflite"]])
+    for r in (export, command):
+        assert r.returncode == 2 and key in r.stderr and "NaN or infinite" in r.stderr, r.stderr
+    assert alpha.returncode == 2 and "past float32's range" in alpha.stderr, alpha.stderr
+    assert nan.returncode == 5 and f"tensor {name!r} holds NaN or infinite values" in nan.stderr, nan.stderr
+    assert cut.returncode == 5 and "is not float32 data of its shape inside the file" in cut.stderr, cut.stderr
+    assert "b'" not in cut.stderr, cut.stderr  # the tensor's name as text, not a bytes literal
+    assert not any(p.name.startswith(("x.", "a.", "b.")) for p in tmp_path.iterdir())

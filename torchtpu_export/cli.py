@@ -30,6 +30,7 @@ from ._version import __version__
 from .coverage import cli as coverage_cli
 from . import fileio
 from .errors import EXIT_CODES, CaptureError, InputError, NumericsError, Terminated, TteError
+from .numerics import tolerance_arg
 from .untrusted import printable
 
 log = logging.getLogger("torchtpu_export")
@@ -82,7 +83,8 @@ def _convert_parser() -> argparse.ArgumentParser:
                    help="sample inputs: SHAPE:DTYPE (1x3x224x224:float32, 2x8:int64:0:1000, scalar:int64) "
                         "or .npy/.npz files; default: the model's own example inputs")
     p.add_argument("--check", action="store_true", help="run the artifact on the sample inputs and compare with eager")
-    p.add_argument("--tolerance", type=float, default=None, help="--check tolerance relative to the output scale")
+    p.add_argument("--tolerance", type=tolerance_arg, default=None,
+                   help="--check tolerance relative to the output scale (default 1e-5)")
     for t in targets.all_targets().values():  # each target's own flags, from its record
         for flag, kwargs in t.cli_arguments:
             p.add_argument(flag, **kwargs)
@@ -143,6 +145,8 @@ def _convert(args) -> int:
             raise InputError(f"--{flag.replace('_', '-')} applies to LLMs (a Hugging Face model folder), "
                              f"not {args.model}")
     _check_target_flags(args, target)
+    if args.tolerance is not None and not args.check:
+        raise InputError("--tolerance goes with --check: it is the check's tolerance")
     output = args.output or _default_output(args.model, args.target)
     check_writable(output, inputs=(args.model, *_input_files(args.inputs)))
     t0 = time.perf_counter()
@@ -189,13 +193,14 @@ def _convert_llm(args, target) -> int:
     """An LLM (a Hugging Face model folder or file.py:factory) to prefill/decode programs or a bundle."""
     from . import api
     from .fileio import check_writable
-    for flag in ("inputs", "check"):
-        if getattr(args, flag):
+    for flag in ("inputs", "check", "tolerance"):
+        if getattr(args, flag) not in (None, False):
             raise InputError(f"--{flag} does not apply to LLMs: their inputs are the runtime's (tokens, positions, "
                              f"mask, KV cache)")
     _check_target_flags(args, target)
     try:
-        lengths = tuple(int(n) for n in (args.prefill_lengths or "128").split(","))
+        given = "128" if args.prefill_lengths is None else args.prefill_lengths
+        lengths = tuple(int(n) for n in given.split(","))
     except ValueError:
         raise InputError(f"--prefill-lengths takes comma-separated integers, got {args.prefill_lengths!r}") from None
     base = os.path.basename(os.path.normpath(args.model))
@@ -214,7 +219,7 @@ def _convert_llm(args, target) -> int:
     if args.page_size is not None and pages is None:
         raise InputError("--page-size applies with --kv-pages (a paged KV cache)")
     if pages is not None:
-        options.update(kv_pages=pages, page_size=args.page_size or 16)
+        options.update(kv_pages=pages, page_size=16 if args.page_size is None else args.page_size)
     if args.batch_buckets is not None:
         try:
             options["batch_buckets"] = () if args.batch_buckets == "none" else \
@@ -321,7 +326,7 @@ def _check(args, model, margs, mkwargs, artifact) -> int:
     with torch.no_grad():
         ref = pytree.tree_leaves(eager(*margs, **mkwargs))
     got = pytree.tree_leaves(artifact(*margs, **mkwargs))
-    agreement = compare(got, ref, args.tolerance or DEFAULT_RTOL)
+    agreement = compare(got, ref, DEFAULT_RTOL if args.tolerance is None else args.tolerance)
     if not agreement.ok:
         raise NumericsError(f"--check failed: {agreement}",
                             hint=f"run `torchtpu-export debug {args.model} --target {args.target}` "
@@ -453,7 +458,8 @@ def _run_args(p):
     p.add_argument("--signature", default=None, help="program/signature to run (artifacts with several)")
     p.add_argument("-o", "--output", default=None, help="save the outputs to this .npz file")
     p.add_argument("--prompt", default=None, help="LLM artifacts (.tpu from export_llm, .litertlm): generate text after this prompt")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="with --prompt: the most tokens to generate")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="with --prompt: the most tokens to generate (default 64)")
     p.add_argument("--chat", action="store_true", help="with --prompt: send it as a user message (chat template)")
     p.add_argument("--lora", default=None, metavar="FILE",
                    help="with --prompt, a .litertlm exported with --lora: the LoRA adapter file to apply")
@@ -479,14 +485,16 @@ def _run(args) -> int:
     from .fileio import atomic_open
     from .models import parse_inputs
 
+    _check_run_flags(args)
     if args.output:
         from .fileio import check_writable
         check_writable(args.output, inputs=(args.artifact, *_input_files(args.inputs)))
-    if args.image and args.prompt is None:
-        raise InputError("--image goes with --prompt: the image is part of the message an LLM answers")
-    if args.lora and args.prompt is None:
-        raise InputError("--lora goes with --prompt: the adapter applies to the text an LLM generates")
     response_format = _response_format(args)
+    # before anything opens them: a FIFO there would block LiteRT-LM's or Pillow's open for ever
+    for flag, paths in (("--lora", [args.lora] if args.lora else []), ("--image", args.image or ())):
+        for path in paths:
+            with fileio.open_regular(path, f"{path} ({flag})"):
+                pass
     art = api.load(args.artifact, trust_stored_executables=args.trust_stored_executables)
     if args.prompt is not None:
         t0 = time.perf_counter()
@@ -496,8 +504,8 @@ def _run(args) -> int:
         for key in extra:
             if key not in takes:
                 raise InputError(f"--{key.rstrip('s')} goes to a .litertlm bundle, not {args.artifact}")
-        reply = art.generate(args.prompt, args.max_new_tokens, chat=args.chat, response_format=response_format,
-                             **extra)
+        steps = 64 if args.max_new_tokens is None else args.max_new_tokens
+        reply = art.generate(args.prompt, steps, chat=args.chat, response_format=response_format, **extra)
         print(printable(str(reply), newlines=True))
         _out(args, f"generated in {time.perf_counter() - t0:.2f} s ({len(reply.ids)} tokens, {reply.finish_reason})")
         return 0
@@ -529,6 +537,29 @@ def _run(args) -> int:
     return 0
 
 
+# run's flags that belong to one of its two modes: generating text (--prompt) or running on inputs
+_PROMPT_FLAGS = {"image": "the image is part of the message an LLM answers",
+                 "lora": "the adapter applies to the text an LLM generates",
+                 "chat": "it sends the prompt as a user message", "max_new_tokens": "it bounds the reply"}
+_INPUTS_FLAGS = ("inputs", "signature", "runtime", "output")
+
+
+def _check_run_flags(args) -> None:
+    """A flag of the mode ``run`` is not in is a usage error, never ignored (``-o`` with ``--prompt`` would
+    end with no file written)."""
+    if args.prompt is None:
+        for flag, why in _PROMPT_FLAGS.items():
+            if getattr(args, flag) not in (None, False):
+                raise InputError(f"--{flag.replace('_', '-')} goes with --prompt: {why}")
+        return
+    for flag in _INPUTS_FLAGS:
+        if getattr(args, flag) is not None:
+            name = "-o" if flag == "output" else f"--{flag}"
+            raise InputError(f"{name} applies to a run on inputs, not to --prompt (the reply is printed)",
+                             hint="leave it out; redirect the printed reply to keep it (> reply.txt)"
+                             if flag == "output" else None)
+
+
 def _response_format(args) -> dict | None:
     """``run``'s --json-schema FILE (read within a size cap) or --regex PATTERN, as a response_format."""
     if args.json_schema is None and args.regex is None:
@@ -541,16 +572,11 @@ def _response_format(args) -> dict | None:
     from .runtimes.litertlm import MAX_FORMAT
     from .untrusted import load_json
     path = args.json_schema
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FORMAT + 1)
-    except OSError as e:
-        raise InputError(f"cannot read the JSON schema {path}: {e.strerror or e}") from None
-    if len(data) > MAX_FORMAT:
-        raise InputError(f"the JSON schema {path} is more than {MAX_FORMAT:,} bytes (at most {MAX_FORMAT:,} are read)")
-    schema = load_json(data, f"the JSON schema {path}", max_bytes=MAX_FORMAT, error=InputError)
+    data = fileio.read_regular(path, f"the JSON schema {path} (--json-schema)", MAX_FORMAT)
+    schema = load_json(data, f"the JSON schema {path} (--json-schema)", max_bytes=MAX_FORMAT, error=InputError)
     if not isinstance(schema, dict):
-        raise InputError(f"{path} is JSON but not a JSON schema (a schema is an object, {{...}})")
+        raise InputError(f"the JSON schema {path} (--json-schema) is JSON but not a JSON schema (a schema is an "
+                         "object, {...})")
     name = os.path.splitext(os.path.basename(path))[0]
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
 

@@ -23,7 +23,7 @@ from torch.export.graph_signature import OutputKind, OutputSpec, TensorArgument
 from .capture import CapturedProgram
 from .fxnodes import op_name, shape_of, user_source_line
 from .errors import InputError, NumericsError, TteError
-from .numerics import DEFAULT_RTOL, Agreement, compare
+from .numerics import DEFAULT_RTOL, Agreement, compare, tolerance_arg
 from .specs import TensorSpec, dtype_name
 
 log = logging.getLogger("torchtpu_export")
@@ -203,7 +203,8 @@ def add_arguments(p) -> None:
     p.add_argument("model", help="a .pt2, TorchScript archive or package.module:factory")
     p.add_argument("--target", required=True, choices=debuggable_targets())
     p.add_argument("--inputs", nargs="+", default=None, metavar="SPEC", help="sample inputs (as for conversion)")
-    p.add_argument("--tolerance", type=float, default=DEFAULT_RTOL, help="relative tolerance per intermediate")
+    p.add_argument("--tolerance", type=tolerance_arg, default=DEFAULT_RTOL,
+                   help="relative tolerance per intermediate")
     p.add_argument("--trust-pickle", action="store_true", help="allow loading a pickled module")
 
 

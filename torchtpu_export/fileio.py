@@ -1,7 +1,11 @@
-"""Atomic writes: a temp file in the target directory, renamed into place on success.
+"""Files the user names: read only when they are regular files, and written atomically.
 
-On any failure, Ctrl-C included, the temp file is removed and the target is
-left as it was, so a half-written artifact never exists under its real name.
+Reading (:func:`open_regular`, :func:`read_regular`): a FIFO, device, socket or directory is refused with
+InputError before a byte is read, and opening never blocks (a FIFO with no writer would hang the command).
+
+Writing: a temp file in the target directory, renamed into place on success. On any failure, Ctrl-C
+included, the temp file is removed and the target is left as it was, so a half-written artifact never
+exists under its real name.
 """
 from __future__ import annotations
 
@@ -10,11 +14,66 @@ import os
 import stat
 import tempfile
 
-from .errors import OutputError, Terminated
+from .errors import InputError, OutputError, Terminated
 
 # The signal the CLI was asked to stop with (SIGTERM, SIGHUP), if any: no output is renamed into place
 # after it, even where the exception the signal handler raised was swallowed on the way.
 STOP_SIGNAL: list = [None]
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, in words, for messages ("a FIFO", "a directory", ...)."""
+    for test, word in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return word
+    return "not a plain file"
+
+
+@contextlib.contextmanager
+def open_regular(path: str | os.PathLike, what: str, *, follow_links: bool = True):
+    """Yields ``(file, size)``: ``path`` opened for reading, once it is known to be a regular file; InputError
+    naming ``what`` (the file as the user knows it: "the JSON schema x.json (--json-schema)") otherwise.
+
+    Checked before opening (opening some devices acts on them) and again on the opened descriptor (a FIFO
+    swapped in between); opened with O_NONBLOCK, so a FIFO never blocks the open. ``follow_links=False``
+    refuses a symbolic link as well (a path already resolved by the caller)."""
+    path = os.fspath(path)
+    try:
+        st = os.stat(path) if follow_links else os.lstat(path)
+    except OSError as e:
+        raise InputError(f"cannot read {what}: {e.strerror}") from None
+    _require_regular(st.st_mode, what)
+    flags = os.O_RDONLY | os.O_NONBLOCK | (0 if follow_links else getattr(os, "O_NOFOLLOW", 0))
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        raise InputError(f"cannot read {what}: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        _require_regular(st.st_mode, what)
+        yield f, st.st_size
+
+
+def _require_regular(mode: int, what: str) -> None:
+    if not stat.S_ISREG(mode):
+        raise InputError(f"{what} is not a regular file ({file_kind(mode)}): not read")
+
+
+def read_regular(path: str | os.PathLike, what: str, max_bytes: int, *, follow_links: bool = True) -> bytes:
+    """The bytes of the regular file ``path`` (:func:`open_regular`), at most ``max_bytes``: a larger file, or
+    one that grows past it while read, is InputError naming ``what``."""
+    with open_regular(path, what, follow_links=follow_links) as (f, size):
+        if size > max_bytes:
+            raise InputError(f"{what} is {size:,} bytes, more than {max_bytes:,} bytes (no real one is that large)")
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as e:
+            raise InputError(f"cannot read {what}: {e.strerror}") from None
+    if len(data) > max_bytes:
+        raise InputError(f"{what} grew past {max_bytes:,} bytes while read")
+    return data
 
 
 def check_writable(path: str | os.PathLike, inputs: tuple = ()) -> str:
@@ -54,11 +113,8 @@ def _check_not_special(path: str) -> None:
     except OSError as e:
         raise OutputError(f"cannot check output path {path}: {e.strerror}") from e
     if not stat.S_ISREG(mode):
-        kind = "a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
-            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else \
-            "not a regular file"
-        raise OutputError(f"output path {path} is {kind}; torchtpu-export only writes new or regular files",
-                          hint="choose another -o")
+        raise OutputError(f"output path {path} is {file_kind(mode)}; torchtpu-export only writes new or regular "
+                          "files", hint="choose another -o")
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from .errors import InputError
+from .fileio import open_regular
 
 _CHUNK = 16 << 20
 MAX_MEMBERS = 4096
@@ -45,11 +46,12 @@ class StoredArray:
         view = memoryview(raw)
         try:
             if self.member is None:
-                with open(self.path, "rb") as f:
+                with open_regular(self.path, _what(self.path)) as (f, _):
                     f.seek(self._offset)
                     _fill(f, view, self.name)
             else:
-                with zipfile.ZipFile(self.path) as zf, zf.open(self.member) as f:
+                with open_regular(self.path, _what(self.path)) as (file, _), zipfile.ZipFile(file) as zf, \
+                        zf.open(self.member) as f:
                     f.read(self._offset)  # the member's header
                     _fill(f, view, self.name)
                     if f.read(1):
@@ -102,15 +104,17 @@ def _header(f, where: str):
     return dtype, given, tuple(shape), bool(fortran)
 
 
+def _what(path: str) -> str:
+    return f"the input file {path} (--inputs)"
+
+
 def scan(path: str) -> list[StoredArray]:
     """The arrays of a .npy or .npz file, from their headers only."""
-    if not os.path.isfile(path):
-        raise InputError(f"input file {path} does not exist" if not os.path.exists(path)
-                         else f"input file {path} is not a regular file")
-    size = os.path.getsize(path)
-    if path.endswith(".npz"):
-        return _scan_npz(path, size)
-    with open(path, "rb") as f:
+    if not os.path.lexists(path):
+        raise InputError(f"input file {path} does not exist")
+    with open_regular(path, _what(path)) as (f, size):
+        if path.endswith(".npz"):
+            return _scan_npz(f, path)
         stored, dtype, shape, fortran = _header(f, path)
         offset = f.tell()
     arr = StoredArray(os.path.splitext(os.path.basename(path))[0], shape, dtype, fortran, path, None, stored, offset)
@@ -120,9 +124,9 @@ def scan(path: str) -> list[StoredArray]:
     return [arr]
 
 
-def _scan_npz(path: str, size: int) -> list[StoredArray]:
+def _scan_npz(file, path: str) -> list[StoredArray]:
     try:
-        zf = zipfile.ZipFile(path)
+        zf = zipfile.ZipFile(file)
     except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as e:
         raise InputError(f"{path} is not a valid .npz file ({type(e).__name__}: {str(e)[:150]})") from None
     out = []

@@ -27,6 +27,20 @@ class Agreement:
             (f" ({self.detail})" if self.detail else "")
 
 
+def tolerance_arg(text: str) -> float:
+    """A ``--tolerance`` value (argparse's ``type=``): a finite number from 0; anything else is a usage error
+    (exit 2), never a check that fails (a negative one) or passes whatever the outputs (NaN)."""
+    import argparse
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"a tolerance is a finite number from 0 (relative to the output's scale, "
+                                         f"e.g. 1e-4), got {text!r}")
+    return value
+
+
 def _is_inexact(dtype: np.dtype) -> bool:
     return dtype_kind(dtype) in "fc"  # (ml_dtypes' bfloat16 and float8s are numpy void-kind dtypes)
 

@@ -248,8 +248,14 @@ class Generation:
 
 def prompt_ids(prompt, vocab: int | None = None) -> list[int] | None:
     """The prompt as token ids when it was given as ids (a sequence of ints), None when it is text;
-    anything else is refused."""
+    anything else is refused, text that is not UTF-8 (a lone surrogate, as Python decodes bad bytes of
+    a command line) too."""
     if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # a tokenizer (in the tpu target's text worker) fails on it
+            raise InputError(f"the prompt is not valid text (character {e.start} cannot be written as UTF-8)") \
+                from None
         return None
     try:
         ids = [int(t) for t in prompt]

@@ -20,6 +20,7 @@ import stat
 import tempfile
 
 from ..errors import InputError
+from ..fileio import file_kind, open_regular, read_regular
 
 MAX_CONFIG_BYTES = 4 << 20  # config.json, generation_config.json, tokenizer_config.json, chat templates
 MAX_TOKENIZER_BYTES = 128 << 20  # tokenizer.json (Gemma 3's is 33 MB)
@@ -79,32 +80,8 @@ def file_path(folder: str, name: str) -> str | None:
             raise InputError(f"{shown} is a link that leads to no file ({real})") from None
         path = real
     if not stat.S_ISREG(st.st_mode):
-        raise InputError(f"{shown} is not a regular file ({_kind(st.st_mode)}): not read")
+        raise InputError(f"{shown} is not a regular file ({file_kind(st.st_mode)}): not read")
     return path
-
-
-def _kind(mode: int) -> str:
-    for test, word in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return word
-    return "not a plain file"
-
-
-@contextlib.contextmanager
-def _open(folder: str, name: str, path: str):
-    """``path`` (from :func:`file_path`) opened for reading, with its size; never blocks (a FIFO swapped in
-    since) and never follows a link swapped in."""
-    shown = os.path.join(folder, name)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as e:
-        raise InputError(f"cannot read {shown}: {e.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InputError(f"{shown} is not a regular file ({_kind(st.st_mode)}): not read")
-        yield f, st.st_size
 
 
 def read_bytes(folder: str, name: str, max_bytes: int) -> bytes | None:
@@ -112,17 +89,8 @@ def read_bytes(folder: str, name: str, max_bytes: int) -> bytes | None:
     path = file_path(folder, name)
     if path is None:
         return None
-    with _open(folder, name, path) as (f, size):
-        if size > max_bytes:
-            raise InputError(f"{os.path.join(folder, name)} is {size:,} bytes, more than any real one "
-                             f"(at most {max_bytes:,} are read)")
-        try:
-            data = f.read(max_bytes + 1)
-        except OSError as e:
-            raise InputError(f"cannot read {os.path.join(folder, name)}: {e.strerror}") from None
-    if len(data) > max_bytes:
-        raise InputError(f"{os.path.join(folder, name)} grew past {max_bytes:,} bytes while read")
-    return data
+    # never blocks (a FIFO swapped in since) and never follows a link swapped in
+    return read_regular(path, os.path.join(folder, name), max_bytes, follow_links=False)
 
 
 def read_text(folder: str, name: str, max_bytes: int = MAX_CONFIG_BYTES) -> str | None:
@@ -220,7 +188,7 @@ def _index(folder: str, name: str, raw: dict) -> dict:
 
 def _header(folder: str, name: str, path: str) -> dict:
     from ..safetensors_io import MAX_HEADER_BYTES, read_header
-    with _open(folder, name, path) as (f, size):
+    with open_regular(path, os.path.join(folder, name), follow_links=False) as (f, size):
         cap = min(MAX_HEADER_BYTES, _HEADER_SLACK + max(size - 8, 0) // (_HEADER_SHARE + 1))
         try:
             return read_header(f, size, cap)

@@ -203,20 +203,29 @@ def read_peft(path: str, features: dict, rank: int | None = None) -> LoraAdapter
         if target is None:
             raise InputError(f"{path}: {key} is not a LoRA weight of an attention projection (q, k, v, o_proj); "
                              "LiteRT-LM's LoRA reaches those only")
-        pairs.setdefault((int(target.group(1)), target.group(2)), {})[m.group(2)] = value
+        pairs.setdefault((int(target.group(1)), target.group(2)), {})[m.group(2)] = (key, value)
     weights = {}
     for (layer, proj), ab in sorted(pairs.items()):
         if (layer, proj) not in features or set(ab) != {"A", "B"}:
             raise InputError(f"{path}: layer {layer}'s {proj}_proj is not in the model, or lacks lora_A or lora_B")
         fin, fout = features[(layer, proj)]
-        a, b = np.asarray(ab["A"], np.float32), np.asarray(ab["B"], np.float32)  # [r, in], [out, r]
+        with np.errstate(over="ignore", invalid="ignore"):  # a value past float32 is refused below
+            a, b = np.asarray(ab["A"][1], np.float32), np.asarray(ab["B"][1], np.float32)  # [r, in], [out, r]
         if a.shape != (r, fin) or b.shape != (fout, r):
             raise InputError(f"{path}: layer {layer}'s {proj}_proj lora_A {list(a.shape)} / lora_B "
                              f"{list(b.shape)} do not fit the model's projection ({fin} -> {fout}) at rank {r}")
         pa = np.zeros((fin, rank), np.float32)
-        pa[:, :r] = a.T * scale
+        with np.errstate(over="ignore", invalid="ignore"):
+            pa[:, :r] = a.T * scale
         pb = np.zeros((rank, fout), np.float32)
         pb[:r] = b.T
+        # one NaN or inf reaches every logit through the attention: LiteRT-LM then samples <pad> for ever
+        for (key, _), given in ((ab["A"], a), (ab["B"], b)):
+            if not np.isfinite(given).all():
+                raise InputError(f"{path}: {key} holds NaN or infinite values (as float32)",
+                                 hint="the adapter's training diverged: use an earlier checkpoint")
+        if not np.isfinite(pa).all():
+            raise InputError(f"{path}: {ab['A'][0]} times lora_alpha / r ({scale:g}) is past float32's range")
         weights[input_name(proj, "a", layer)], weights[input_name(proj, "b", layer)] = pa, pb
     if not weights:
         raise InputError(f"{path}: its safetensors hold no LoRA weights")
@@ -305,20 +314,38 @@ def _vector(b, start, items) -> int:
 
 
 def read_adapter(path: str) -> dict:
-    """An adapter file's tensors ``{name: (shape, offset, size)}`` and its rank, each checked (a TFL3
-    flatbuffer, every buffer inside the file, sizes that match the shapes) before LiteRT-LM maps it."""
+    """An adapter file's tensors ``{name: (shape, offset, size)}`` and its rank, each checked (a regular file,
+    a TFL3 flatbuffer, every buffer inside the file, sizes that match the shapes, finite values) before
+    LiteRT-LM maps it."""
+    import mmap
+
+    from ..errors import ArtifactError
+    from ..fileio import open_regular
+    path = os.fspath(path)
+    with open_regular(path, f"the adapter {path}") as (f, size):
+        try:
+            head = f.read(min(size, 16 << 20))
+        except OSError as e:
+            raise InputError(f"cannot read the adapter {path}: {e.strerror}") from None
+        if len(head) < 8 or head[4:8] != b"TFL3":
+            raise ArtifactError(f"{path} is not a LoRA adapter file (a TFLite flatbuffer)")
+        rank, tensors = _adapter_tensors(path, head, size)
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            for name, (shape, offset, nbytes) in tensors.items():
+                # a NaN or inf reaches every logit through the attention: LiteRT-LM then samples <pad> for ever
+                if not np.isfinite(np.frombuffer(data, np.float32, nbytes // 4, offset)).all():
+                    raise ArtifactError(f"{path}: tensor {name[:80]!r} holds NaN or infinite values")
+    if rank not in RANKS:
+        raise ArtifactError(f"{path}: its lora_rank is {rank}; LiteRT-LM takes {' or '.join(map(str, RANKS))}")
+    return {"rank": rank, "tensors": tensors}
+
+
+def _adapter_tensors(path: str, head: bytes, size: int) -> tuple:
+    """``(lora_rank, {name: (shape, offset, size)})`` of the adapter flatbuffer ``head`` (of a file of
+    ``size`` bytes), every tensor float32 data of its shape inside the file; ArtifactError otherwise."""
     from ai_edge_litert import schema_py_generated as s
 
     from ..errors import ArtifactError
-    path = os.fspath(path)
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(min(size, 16 << 20))
-    except OSError as e:
-        raise InputError(f"cannot read the adapter {path}: {e.strerror}") from None
-    if len(head) < 8 or head[4:8] != b"TFL3":
-        raise ArtifactError(f"{path} is not a LoRA adapter file (a TFLite flatbuffer)")
     try:
         model = s.Model.GetRootAs(head, 0)
         rank = next((model.Metadata(i).Buffer() for i in range(model.MetadataLength())
@@ -330,17 +357,16 @@ def read_adapter(path: str) -> dict:
             buf = model.Buffers(t.Buffer())
             shape = tuple(int(d) for d in t.ShapeAsNumpy()) if t.ShapeLength() else ()
             need = 4 * math.prod(shape)
+            name = (t.Name() or b"").decode("utf-8", "replace")
             if t.Type() != s.TensorType.FLOAT32 or buf.Size() != need or not 0 < buf.Offset() <= size - need:
-                raise ArtifactError(f"{path}: tensor {t.Name()[:80]!r} is not float32 data of its shape inside "
-                                    "the file")
-            tensors[t.Name().decode("utf-8", "replace")] = (shape, buf.Offset(), buf.Size())
+                raise ArtifactError(f"{path}: tensor {name[:80]!r} is not float32 data of its shape inside the file "
+                                    "(not a LoRA adapter)")
+            tensors[name] = (shape, buf.Offset(), buf.Size())
     except ArtifactError:
         raise
     except Exception as e:  # noqa: BLE001 - whatever a damaged flatbuffer makes the reader raise
         raise ArtifactError(f"{path}: the adapter's flatbuffer is damaged ({type(e).__name__})") from None
-    if rank not in RANKS:
-        raise ArtifactError(f"{path}: its lora_rank is {rank}; LiteRT-LM takes {' or '.join(map(str, RANKS))}")
-    return {"rank": rank, "tensors": tensors}
+    return rank, tensors
 
 
 def check_adapter(path: str, inputs: dict) -> None:

@@ -114,8 +114,15 @@ def serve(path, *, name: str | None = None, host: str = "127.0.0.1", port: int =
     ``tte.load``) rather than compile."""
     kserve = import_kserve()
     from kserve.model_server import ModelServer, app
-    served = Served(path, name, batched=batched, text_budget=text_budget, prefix_cache=prefix_cache, warm=warm,
-                    trust_stored_executables=trust_stored_executables)
+    # bound before the model loads: a port in use or another machine's address is the user's error, said at once
+    # (uvicorn found it only after loading, and exited 3, the code of a failed capture)
+    sockets = listen_sockets(host, port) if _lead_process() else []
+    try:
+        served = Served(path, name, batched=batched, text_budget=text_budget, prefix_cache=prefix_cache,
+                        warm=warm, trust_stored_executables=trust_stored_executables)
+    except BaseException:
+        _close(sockets)
+        raise
     try:
         if served.engine is not None and "warm_seconds" in served.engine.stats:
             print(f"compiled the engine's device calls in {served.engine.stats['warm_seconds']:.1f} s: serving "
@@ -134,7 +141,7 @@ def serve(path, *, name: str | None = None, host: str = "127.0.0.1", port: int =
                          tokenizer_json=served.tokenizer_json).mount(app)
         server = ModelServer(http_port=port, enable_grpc=False, workers=1)
         register_models(server, served.app_models(kserve))
-        http = rest_server(server, app, host, port)
+        http = rest_server(server, app, host, port, sockets)
         server.setup_event_loop()
         server.register_signal_handler()  # SIGINT/SIGTERM: KServe's stop(), which unloads (stops) the model
         print(f"serving {served.name} ({served.path}) on http://{host}:{port}"
@@ -142,6 +149,54 @@ def serve(path, *, name: str | None = None, host: str = "127.0.0.1", port: int =
         asyncio.run(http())
     finally:
         served.close()
+        _close(sockets)
+
+
+def listen_sockets(host: str, port: int) -> list:
+    """Sockets bound to every address ``host`` resolves to, at ``port``, as asyncio's ``create_server`` binds
+    them (SO_REUSEADDR; IPv6 sockets IPv6 only), for :func:`rest_server`; InputError naming ``--host`` or
+    ``--port`` when one cannot be bound."""
+    import errno
+    import socket
+    anywhere = "give one of its addresses: 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise InputError(f"--host {host!r} is not an address this machine can listen on "
+                         f"({getattr(e, 'strerror', None) or e})",
+                         hint=anywhere) from None
+    sockets = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as e:
+        _close(sockets)
+        if e.errno == errno.EADDRINUSE:
+            raise InputError(f"--port {port} is in use on {host} (another server listens there)",
+                             hint="choose another --port, or stop the other server") from None
+        if e.errno == errno.EACCES:
+            raise InputError(f"--port {port}: this user may not listen there (ports below 1024 need privileges)",
+                             hint="choose a port from 1024") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise InputError(f"--host {host!r} is not an address of this machine", hint=anywhere) from None
+        raise InputError(f"cannot listen on {host}:{port} (--host, --port): {e.strerror}") from None
+    return sockets
+
+
+def _close(sockets) -> None:
+    for sock in sockets:
+        sock.close()
+
+
+def _lead_process() -> bool:
+    """Whether this process serves HTTP: the only one, or process 0 of a jax.distributed job."""
+    jax = sys.modules.get("jax")
+    return jax is None or not jax.distributed.is_initialized() or jax.process_index() == 0
 
 
 def register_models(server, models) -> None:
@@ -161,11 +216,12 @@ def register_models(server, models) -> None:
         raise NoModelReady(models)
 
 
-def rest_server(server, app, host: str, port: int):
+def rest_server(server, app, host: str, port: int, sockets: list):
     """KServe's REST server for ``server``'s models on ``host``: KServe's ``RESTServer`` builds the application
     (its v2 routes, /metrics, timing middleware and error handlers, over the server's data plane) and
-    uvicorn serves it as ``RESTServer.start()`` would, but bound to ``host`` (``RESTServer`` always binds
-    0.0.0.0). Returns the coroutine function that serves until the server is told to stop."""
+    uvicorn serves it as ``RESTServer.start()`` would, but on ``sockets`` (:func:`listen_sockets`: bound to
+    ``host``, where ``RESTServer`` always binds 0.0.0.0). Returns the coroutine function that serves until the
+    server is told to stop."""
     import uvicorn
     from kserve.protocol.rest.server import RESTServer
     rest = RESTServer("kserve.model_server:app", server.dataplane, server.model_repository_extension, port,
@@ -176,7 +232,7 @@ def rest_server(server, app, host: str, port: int):
 
     async def run():
         rest.create_application()
-        await uvicorn.Server(config).serve()
+        await uvicorn.Server(config).serve(sockets=sockets)
     return run
 
 

@@ -31,6 +31,7 @@ import threading
 import time
 
 from ..errors import InputError, OutputError
+from ..fileio import read_regular
 
 log = logging.getLogger("torchtpu_export")
 
@@ -50,17 +51,11 @@ def read_token(path: str | None = None) -> bytes:
     hint = (f"make one with `torchtpu-export serve --new-token job.token`, copy it to every host of the job and "
             f"pass --token-file job.token (or set {TOKEN_ENV})")
     if path is not None:
-        if not os.path.isfile(path):  # (a FIFO or device would block or never end)
-            raise InputError(f"--token-file {path} is not a regular file", hint=hint)
-        try:
-            with open(path, "rb") as f:
-                text = f.read(4097)
-        except OSError as e:
-            raise InputError(f"cannot read --token-file {path}: {e.strerror or e}", hint=hint) from None
-        if len(text) > 4096:
-            raise InputError(f"--token-file {path} is over 4 KiB: not a token", hint=hint)
-        token = text.strip()
         what = f"--token-file {path}"
+        try:
+            token = read_regular(path, what, 4096).strip()
+        except InputError as e:
+            raise InputError(str(e), hint=hint) from None
     else:
         token = os.environ.get(TOKEN_ENV, "").strip().encode()
         what = f"${TOKEN_ENV}"

@@ -40,22 +40,23 @@ def sniff(path: str) -> str:
     import zipfile
 
     from ..errors import ArtifactError
+    from ..fileio import open_regular
     if not os.path.exists(path):
         raise InputError(f"{path} does not exist")
     if os.path.isdir(path):
         raise InputError(f"{path} is a directory, not a model file")
-    if os.path.getsize(path) == 0:
-        raise InputError(f"{path} is empty")
-    with open(path, "rb") as f:
-        head = f.read(8)
     names = None
-    if head[:2] == b"PK":
-        try:
-            with zipfile.ZipFile(path) as zf:
-                names = zf.namelist()
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as e:
-            raise ArtifactError(f"{path} is a damaged zip archive ({e})",
-                                hint="the file is truncated or corrupt: save or export it again") from e
+    with open_regular(path, path) as (f, size):  # a FIFO is refused, not waited on
+        if size == 0:
+            raise InputError(f"{path} is empty")
+        head = f.read(8)
+        if head[:2] == b"PK":
+            try:
+                with zipfile.ZipFile(f) as zf:
+                    names = zf.namelist()
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as e:
+                raise ArtifactError(f"{path} is a damaged zip archive ({e})",
+                                    hint="the file is truncated or corrupt: save or export it again") from e
     records = all_targets().values()
     for t in records:
         if t.magic is not None and t.magic(head, names):

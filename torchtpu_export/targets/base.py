@@ -147,8 +147,8 @@ class Runnable:
         object (``{"type": "json_object"}``) or matches a regular expression (``{"type": "regex",
         "pattern": ...}``), by constrained decoding. Artifacts that hold no LLM (not made by
         ``export_llm``) refuse."""
-        raise InputError(f"this {type(self).__name__} holds no LLM: generate applies to the artifacts "
-                         "tte.export_llm makes (.tpu, .litertlm)")
+        raise InputError(f"this {type(self).__name__} holds no LLM: generate (run --prompt) applies to the artifacts "
+                         "tte.export_llm makes from a language model (.tpu, .litertlm)")
 
     # ---- shared ------------------------------------------------------------------------------
 
@@ -162,7 +162,7 @@ class Runnable:
                 return self.default_signature
             raise InputError(f"this artifact has several signatures {sigs}"
                              + (f" and no {self.default_signature!r}" if self.default_signature else "")
-                             + ": pass signature_name=")
+                             + ": pass signature_name= (run --signature)")
         if signature_name not in sigs:
             raise InputError(f"no signature {signature_name!r}; " + (
                 f"this artifact holds one program, {sigs[0]!r}" if len(sigs) == 1 else f"this artifact has {sigs}"))
