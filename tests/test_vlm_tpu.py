@@ -4,8 +4,10 @@ steps, served by ``torchtpu-export serve``: an OpenAI chat request with an image
 transformers' ``generate`` gives on the processor's inputs for the same image and prompt, another image other
 tokens; bad images and requests get one 400 each, and the server goes on."""
 import base64
+import io
 import json
 import types
+import urllib.request
 
 import pytest
 import torch
@@ -39,8 +41,11 @@ def exports(root):
 
 @pytest.fixture(params=list(hf_vlms.FAMILIES))
 def served(request, exports):
+    return _built(exports, request.param)
+
+
+def _built(exports, family: str):
     (where, images), made = exports
-    family = request.param
     if family not in made:
         folder = hf_vlms.save_folder(family, str(where / family))
         out = where / f"{family}.tpu"
@@ -56,6 +61,13 @@ def served(request, exports):
 def _data_url(path) -> str:
     with open(path, "rb") as f:
         return "data:image/png;base64," + base64.b64encode(f.read()).decode()
+
+
+def _png_url(width: int, height: int) -> str:
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("L", (width, height)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def _chat(client, content, **kw):
@@ -119,6 +131,8 @@ def test_bad_images_and_requests_get_one_400_and_the_server_goes_on(served, tmp_
             ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}], "not valid base64"),
             ([{"type": "image_url", "image_url": {"url": not_png}}], "is not an image that can be read"),
             ([{"type": "image_url", "image_url": {"url": _data_url(images[0])}}] * 9, "more than the 8"),
+            # 1 x 67,108,864 pixels in 130 KB: within the pixel bound, 192 MiB to decode as RGB
+            ([{"type": "image_url", "image_url": {"url": _png_url(1, 64 << 20)}}], "decodes to"),
             ([{"type": "image_url", "image_url": {"url": _data_url(images[0])}},
               {"type": "text", "text": f"and {marker}"}], "image tokens")):
         with pytest.raises(openai.BadRequestError) as e:
@@ -183,3 +197,44 @@ def test_libtpu_compiles_a_vlms_engine_calls_ahead_of_time(tmp_path):
                           platforms=("tpu", "cpu"), kernels="xla", check=False)
     calls = prog.compile("v5e").manifest["llm"]["engine"]["v5e:1x1"]["calls"]
     assert {"vision", "prefill_image_8", "prefill_8", "decode_batch.top0"} <= set(calls)
+
+
+def test_slow_images_are_stopped_and_never_stall_text_requests(exports):
+    """Images decode in image workers of their own (``--image-timeout``): three requests whose JPEG decodes
+    for seconds each are refused at the budget, one after another as the two workers free up, while a
+    text-only chat and the readiness probe are answered at once; images decode again afterwards."""
+    import concurrent.futures
+    import time
+
+    import openai
+    from test_workers import _scans_jpeg
+    family, folder, out, images, said, _ = _built(exports, next(iter(hf_vlms.FAMILIES)))
+    server = Server(out, "--image-timeout", "2")
+    try:
+        client = _openai(server)
+        client.served_name = out.stem
+        slow = "data:image/jpeg;base64," + base64.b64encode(_scans_jpeg(4096, 3000)).decode()
+        done = {}
+
+        def image_chat(k):
+            try:
+                _chat(client, [{"type": "image_url", "image_url": {"url": slow}}, {"type": "text", "text": PROMPT}])
+                done[k] = ("answered", time.monotonic())
+            except openai.BadRequestError as e:
+                done[k] = (str(e), time.monotonic())
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(image_chat, k) for k in range(3)]
+            time.sleep(0.5)  # the images are being decoded
+            assert _chat(client, PROMPT)
+            text_done = time.monotonic()
+            with urllib.request.urlopen(server.url + "/v2/health/ready", timeout=5) as r:
+                assert r.status == 200
+            for f in futures:
+                f.result()
+        assert all("took longer than 2 s" in why for why, _ in done.values()), done
+        assert text_done < min(at for _, at in done.values())
+        assert _chat(client, [{"type": "image_url", "image_url": {"url": _data_url(images[0])}},
+                              {"type": "text", "text": PROMPT}])
+    finally:
+        server.close()

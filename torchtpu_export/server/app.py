@@ -107,7 +107,7 @@ class Served:
 
 def serve(path, *, name: str | None = None, host: str = "127.0.0.1", port: int = 8080,
           batched: bool = True, allow_origins=(), text_budget: float = 10.0, prefix_cache: bool = True,
-          warm: bool = True, trust_stored_executables: bool = False) -> None:
+          warm: bool = True, trust_stored_executables: bool = False, image_budget: float = 10.0) -> None:
     """Serves one artifact until interrupted (SIGINT/SIGTERM). Under several processes (jax.distributed,
     a sharded LLM program) process 0 serves HTTP and the others run the steps its engine schedules,
     until it stops. ``trust_stored_executables``: load the file's stored executables (native code; see
@@ -123,6 +123,7 @@ def serve(path, *, name: str | None = None, host: str = "127.0.0.1", port: int =
     except BaseException:
         _close(sockets)
         raise
+    openai = None
     try:
         if served.engine is not None and "warm_seconds" in served.engine.stats:
             print(f"compiled the engine's device calls in {served.engine.stats['warm_seconds']:.1f} s: serving "
@@ -137,8 +138,9 @@ def serve(path, *, name: str | None = None, host: str = "127.0.0.1", port: int =
                            body_limit=served.limits.body, allow_origins=allow_origins)
         mount_health(app, served)
         if served.engine is not None:
-            OpenAIServer(served.name, served.engine, served.text, served.stop_ids, served.limits,
-                         tokenizer_json=served.tokenizer_json).mount(app)
+            openai = OpenAIServer(served.name, served.engine, served.text, served.stop_ids, served.limits,
+                                  tokenizer_json=served.tokenizer_json, image_budget=image_budget)
+            openai.mount(app)
         server = ModelServer(http_port=port, enable_grpc=False, workers=1)
         register_models(server, served.app_models(kserve))
         http = rest_server(server, app, host, port, sockets)
@@ -148,6 +150,8 @@ def serve(path, *, name: str | None = None, host: str = "127.0.0.1", port: int =
               + (" with /v1/completions, /v1/chat/completions" if served.engine else "") + " and /v2", flush=True)
         asyncio.run(http())
     finally:
+        if openai is not None:
+            openai.close()
         served.close()
         _close(sockets)
 
@@ -261,6 +265,8 @@ def add_arguments(p) -> None:
                         "(CORS); without it, requests a browser marks cross-site are refused")
     p.add_argument("--text-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="LLMs: the longest one tokenizing, chat-template or detokenizing step may take (default 10)")
+    p.add_argument("--image-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="VLMs: the longest one image's decoding may take, in an image worker (default 10)")
     g = p.add_argument_group("several hosts (a sharded LLM over a multi-host slice: run the same command on each)")
     g.add_argument("--distributed", action="store_true",
                    help="join JAX's multi-controller runtime first: process 0 serves HTTP, the others run its "
@@ -294,8 +300,9 @@ def run_cli(args) -> int:
         raise InputError("serve takes the model file to serve", hint="torchtpu-export serve model.tpu")
     if not 0 < args.port < 65536:
         raise InputError(f"--port must be from 1 to 65535, got {args.port}")
-    if not 0 < args.text_timeout <= 3600:
-        raise InputError(f"--text-timeout must be from 0 to 3600 seconds, got {args.text_timeout}")
+    for flag, seconds in (("--text-timeout", args.text_timeout), ("--image-timeout", args.image_timeout)):
+        if not 0 < seconds <= 3600:
+            raise InputError(f"{flag} must be above 0 and at most 3600 seconds, got {seconds}")
     for origin in args.allow_origin:
         if origin != "*" and not origin.startswith(("http://", "https://")):
             raise InputError(f"--allow-origin {origin!r}: give an origin such as https://app.example.com, or '*'")
@@ -306,5 +313,6 @@ def run_cli(args) -> int:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id, token_file=args.token_file)
     serve(args.model, name=args.name, host=args.host, port=args.port, batched=not args.one_slot,
           allow_origins=args.allow_origin, text_budget=args.text_timeout, prefix_cache=not args.no_prefix_cache,
-          warm=not args.no_warm, trust_stored_executables=args.trust_stored_executables)
+          warm=not args.no_warm, trust_stored_executables=args.trust_stored_executables,
+          image_budget=args.image_timeout)
     return 0

@@ -66,14 +66,14 @@ class OpenAIServer:
     event loop."""
 
     def __init__(self, name: str, engine, text=None, stop_ids=(), limits: Limits | None = None,
-                 tokenizer_json: str | None = None):
+                 tokenizer_json: str | None = None, image_budget: float = 10.0):
         self.name, self.engine, self.text, self.stop_ids = name, engine, text, tuple(stop_ids)
         self.tokenizer_json, self.grammars = tokenizer_json, None  # structured outputs: llguidance's grammars
         self._grammars_made = None  # a lock, made on the event loop
         self.images = None  # a VLM's image workers
         if getattr(engine, "vision", None) is not None:
             from ..images import ImageWorkers
-            self.images = ImageWorkers()
+            self.images = ImageWorkers(time_budget=image_budget)
         self.limits = limits or Limits.for_cache(engine.length)
         self.created = int(time.time())
 
