@@ -289,7 +289,7 @@ def test_costly_unsatisfiable_and_conflicting_formats_get_one_400_line(served):
     """Each gets a 400 in one line, none a 500 with llguidance's state dump, and the server is fine after:
     schemas whose lexers take gigabytes, formats no text satisfies, tools with a format, GBNF grammars."""
     import openai
-    _, _, client, _ = served
+    _, _, client, server = served
     msgs = [{"role": "user", "content": PROMPT}]
     bad = [dict(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {
                "type": "integer", "multipleOf": 999983}}}),
@@ -311,6 +311,15 @@ def test_costly_unsatisfiable_and_conflicting_formats_get_one_400_line(served):
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": deep}}]}]
     with pytest.raises(openai.BadRequestError, match="nests"):
         client.chat.completions.create(model="tiny-qwen", messages=history, tools=[WEATHER], max_tokens=4)
+    import urllib.error
+    import urllib.request
+    for route, body in (("chat/completions", {"messages": [{"role": "user", "content": "a\udcff"}]}),
+                        ("completions", {"prompt": "a\udcff"})):  # a lone surrogate escape is no text
+        request = urllib.request.Request(f"{server.url}/v1/{route}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request, timeout=60)
+        assert e.value.code == 400 and "surrogate" in json.loads(e.value.read())["error"]["message"]
     # a choice of a special token's text: written as text, or refused; never a 500
     try:
         r = client.chat.completions.create(model="tiny-qwen", messages=msgs, max_tokens=12, temperature=0,

@@ -51,7 +51,8 @@ class SamplingParams:
             raise InputError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if prompt_len + self.max_new_tokens > cache_length:
             raise InputError(f"{prompt_len} prompt tokens and {self.max_new_tokens} new ones do not fit the cache of "
-                             f"{cache_length} positions", hint="send fewer tokens, or export with a larger cache_length")
+                             f"{cache_length} positions", hint="ask for fewer new tokens (max_new_tokens, run --max-new-tokens) or send a "
+                                  "shorter prompt, or export with a larger cache_length")
         if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= 1e6) \
                 or (self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1)) \
                 or (self.top_k is not None and not (is_int(self.top_k) and 1 <= self.top_k < 2 ** 31)):

@@ -67,7 +67,7 @@ def grammar_text(kind: str, value) -> str:
                 raise InputError("a grammar must be a non-empty string (Lark, or GBNF with ::=)")
             return LLMatcher.grammar_from_lark(gbnf_to_lark(value) if "::=" in value else value)
     except (ValueError, TypeError, RuntimeError) as e:  # llguidance's own word on what it cannot read
-        raise InputError(f"the {kind.replace('_', ' ')} is not valid: {str(e)[:300]}") from None
+        raise InputError(f"the {kind.replace('_', ' ')} is not valid: {_reason(str(e))}") from None
     raise InputError(f"unknown response format {kind!r}; choose one of {', '.join(KINDS)}")
 
 
@@ -100,9 +100,15 @@ def check_bounds(kind: str, value) -> None:
 
 
 def _reason(error: str) -> str:
-    """llguidance's error as one line: its first (the rest is the parser's state dump)."""
-    first = error.strip().splitlines()[0] if error.strip() else "unknown error"
-    return "no text satisfies it" if first.startswith("NoExtensionBias") else first[:300]
+    """llguidance's error in one line: its first, and the line saying what is wrong in a parse error (the rest
+    is the offending text with a caret, or the parser's state dump)."""
+    lines = [line.strip() for line in str(error).split("<state>")[0].splitlines() if line.strip()]
+    if not lines:
+        return "unknown error"
+    if lines[0].startswith("NoExtensionBias"):
+        return "no text satisfies it"
+    detail = next((line for line in lines[1:] if line.startswith("error:")), None)
+    return (lines[0] + (f" ({detail})" if detail else ""))[:300]
 
 
 def _first_mask(matcher, kind: str) -> None:

@@ -270,7 +270,9 @@ class OpenAIServer:
             raise OpenAIError("this model was exported without a tokenizer: chat needs one")
         vision = getattr(self.engine, "vision", None) is not None
         plain = [_plain_message(m, found if vision else None, f"messages[{i}]") for i, m in enumerate(messages)]
-        size = len(json.dumps(plain)) + (len(json.dumps(tools)) if tools else 0)
+        text = json.dumps(plain, ensure_ascii=False) + (json.dumps(tools, ensure_ascii=False) if tools else "")
+        _check_text(text, "messages")
+        size = len(text)
         if size > self.limits.chars:
             raise OpenAIError(f"the messages hold {size:,} characters, more than the model's {self.engine.length} "
                               f"positions can hold (at most {self.limits.chars:,} are read)", 413, "messages")
@@ -284,6 +286,7 @@ class OpenAIServer:
             if self.text is None:
                 raise OpenAIError("this model was exported without a tokenizer: send prompt as token ids",
                                   param="prompt")
+            _check_text(prompt, "prompt")
             if len(prompt) > self.limits.chars:
                 raise OpenAIError(f"the prompt is {len(prompt):,} characters, more than the model's "
                                   f"{self.engine.length} positions can hold (at most {self.limits.chars:,} are read)",
@@ -601,6 +604,15 @@ def _token_names(ids: list, pieces: list) -> dict:
     for t in ids:
         seen[name[t]] = seen.get(name[t], 0) + 1
     return {t: (n if seen[n] == 1 else f"token_id:{t}") for t, n in name.items()}
+
+
+def _check_text(text: str, param: str) -> None:
+    """Text a tokenizer takes: JSON's \\ud800-\\udfff escapes outside a pair decode to no character."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise OpenAIError(f"{param} holds a lone UTF-16 surrogate (a \\udXXX escape outside a pair): not text",
+                          param=param) from None
 
 
 def _error_object(e: OpenAIError) -> dict:
