@@ -337,6 +337,8 @@ class OpenAIServer:
                 reason = "length" if request.finish_reason == "length" else "stop"
         except TextError as e:
             raise OpenAIError(str(e), 500) from None
+        except InputError as e:  # what the request asked cannot go on (its format has no next token)
+            raise OpenAIError(f"generation stopped: {one_line(e)}", 400) from None
         except TteError as e:  # the engine failed this request's step
             raise OpenAIError(f"generation failed: {one_line(e)}", 500) from None
         except Exception as e:  # noqa: BLE001 - a device step's failure, as the engine reports it
