@@ -73,6 +73,164 @@ def test_gbnf_grammars_compile_and_constrain(grammars):
     assert text in ("abc!", "abd!"), text
 
 
+# ---- structured outputs on every tokenizer: llguidance gets a token table built from the tokenizer itself ----
+
+def _byte_level(holes: bool = False, size: int = 0) -> str:
+    """A byte-level BPE (GPT-2's alphabet): with ``holes``, ids 100-104 have no token and every later id is 5
+    past its place (llguidance's tokenizer.json reader lost the last ones); ``size`` fills it with tokens no
+    merge reaches up to that many (a 100k-token vocabulary, built in a fraction of a second)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", *sorted(pre_tokenizers.ByteLevel.alphabet())])}
+    merges = [("1", "2"), ("12", "3"), ("{", '"'), ('"', ":"), ("a", "b")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    for n in range(size - len(vocab)):
+        vocab[f"Ġw{n}"] = len(vocab)
+    if holes:
+        vocab = {t: i if i < 100 else i + 5 for t, i in vocab.items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<pad>", "<bos>", "<eos>"])
+    return tok.to_str()
+
+
+def _sentencepiece(decoder: str, odd: bool = False) -> str:
+    """A SentencePiece-style BPE with byte fallback (``<0x00>``..``<0xFF>``) and a prepended ``▁``, with the
+    decoder ``decoder``: "sequence" (Replace ▁, ByteFallback, Fuse, Strip, as Llama's and Mistral's converted
+    tokenizers have; Gemma's without the Strip), "metaspace" or a bare "fuse". ``odd``: a token spelled ``<0x...>`` that is no byte
+    (llguidance's reader panicked on it)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))])}
+    pieces = ["▁", "1", "2", "3", "{", "}", '"', ":", "n", "12", "123", "▁{", '":', "é"] + ["<0xZZ>", "<0x>"] * odd
+    for piece in pieces:
+        vocab[piece] = len(vocab)
+    merges = [("1", "2"), ("12", "3"), ("▁", "{"), ('"', ":")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    if decoder == "metaspace":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    else:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.decoder = decoders.Fuse() if decoder == "fuse" else decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return tok.to_str()
+
+
+TOKENIZERS = {  # name: (tokenizer.json, the model's vocabulary size, the tokens a 3-digit regex starts with)
+    # llguidance's reader sized its table by the count of tokens: "12" and "123" (past it) were lost
+    "byte-level BPE with holes in its ids": (lambda: _byte_level(holes=True), 300, {*"0123456789", "12", "123"}),
+    # a model's vocabulary smaller than the tokenizer's: llguidance refused every format ("vocab size too small")
+    "byte-level BPE past the model's vocabulary": (lambda: _byte_level(), 260, {*"0123456789", "12"}),
+    "byte-level BPE of 100,352 tokens": (lambda: _byte_level(size=100_352), 100_352, {*"0123456789", "12", "123"}),
+    "SentencePiece byte fallback": (lambda: _sentencepiece("sequence"), 280,
+                                    {*"123", "12", "123", *(f"<0x{b:02X}>" for b in b"0123456789")}),
+    "SentencePiece with odd <0x..> tokens": (lambda: _sentencepiece("sequence", odd=True), 290,
+                                             {*"123", "12", "123", *(f"<0x{b:02X}>" for b in b"0123456789")}),
+    # these two were refused with a 400 for every format ("can't determine decoder type"); neither decoder
+    # has ByteFallback, so a byte token's text is its spelling ("<0x31>", no digit), as the reply would hold it
+    "Metaspace decoder": (lambda: _sentencepiece("metaspace"), 280, {*"123", "12", "123"}),
+    "bare Fuse decoder": (lambda: _sentencepiece("fuse"), 280, {*"123", "12", "123"}),
+}
+
+
+def _allowed(matcher, vocab: int) -> set[int]:
+    row = np.zeros((vocab + 31) // 32, np.int32)
+    matcher.fill(row)
+    return {t for t in range(vocab) if row[t // 32] >> (t % 32) & 1}
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_structured_outputs_work_on_every_tokenizer_kind(name):
+    """The first mask of a regular expression allows exactly the tokens whose text starts a match, and a JSON
+    schema's reply, walked token by token through the masks, decodes (as the server decodes it) to the JSON."""
+    from tokenizers import Tokenizer
+
+    from torchtpu_export.llm.grammar import Grammars
+    make, vocab, digits = TOKENIZERS[name]
+    tokenizer_json = make()
+    tok = Tokenizer.from_str(tokenizer_json)
+    eos = tok.token_to_id("<eos>") if tok.token_to_id("<eos>") is not None else tok.token_to_id("</s>")
+    grammars = Grammars(tokenizer_json, vocab, [eos])
+    try:
+        assert {tok.id_to_token(t) for t in _allowed(grammars.matcher("regex", "[0-9]{3}"), vocab)} == digits
+        m = grammars.matcher("json_schema", {"type": "object", "properties": {"n": {"type": "integer"}},
+                                             "required": ["n"], "additionalProperties": False})
+        want, ids = '{"n":123}', []
+        while not m.stopped:
+            allowed = _allowed(m, vocab)
+            if eos in allowed and tok.decode(ids) == want:
+                break
+            texts = {t: tok.decode(ids + [t]) for t in allowed}
+            fits = [t for t, text in texts.items() if want.startswith(text) and len(text) > len(tok.decode(ids))]
+            assert fits, (tok.decode(ids), [tok.id_to_token(t) for t in sorted(allowed)][:20])
+            ids.append(max(fits, key=lambda t: len(texts[t])))
+            assert m.consume(ids[-1]) and m.error is None
+        assert tok.decode(ids) == want
+    finally:
+        grammars.close()
+
+
+def test_a_tokenizer_that_panics_is_one_input_error():
+    """tokenizers panics on this normalizer (pyo3's PanicException, a BaseException): one InputError, no panic."""
+    import json
+
+    from torchtpu_export.llm.grammar import Grammars
+    broken = json.loads(_byte_level())
+    broken["normalizer"] = {"type": "Precompiled", "precompiled_charsmap": "AAAA"}
+    with pytest.raises(InputError, match="structured outputs cannot use this model's tokenizer") as e:
+        Grammars(json.dumps(broken), 300, [2])
+    assert "\n" not in str(e.value)
+
+
+def test_a_panic_in_a_step_ends_the_reply_with_its_error():
+    """A matcher whose llguidance panics mid-reply: an empty row and an error (the engine ends that request
+    with a 400), never a BaseException through the engine's step."""
+    from torchtpu_export.llm.grammar import Matcher
+
+    class PanicException(BaseException):  # pyo3's, as llguidance raises it
+        pass
+
+    class Panicking:
+        def compute_bitmask(self, *token):
+            raise PanicException("index out of bounds: the len is 9 but the index is 14")
+        consume_token = compute_bitmask
+
+        def is_stopped(self):
+            return False
+
+    m = Matcher(None, None, Panicking())
+    row = np.full(4, -1, np.int32)
+    m.fill(row)
+    assert not row.any() and "index out of bounds" in m.error and not m.stopped
+    assert m.consume(3) is False
+
+
+@pytest.mark.parametrize("schema, says", [
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+     "additionalProperties: false on every object; the schema's root"),
+    ({"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}},
+                                             "additionalProperties": False}},
+      "required": ["a"], "additionalProperties": False}, "#/properties/a does not require 'b'"),
+    ({"type": "array", "items": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {},
+                                                              "additionalProperties": True}]}},
+     "#/items/anyOf/1 has additionalProperties: true"),
+    ({"$defs": {"p/q": {"type": "object"}}, "$ref": "#/$defs/p~1q"}, "#/\\$defs/p~1q has none"),
+])
+def test_strict_json_schemas_are_refused_as_openai_refuses_them(schema, says):
+    from torchtpu_export.llm.grammar import format_of
+    strict = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
+    with pytest.raises(InputError, match=says):
+        format_of(strict)
+    assert format_of(dict(strict, json_schema=dict(strict["json_schema"], strict=False))) == ("json_schema", schema)
+    with pytest.raises(InputError, match="strict is a boolean"):
+        format_of(dict(strict, json_schema=dict(strict["json_schema"], strict="yes")))
+    ok = {"type": "object", "properties": {"a": {"type": ["string", "null"]}}, "required": ["a"],
+          "additionalProperties": False}
+    assert format_of(dict(strict, json_schema={"name": "s", "schema": ok, "strict": True})) == ("json_schema", ok)
+
+
 def _scans_jpeg(size: int, repeats: int) -> bytes:
     """A progressive JPEG whose smallest scan is repeated: a small file that decodes for seconds (each scan
     walks every block of the image), as a red team's 917 KB file of 26,000 scans did for a minute."""

@@ -523,6 +523,11 @@ def _response_format(body: dict, tools, tool_choice: str):
             spec = fmt.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
                 raise OpenAIError("response_format json_schema needs {name, schema: {...}}", param="response_format")
+            from ..llm.grammar import check_strict
+            try:
+                check_strict(spec)
+            except InputError as e:
+                raise OpenAIError(str(e), param="response_format") from None
             found.append(("json_schema", spec.get("schema", {})))
     for key, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                       ("guided_grammar", "grammar")):
