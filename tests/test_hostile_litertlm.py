@@ -33,7 +33,7 @@ def good(tmp_path_factory):
     parts = {s["type"]: litertlm.section_bytes(str(path), s) for s in litertlm.read_sections(str(path))}
     tokenizer = zlib.decompress(parts["HF_Tokenizer_Zlib"][8:])
     return {"path": path, "tflite": parts["TFLiteModel"], "tokenizer": tokenizer,
-            "metadata": parts["LlmMetadataProto"]}
+            "metadata": parts["LlmMetadataProto"], "bundle": bundle}
 
 
 # ---- making bundles: LiteRT-LM's container with any sections, items and header ------------------
@@ -209,6 +209,57 @@ def test_a_tokenizer_that_inflates_to_600_mb_is_refused_in_bounded_memory(good, 
                   f"(a good bundle's inspect: {baseline:.0f} MB)")
             assert peak < baseline + 4 * size_mb + MEMORY_BOUND_MB, (argv[0], peak, baseline)
             assert peak < baseline + 100, (argv[0], peak, baseline)  # it is never inflated
+
+
+def test_a_tokenizer_that_takes_gigabytes_to_load_is_refused_in_bounded_memory(good, tmp_path):
+    # 64 MiB of merges (20 million JSON values: ~3.5 GB in the tokenizers library) in 64 KB of zlib, within
+    # the JSON caps: its child process runs out of the memory a tokenizer may take, this one never loads it
+    j = json.loads(good["tokenizer"])
+    j["model"]["merges"] = ["MERGES"]
+    head, tail = json.dumps(j).encode().split(b'"MERGES"')
+    n = (litertlm.MAX_TOKENIZER - len(head) - len(tail)) // 10
+    text = head + b'["a","b"],' * (n - 1) + b'["a","b"]' + tail
+    bomb = _write(tmp_path / "bomb.litertlm", _sections(good, tokenizer=_zlib(text)))
+    size_mb = bomb.stat().st_size / 2 ** 20
+    _, baseline = _cli_peak_rss_mb("inspect", good["path"])
+    for argv in (("run", bomb, "--prompt", "hi"), ("inspect", bomb)):
+        r, peak = _cli_peak_rss_mb(*argv)
+        _one_message(r, 5, f"takes more than the {litertlm.TOKENIZER_MEMORY >> 20} MB a tokenizer may take")
+        print(f"{argv[0]} of a {size_mb:.1f} MB bundle whose tokenizer takes gigabytes: peak {peak:.0f} MB "
+              f"(a good bundle's inspect: {baseline:.0f} MB)")
+        assert peak < baseline + 4 * size_mb + MEMORY_BOUND_MB, (argv[0], peak, baseline)
+
+
+def test_a_bundle_with_a_real_vocabulary_is_written_loaded_and_run(tmp_path):
+    """262,144 tokens (a 32 MB tokenizer.json, as Gemma 3's) in a 20 MB bundle: the tokenizer's bound does not
+    shrink with the bundle (past 4 MiB + a sixteenth of the file it was refused as a zip bomb)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    tok = hf_llms.large_tokenizer(262_144)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=8, max_position_embeddings=64, vocab_size=len(tok), eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=True, initializer_range=0.2)).eval()
+    folder = hf_llms.save(model, tok, str(tmp_path / "hf"))
+    path = tmp_path / "vocab.litertlm"
+    tte.export_llm(folder, target="litertlm", prefill_lengths=(8,), cache_length=32).save(path)
+    size, text = path.stat().st_size, (tmp_path / "hf" / "tokenizer.json").stat().st_size
+    assert size < 24 << 20 and text > 30 << 20, (size, text)
+    assert tte.load(path).generate("hi", max_new_tokens=4).text
+    r = run_cli("run", path, "--prompt", "hi", "--max-new-tokens", "4")
+    assert r.returncode == 0 and "generated in" in r.stderr + r.stdout, r.stderr[-2000:]
+
+
+def test_a_bundle_load_would_refuse_is_never_written(good, tmp_path, monkeypatch):
+    exported = good["bundle"]
+    bundle = litertlm.LitertLmBundle(exported.edge, exported.tokenizer, exported.metadata)  # not packed yet
+    monkeypatch.setattr(litertlm, "MAX_TOKENIZER", 1000)  # its tokenizer past the bound
+    out = tmp_path / "out.litertlm"
+    with pytest.raises(tte.ArtifactError) as e:
+        bundle.save(out)
+    assert str(e.value).startswith(f"the bundle packed for {out} would be refused when loaded: {out}'s tokenizer")
+    assert "says it inflates to" in str(e.value)
+    assert not list(tmp_path.iterdir())  # nothing at the path, no temporary file left
 
 
 def test_a_bundle_without_llm_metadata_is_refused(good, tmp_path):

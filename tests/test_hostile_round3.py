@@ -527,6 +527,24 @@ def test_json_of_empty_objects_is_refused_in_bounded_memory(files, tmp_path):
         load_json(b"[" * 100 + b"]" * 100, "a blob")
 
 
+def test_json_shape_counts_outside_strings_a_chunk_at_a_time(monkeypatch):
+    from torchtpu_export import untrusted
+
+    def shape(value):  # (containers, depth) of a parsed value
+        if isinstance(value, (list, dict)):
+            inner = [shape(v) for v in (value.values() if isinstance(value, dict) else value)]
+            return 1 + sum(c for c, _ in inner), 1 + max((d for _, d in inner), default=0)
+        return 0, 0
+    # strings holding brackets, quotes and backslash runs of each parity, escaped or not
+    values = [["\\", "\"[{", {"a\\\"]": [[]], "}\\": ["\\\\", "[\\"]}], {"x": "é中😀]]", "y": [{}, [[[]]]]},
+              [[["\\" * k + '"' + "[" * k for k in range(6)]]]]
+    texts = [t for v in values for t in (json.dumps(v), json.dumps(v, ensure_ascii=False), json.dumps(v, indent=1))]
+    for chunk in (1, 2, 3, 5, 1 << 20):  # an escape or a string across the chunks' edges
+        monkeypatch.setattr(untrusted, "_JSON_CHUNK", chunk)
+        for text in texts:
+            assert untrusted.json_shape(text.encode()) == shape(json.loads(text)), (chunk, text)
+
+
 def test_tflite_metadata_has_a_size_cap(files, tmp_path):
     from ai_edge_litert import schema_py_generated as fb
     import flatbuffers

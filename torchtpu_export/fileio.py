@@ -118,8 +118,9 @@ def _check_not_special(path: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | os.PathLike, mode: str = "w+b"):
-    """Yields a file object; on success it replaces ``path``, on failure it vanishes."""
+def atomic_open(path: str | os.PathLike, mode: str = "w+b", verify=None):
+    """Yields a file object; on success it replaces ``path``, on failure it vanishes. ``verify(tmp_path)``, when
+    given, reads the written file before it takes ``path``'s place; whatever it raises leaves ``path`` as it was."""
     path = check_writable(path)
     directory, base = os.path.split(os.path.abspath(path))
     try:
@@ -130,6 +131,8 @@ def atomic_open(path: str | os.PathLike, mode: str = "w+b"):
         yield f
         f.flush()
         os.fsync(f.fileno())
+        if verify is not None:
+            verify(tmp)
 
 
 @contextlib.contextmanager

@@ -18,20 +18,44 @@ MAX_JSON_DEPTH = 64
 # Python holds a JSON container in ~60-250 bytes; one per 8 bytes of text keeps a blob's parsed
 # form within ~30x its size (a real manifest has one per ~40 bytes; `[{},{},...]` one per 3).
 _BYTES_PER_CONTAINER = 8
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_JSON_CHUNK = 1 << 20
 
 
 def json_shape(data: bytes) -> tuple[int, int]:
-    """(containers, depth) of JSON text, counted outside its strings without parsing it."""
-    bare = _STRING.sub(b"", data)
-    a = np.frombuffer(bare, np.uint8)
-    opens = (a == 0x7B) | (a == 0x5B)
-    closes = (a == 0x7D) | (a == 0x5D)
-    where = np.flatnonzero(opens | closes)
-    if not len(where):
-        return 0, 0
-    steps = np.where(opens[where], 1, -1).astype(np.int32)
-    return int(np.count_nonzero(opens)), int(np.cumsum(steps).max())
+    """(containers, depth) of JSON text, counted outside its strings without parsing it: a megabyte at a
+    time, in a few megabytes of memory whatever its size."""
+    a = np.frombuffer(data, np.uint8)
+    containers, depth, level, inside, start = 0, None, 0, 0, 0
+    while start < len(a):
+        end = min(start + _JSON_CHUNK, len(a))
+        while end < len(a) and a[end - 1] == 0x5C:  # an escape never straddles two chunks
+            end += 1
+        c = a[start:end]
+        quotes = _unescaped(c, np.flatnonzero(c == 0x22))
+        brackets = np.flatnonzero((c == 0x7B) | (c == 0x5B) | (c == 0x7D) | (c == 0x5D))
+        brackets = brackets[(np.searchsorted(quotes, brackets) + inside) % 2 == 0]  # outside strings
+        if len(brackets):
+            opens = (c[brackets] == 0x7B) | (c[brackets] == 0x5B)
+            steps = np.where(opens, 1, -1).astype(np.int64)
+            top = level + int(np.cumsum(steps).max())
+            depth = top if depth is None else max(depth, top)
+            containers += int(np.count_nonzero(opens))
+            level += int(steps.sum())
+        inside = (inside + len(quotes)) % 2
+        start = end
+    return containers, 0 if depth is None else depth
+
+
+def _unescaped(c: np.ndarray, quotes: np.ndarray) -> np.ndarray:
+    """The ``quotes`` (positions in ``c``) that open or close a string: those after no odd run of backslashes."""
+    slashes = np.flatnonzero(c == 0x5C)
+    if not len(slashes) or not len(quotes):
+        return quotes
+    breaks = np.flatnonzero(np.diff(slashes) != 1)
+    firsts = np.concatenate((slashes[:1], slashes[breaks + 1]))
+    lasts = np.concatenate((slashes[breaks], slashes[-1:]))
+    escaped = lasts[(lasts - firsts) % 2 == 0] + 1  # a run of odd length escapes the character after it
+    return quotes[~np.isin(quotes, escaped)]
 
 
 def load_json(data, what: str, *, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH,
@@ -40,6 +64,16 @@ def load_json(data, what: str, *, max_bytes: int = MAX_JSON_BYTES, max_depth: in
     if isinstance(data, str):
         data = data.encode("utf-8", "surrogatepass")
     data = bytes(data)
+    check_json(data, what, max_bytes=max_bytes, max_depth=max_depth, error=error)
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise error(f"{what} is not valid JSON ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+def check_json(data: bytes, what: str, *, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH,
+               error=ArtifactError) -> None:
+    """:func:`load_json`'s caps on JSON text (size, container count, nesting), without parsing it."""
     if len(data) > max_bytes:
         raise error(f"{what} is {len(data):,} bytes of JSON (at most {max_bytes:,} are read)")
     containers, depth = json_shape(data)
@@ -48,10 +82,6 @@ def load_json(data, what: str, *, max_bytes: int = MAX_JSON_BYTES, max_depth: in
     if containers > len(data) // _BYTES_PER_CONTAINER + 4096:
         raise error(f"{what} holds {containers:,} JSON objects and lists in {len(data):,} bytes, "
                     "far more than any real one (it would take gigabytes to parse)")
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise error(f"{what} is not valid JSON ({type(e).__name__}: {str(e)[:120]})") from None
 
 
 def read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, what: str, *, max_bytes: int,

@@ -87,8 +87,19 @@ class LitertLmBundle(Runnable):
                 while chunk := src.read(1 << 24):
                     f.write(chunk)
             return
-        with tempfile.TemporaryDirectory(prefix="tte-litertlm-") as tmp, atomic_open(path) as f:
+        with tempfile.TemporaryDirectory(prefix="tte-litertlm-") as tmp, \
+                atomic_open(path, verify=functools.partial(self._verify, path)) as f:
             pack(self._edge, self.tokenizer, self.metadata, tmp, f, self.parts, self.vision)
+
+    def _verify(self, path: str, written: str) -> None:
+        """The checks ``run`` and ``tte.load`` make (:func:`check`) of the bundle packed for ``path``, before it
+        takes ``path``'s place: an export never writes a bundle they would refuse."""
+        try:
+            checked = check(written)
+        except ArtifactError as e:
+            raise ArtifactError(f"the bundle packed for {path} would be refused when loaded: "
+                                f"{str(e).replace(written, path)}", hint=e.hint) from None
+        self._checked = dataclasses.replace(checked, path=path)
 
     def save_adapter(self, path) -> None:
         """Writes the LoRA adapter ``export_llm(lora=PEFT_DIR)`` converted, as LiteRT-LM loads it
@@ -490,18 +501,18 @@ def reads(sections: list[dict]) -> dict:
 
 # ---- what LiteRT-LM reads, checked before it does ----------------------------------------------
 
-MAX_TOKENIZER_JSON = 64 << 20  # Gemma 3's tokenizer.json, the largest in use, is 33 MB
+# A bundle's tokenizer, whatever the bundle's size: at most this many bytes (inflated; Gemma 3's tokenizer.json,
+# the largest in use, is 33 MB, its tokenizer.model 4.7 MB), loaded first by its library in a child process with
+# at most this much address space past its start (a real tokenizer takes ~10x its JSON: 318 MB for a 32 MB,
+# 262k-token one) and this long, then here, where the same bytes take what they took there
+MAX_TOKENIZER = 64 << 20
+TOKENIZER_MEMORY = 1 << 30
+TOKENIZER_SECONDS = 120
 MAX_METADATA = 64 << 20
 MAX_NUM_TOKENS = 1 << 24  # when the model's cache length cannot be read
 # Text that exercises a tokenizer's unknown-token path, byte fallback and pre-tokenizers; LiteRT-LM's
 # tokenizer (a Rust library behind a C API) aborts the process on any error these would raise.
 PROBE = "Hello, world! 0123 héllo wörld ﬁ 中文 日本語 한국어 😀 \t\n  \U000f0000 \x00 <|x|>"
-
-
-def tokenizer_json_cap(file_size: int) -> int:
-    """The most bytes a bundle of ``file_size`` bytes may inflate its tokenizer to: checking and running a
-    tokenizer takes ~30x its JSON, which must fit in what the README promises (4x the file + 300 MB)."""
-    return min(MAX_TOKENIZER_JSON, (4 << 20) + file_size // 16)
 
 
 @dataclasses.dataclass
@@ -549,9 +560,9 @@ class Checked:
 
 def check(path: str) -> Checked:
     """Every section LiteRT-LM will read, checked before it reads it: the header (as its C++ follows it),
-    the tokenizer (inflated within a bound, parsed, loaded and run on a probe by ``tokenizers``), the
-    LlmMetadata (present, token ids inside the vocabulary, fields in range) and each TFLite model
-    (litert_format's validator). ArtifactError (exit 5) names the first problem."""
+    the tokenizer (inflated within a bound, loaded and run on a probe by its library in a child process
+    first), the LlmMetadata (present, token ids inside the vocabulary, fields in range) and each TFLite
+    model (litert_format's validator). ArtifactError (exit 5) names the first problem."""
     path = os.fspath(path)
     sections = read_sections(path)
     found = reads(sections)
@@ -563,15 +574,14 @@ def check(path: str) -> Checked:
         if s["end"] == s["begin"]:
             raise ArtifactError(f"{path}: its {s['type']} section (section {s['index']}) is empty")
     tok = found["tokenizer"]
-    size = os.path.getsize(path)
     msg = _parse_metadata(path, found["metadata"])
     for s in sections:
         if s["code"] == _EXECUTOR_METADATA:
             _parse_executor_metadata(path, s)
     if tok["code"] == _SP:
-        tokenizer, text_bytes = _sp_tokenizer(path, tok, size, msg.jinja_prompt_template)
+        tokenizer, text_bytes = _sp_tokenizer(path, tok, msg.jinja_prompt_template)
     else:
-        tokenizer, text_bytes = _hf_tokenizer(path, tok, size)
+        tokenizer, text_bytes = _hf_tokenizer(path, tok, msg.jinja_prompt_template)
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     context, model_info = _tflite_models(path, found)
     problem = _metadata_problem(msg, tokenizer, vocab, context)
@@ -623,19 +633,19 @@ def _encode(tokenizer, text: str, what: str) -> list[int]:
         raise ArtifactError(f"{what} fails on text ({_said(e)}); LiteRT-LM would abort on it") from None
 
 
-def _hf_tokenizer(path: str, section: dict, file_size: int):
-    """The HF_Tokenizer_Zlib section (a u64 size, then zlib) inflated no further than it may go, parsed
-    within load_json's caps, loaded by ``tokenizers`` and run both ways."""
+def _hf_tokenizer(path: str, section: dict, template: str):
+    """The HF_Tokenizer_Zlib section (a u64 size, then zlib) inflated no further than it may go, within
+    load_json's caps, loaded by ``tokenizers`` and run both ways and on the probe and the chat template's text
+    in a child process (:func:`_in_child`), then loaded here."""
     what = f"{path}'s tokenizer (section {section['index']})"
-    cap = tokenizer_json_cap(file_size)
-    data = section_bytes(path, section, limit=cap + (1 << 20))  # zlib never grows text by that much
+    data = section_bytes(path, section, limit=MAX_TOKENIZER + (1 << 20))  # zlib never grows text by that much
     if len(data) <= 8:
         raise ArtifactError(f"{what} is {len(data)} bytes, too short for its size and zlib data")
     declared = int.from_bytes(data[:8], "little")
-    if declared > cap:
-        raise ArtifactError(f"{what} says it inflates to {declared:,} bytes; a bundle of {file_size:,} bytes may "
-                            f"hold at most {cap:,}", hint="a tokenizer that large is a zip bomb or belongs to a "
-                                                          "model far larger than this file")
+    if declared > MAX_TOKENIZER:
+        raise ArtifactError(f"{what} says it inflates to {declared:,} bytes; a bundle's tokenizer may take at most "
+                            f"{MAX_TOKENIZER:,}", hint="Gemma 3's tokenizer.json, the largest in use, is 33 MB: "
+                                                       "one that large is a zip bomb")
     inflater = zlib.decompressobj()
     try:
         text = inflater.decompress(memoryview(data)[8:], declared + 1)  # never past what it declares
@@ -650,21 +660,27 @@ def _hf_tokenizer(path: str, section: dict, file_size: int):
         raise ArtifactError(f"{what} inflates to {len(text):,} bytes, not the {declared:,} it declares"
                             if len(text) != declared else f"{what} has bytes after its zlib stream")
     del data
-    from ...untrusted import load_json
-    if not isinstance(load_json(text, what, max_bytes=cap), dict):
-        raise ArtifactError(f"{what} is JSON but not a tokenizer (not an object)")
+    from ...untrusted import check_json
+    check_json(text, what, max_bytes=MAX_TOKENIZER)
     try:
         import tokenizers
     except ImportError as e:
         raise InputError("checking a .litertlm's tokenizer needs the tokenizers package: "
                          "pip install 'torchtpu-export[litertlm]'") from e
+    kind, said = _in_child(_HF_CHECK, text, template, what, "the tokenizers library")
+    if kind == "json":
+        raise ArtifactError(f"{what} is not valid JSON ({said})")
+    if kind == "object":
+        raise ArtifactError(f"{what} is JSON but not a tokenizer (not an object)")
+    if kind == "encode":
+        raise ArtifactError(f"{what} fails on text ({said}); LiteRT-LM would abort on it")
+    if kind != "ok":
+        raise ArtifactError(f"{what} does not load as a Hugging Face tokenizer ({said}); LiteRT-LM would "
+                            "abort on it")
     try:
-        json_text = text.decode("utf-8")
         with _rust_quiet():
-            tokenizer = tokenizers.Tokenizer.from_str(json_text)
-            tokenizer.decode(list(range(tokenizer.get_vocab_size(with_added_tokens=True))),
-                             skip_special_tokens=False)
-    except BaseException as e:
+            tokenizer = tokenizers.Tokenizer.from_buffer(text)
+    except BaseException as e:  # it loaded in the child
         if not (isinstance(e, Exception) or _panic(e)):
             raise
         raise ArtifactError(f"{what} does not load as a Hugging Face tokenizer ({_said(e)}); LiteRT-LM would "
@@ -672,20 +688,91 @@ def _hf_tokenizer(path: str, section: dict, file_size: int):
     return tokenizer, declared
 
 
-# LiteRT-LM loads a SentencePiece tokenizer with SentencePiece's C++ library, which trusts the model's
-# protobuf: it is loaded and run on the probe by the same library in a child process first, whose crash
-# costs nothing
-_SP_CHECK = """
-import struct, sys
-import sentencepiece
-data = sys.stdin.buffer.read()
-(n,) = struct.unpack_from("<Q", data)
-sp = sentencepiece.SentencePieceProcessor()
-sp.LoadFromSerializedProto(data[8:8 + n])
-sp.EncodeAsIds(data[8 + n:].decode("utf-8", "replace"))
-sp.DecodeIds(list(range(sp.GetPieceSize())))
-print("ok", sp.GetPieceSize())
+# LiteRT-LM's tokenizers (the tokenizers library's Rust behind a C API, SentencePiece's C++, which trusts the
+# model's protobuf) abort the process on what they cannot load; they may also take gigabytes or minutes on a
+# crafted one. So a bundle's tokenizer is loaded and run first by the same library in a child process
+# (``python -I``: the library alone) under TOKENIZER_MEMORY of address space and TOKENIZER_SECONDS, whose crash
+# costs nothing. It reads a u64 size, the tokenizer and the text to encode from its stdin, its address-space
+# limit from argv, and prints "ok", or what failed and why, on its last line.
+_LIMITED = """
+import resource, struct, sys
+try:
+    with open("/proc/self/statm") as f:
+        size = int(f.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (size + int(sys.argv[1]),) * 2)
+except (OSError, ValueError):  # no /proc: only the time limit
+    pass
+stdin = sys.stdin.buffer
+(n,) = struct.unpack("<Q", stdin.read(8))
+data = stdin.read(n)
+probe = stdin.read().decode("utf-8", "replace")
+
+def said(e):
+    return " ".join(f"{type(e).__name__}: {str(e)[:200]}".split())
 """
+
+_HF_CHECK = "import json\nimport tokenizers\n" + _LIMITED + """
+try:
+    tok = tokenizers.Tokenizer.from_buffer(data)
+    tok.decode(list(range(tok.get_vocab_size(with_added_tokens=True))), skip_special_tokens=False)
+except BaseException as e:  # a Rust panic is a BaseException
+    try:  # the JSON's fault, or the tokenizer's?
+        kind = "load" if isinstance(json.loads(data), dict) else "object"
+    except (ValueError, RecursionError) as bad:
+        kind, e = "json", bad
+    except MemoryError:
+        kind = "load"
+    print(kind, said(e))
+    sys.exit()
+try:
+    tok.encode(probe, add_special_tokens=False)
+except BaseException as e:
+    print("encode", said(e))
+    sys.exit()
+print("ok")
+"""
+
+_SP_CHECK = "import sentencepiece\n" + _LIMITED + """
+try:
+    sp = sentencepiece.SentencePieceProcessor()
+    sp.LoadFromSerializedProto(data)
+    sp.EncodeAsIds(probe)
+    sp.DecodeIds(list(range(sp.GetPieceSize())))
+except BaseException as e:
+    print("load", said(e))
+    sys.exit()
+print("ok")
+"""
+
+
+def _in_child(script: str, data: bytes, template: str, what: str, library: str) -> tuple[str, str]:
+    """``(kind, why)``: what ``script`` said of the tokenizer ``data`` run on the probe and ``template`` in a
+    child process ("ok"; else what failed, and why, printable); ArtifactError where it crashed or ran out of
+    time."""
+    import signal
+    import subprocess
+    from ...untrusted import printable
+    probe = (PROBE + template[:1 << 20]).encode("utf-8", "replace")
+    try:
+        r = subprocess.run([sys.executable, "-I", "-c", script, str(TOKENIZER_MEMORY)],
+                           input=struct.pack("<Q", len(data)) + data + probe, capture_output=True,
+                           timeout=TOKENIZER_SECONDS)
+    except subprocess.TimeoutExpired:
+        raise ArtifactError(f"{what} takes longer than {TOKENIZER_SECONDS} s to load and run") from None
+    lines = r.stdout.decode("utf-8", "replace").strip().splitlines()
+    kind, _, why = lines[-1].partition(" ") if r.returncode == 0 and lines else ("crash", "", "")
+    # past the limit: Python's MemoryError, Rust's and C++'s allocation failures (they abort)
+    if kind != "ok" and (why.startswith("MemoryError") or b"memory allocation of" in r.stderr
+                         or b"std::bad_alloc" in r.stderr):
+        raise ArtifactError(f"{what} takes more than the {TOKENIZER_MEMORY >> 20} MB a tokenizer may take to load "
+                            "and run", hint="a real one takes ~10x its JSON")
+    if kind == "crash":
+        try:
+            how = signal.Signals(-r.returncode).name if r.returncode < 0 else f"exit {r.returncode}"
+        except ValueError:
+            how = f"signal {-r.returncode}"
+        why = f"{library} crashes on it ({how})"
+    return kind, printable(why)
 
 
 class _SentencePiece:
@@ -704,30 +791,19 @@ class _SentencePiece:
         return types.SimpleNamespace(ids=self.sp.EncodeAsIds(text))
 
 
-def _sp_tokenizer(path: str, section: dict, file_size: int, template: str):
+def _sp_tokenizer(path: str, section: dict, template: str):
     """The SP_Tokenizer section (a SentencePiece ModelProto), loaded and run on the probe and the chat
-    template's text by SentencePiece in a child process, then here."""
-    import subprocess
+    template's text by SentencePiece in a child process (:func:`_in_child`), then here."""
     what = f"{path}'s tokenizer (section {section['index']}, SentencePiece)"
-    data = section_bytes(path, section, limit=tokenizer_json_cap(file_size))
+    data = section_bytes(path, section, limit=MAX_TOKENIZER)
     try:
         import sentencepiece
     except ImportError as e:
         raise InputError("checking a .litertlm's SentencePiece tokenizer needs the sentencepiece package: "
                          "pip install 'torchtpu-export[litertlm]'") from e
-    probe = (PROBE + template[:1 << 20]).encode("utf-8", "replace")
-    try:
-        r = subprocess.run([sys.executable, "-I", "-c", _SP_CHECK], input=struct.pack("<Q", len(data)) + data + probe,
-                           capture_output=True, timeout=120)
-    except subprocess.TimeoutExpired:
-        raise ArtifactError(f"{what} takes longer than 120 s to load and run") from None
-    if r.returncode != 0 or not r.stdout.startswith(b"ok"):
-        said = r.stderr.decode(errors="replace").strip().splitlines()
-        why = f"SentencePiece crashes on it (signal {-r.returncode})" if r.returncode < 0 else \
-            (said[-1][:200] if said else f"exit {r.returncode}")
-        from ...untrusted import printable
-        raise ArtifactError(f"{what} does not load as a SentencePiece model ({printable(why)}); LiteRT-LM "
-                            "would abort on it") from None
+    kind, why = _in_child(_SP_CHECK, data, template, what, "SentencePiece")
+    if kind != "ok":
+        raise ArtifactError(f"{what} does not load as a SentencePiece model ({why}); LiteRT-LM would abort on it")
     processor = sentencepiece.SentencePieceProcessor()
     processor.LoadFromSerializedProto(data)
     return _SentencePiece(processor), len(data)
