@@ -119,7 +119,7 @@ def test_run_with_an_image_and_bad_images(vlm, tmp_path):
     assert r.returncode == 0 and "generated in" in r.stderr + r.stdout, r.stderr
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40)
-    for image, says in ((tmp_path / "none.png", "cannot read the image"), (bad, "is not an image that can be read")):
+    for image, says in ((tmp_path / "none.png", "none.png (--image): No such file"), (bad, "is not an image that can be read")):
         r = run_cli("run", out, "--prompt", PROMPT, "--image", image)
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = run_cli("run", out, "--image", images[0])

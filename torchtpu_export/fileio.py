@@ -66,7 +66,7 @@ def read_regular(path: str | os.PathLike, what: str, max_bytes: int, *, follow_l
     one that grows past it while read, is InputError naming ``what``."""
     with open_regular(path, what, follow_links=follow_links) as (f, size):
         if size > max_bytes:
-            raise InputError(f"{what} is {size:,} bytes, more than {max_bytes:,} bytes (no real one is that large)")
+            raise InputError(f"{what} is {size:,} bytes, more than any real one (at most {max_bytes:,} are read)")
         try:
             data = f.read(max_bytes + 1)
         except OSError as e:
