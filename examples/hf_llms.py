@@ -20,6 +20,96 @@ SPECIALS = ["<pad>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>"]
 # Llama 3's and Gemma's templates do (LiteRT-LM puts the start token first itself, and renders bos_token empty)
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Chat templates written the ways public ones are (the constructs, not their text). Llama 3's way: the template writes the BOS, defaults tools to none and tests `is not none`, puts the date in,
+# folds the system message into its header, and writes tools as indented JSON
+HEADERS = (
+    "{{- bos_token }}\n"
+    "{%- if not tools is defined %}\n    {%- set tools = none %}\n{%- endif %}\n"
+    "{%- if not date_string is defined %}\n"
+    "    {%- set date_string = strftime_now('%d %b %Y') if strftime_now is defined else '26 Jul 2024' %}\n"
+    "{%- endif %}\n"
+    "{%- if messages[0]['role'] == 'system' %}\n    {%- set system_message = messages[0]['content'] | trim %}\n"
+    "    {%- set messages = messages[1:] %}\n{%- else %}\n    {%- set system_message = '' %}\n{%- endif %}\n"
+    "{{- '<|im_start|>system\\n' }}\n"
+    "{%- if tools is not none %}\n    {{- 'Environment: tools\\n' }}\n{%- endif %}\n"
+    "{{- 'Today: ' + date_string + '\\n\\n' }}\n"
+    "{%- if tools is not none %}\n    {{- 'Call a function as JSON:\\n' }}\n"
+    "    {%- for t in tools %}\n        {{- t | tojson(indent=4) }}\n        {{- '\\n\\n' }}\n    {%- endfor %}\n"
+    "{%- endif %}\n"
+    "{{- system_message }}\n{{- '<|im_end|>' }}\n"
+    "{%- for message in messages %}\n"
+    "    {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|im_end|>' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n")
+
+# Mistral's way: roles must alternate (raise_exception), the system prompt goes into the last user turn, tools
+# only where they are given (`is not none`), the EOS after each assistant turn
+ALTERNATING = (
+    "{%- if messages[0]['role'] == 'system' %}\n    {%- set system_message = messages[0]['content'] %}\n"
+    "    {%- set loop_messages = messages[1:] %}\n{%- else %}\n    {%- set loop_messages = messages %}\n{%- endif %}\n"
+    "{%- if not tools is defined %}\n    {%- set tools = none %}\n{%- endif %}\n"
+    "{{- bos_token }}\n"
+    "{%- for message in loop_messages %}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}\n"
+    "        {{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}\n"
+    "    {%- endif %}\n"
+    "    {%- if message['role'] == 'user' %}\n"
+    "        {%- if tools is not none and loop.last %}\n"
+    "            {{- '[TOOLS]' + tools | tojson + '[/TOOLS]' }}\n        {%- endif %}\n"
+    "        {%- if loop.last and system_message is defined %}\n"
+    "            {{- '[INST]' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}\n"
+    "        {%- else %}\n            {{- '[INST]' + message['content'] + '[/INST]' }}\n        {%- endif %}\n"
+    "    {%- elif message['role'] == 'assistant' %}\n        {{- message['content'] + eos_token }}\n"
+    "    {%- else %}\n        {{- raise_exception('Only user and assistant roles are supported!') }}\n"
+    "    {%- endif %}\n{%- endfor %}\n")
+
+# Phi's way: no BOS written (the tokenizer's post-processor adds one to plain text; a chat has none)
+NO_BOS = ("{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+
+# Gemma's way: .get() on messages, role names mapped, the system prompt folded into the first user turn,
+# content as a string or as parts
+GETS = (
+    "{{ bos_token }}"
+    "{%- set first = messages[0] -%}"
+    "{%- if first.get('role') == 'system' -%}{%- set prefix = first.get('content', '') + '\\n\\n' -%}"
+    "{%- set messages = messages[1:] -%}{%- else -%}{%- set prefix = '' -%}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- set role = {'assistant': 'model'}.get(message.get('role'), message.get('role')) -%}"
+    "<start_of_turn>{{ role }}\n{{ prefix if loop.first else '' }}"
+    "{%- if message.get('content') is string -%}{{ message.get('content') | trim }}"
+    "{%- else -%}{%- for part in message.get('content', []) -%}{%- if part.get('type') == 'text' -%}"
+    "{{ part.get('text') | trim }}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "<end_of_turn>\n{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<start_of_turn>model\n{%- endif -%}")
+
+# Qwen 3's way: a namespace walking the history backwards, string methods on contents, tools in the system turn
+METHODS = (
+    "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n"
+    "    {%- if messages[0].role == 'system' %}\n        {{- messages[0].content + '\\n\\n' }}\n    {%- endif %}\n"
+    "    {{- '# Tools\\n<tools>' }}\n    {%- for tool in tools %}\n        {{- '\\n' }}\n"
+    "        {{- tool | tojson }}\n    {%- endfor %}\n    {{- '\\n</tools><|im_end|>\\n' }}\n"
+    "{%- elif messages[0].role == 'system' %}\n    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- set ns = namespace(last_query=messages | length - 1) %}\n"
+    "{%- for message in messages[::-1] %}\n    {%- set index = (messages | length - 1) - loop.index0 %}\n"
+    "    {%- if message.role == 'user' and not message.content.startswith('<tool_response>') %}\n"
+    "        {%- set ns.last_query = index %}\n    {%- endif %}\n{%- endfor %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}\n"
+    "    {%- elif message.role == 'assistant' %}\n"
+    "        {%- set content = message.content.split('</think>')[-1].lstrip('\\n') %}\n"
+    "        {{- '<|im_start|>assistant\\n' + content.strip() + '<|im_end|>\\n' }}\n"
+    "    {%- endif %}\n{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n")
+
+STYLE_TEMPLATES = {"headers": HEADERS, "alternating": ALTERNATING, "no_bos": NO_BOS, "gets": GETS,
+                   "methods": METHODS}
+# the style of each family's published template
+FAMILY_TEMPLATES = {"llama": HEADERS, "mistral": ALTERNATING, "phi3": NO_BOS, "gemma3": GETS, "qwen3": METHODS,
+                    "qwen2": METHODS}
+
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2)
 
@@ -207,9 +297,13 @@ def save(model, tok, path: str) -> str:
     return path
 
 
-def save_folder(name: str, path: str, seed: int = 0) -> str:
-    """Writes architecture ``name`` as a Hugging Face model folder at ``path``."""
-    return save(*build(name, seed), path)
+def save_folder(name: str, path: str, seed: int = 0, chat_template: str | None = None) -> str:
+    """Writes architecture ``name`` as a Hugging Face model folder at ``path`` (with ``chat_template`` in place of
+    the ChatML one)."""
+    model, tok = build(name, seed)
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    return save(model, tok, path)
 
 
 if __name__ == "__main__":

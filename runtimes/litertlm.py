@@ -118,9 +118,11 @@ def _litert_lm():
 class LitertLmEngine:
     """A LiteRT-LM engine over one bundle file (CPU backend)."""
 
-    def __init__(self, path: str, threads: int | None = None, vision: bool = False):
+    def __init__(self, path: str, threads: int | None = None, vision: bool = False, raw_bos: str = ""):
         lm = _litert_lm()
         self.path = os.fspath(path)
+        # a raw prompt's BOS text, where the bundle has no start token (its chat template writes the chat's)
+        self.raw_bos = raw_bos
         # a VLM's bundle: its image encoder runs on the CPU backend too
         extra = dict(vision_backend=lm.Backend.CPU(thread_count=threads), max_num_images=MAX_IMAGES) if vision else {}
         try:
@@ -154,7 +156,7 @@ class LitertLmEngine:
                 return self._converse(lm, prompt, sampler, max_new_tokens, chat, constraint, (), adapter)
             with self.engine.create_session(apply_prompt_template=False, sampler_config=sampler,
                                             max_output_tokens=max_new_tokens, **adapter) as session:
-                session.run_prefill([prompt])
+                session.run_prefill([self.raw_bos, prompt] if self.raw_bos else [prompt])
                 # streamed: the text of a whole reply comes through a C string, cut at its first NUL character
                 # (a byte-level token can be one); a chunk's is cut alone (that character is left out)
                 return "".join(r.texts[0] for r in session.run_decode_async() if r.texts)
@@ -182,7 +184,7 @@ class LitertLmEngine:
         :data:`RAW_TEMPLATE`; constrained to ``constraint`` by llguidance."""
         options = dict(sampler_config=sampler, max_output_tokens=max_new_tokens, **(adapter or {}))
         if not chat:
-            options["chat_template"] = RAW_TEMPLATE
+            options["chat_template"] = ("{{ %s }}" % json.dumps(self.raw_bos) if self.raw_bos else "") + RAW_TEMPLATE
         if constraint is not None:
             options["constrained_decoding_config"] = lm.ConstrainedDecodingConfig(
                 enable=True, provider=lm.LiteRtLmConstraintProviderType.LL_GUIDANCE)
@@ -211,6 +213,28 @@ class LitertLmEngine:
         except RuntimeError:
             return False
 
+    def conversation_ids(self, messages: list, tools: list | None = None) -> list[int]:
+        """The token ids LiteRT-LM prefills when ``messages[-1]`` is sent in a conversation whose history is
+        ``messages[:-1]`` (with ``tools``, OpenAI's function dicts): the bundle's chat template rendered by its
+        engine, then tokenized as its session does (the metadata's start token first, and a rendered text
+        starting with its spelling tokenized after it)."""
+        lm = _litert_lm()
+        options = {}
+        if tools:
+            options.update(tools=[_tool(lm, t) for t in tools], automatic_tool_calling=False)
+        with self.engine.create_conversation(messages=list(messages[:-1]), **options) as conv:
+            text = conv.render_message_to_string(messages[-1])
+        if not text:  # LiteRT-LM says why only in its log
+            raise RuntimeError("LiteRT-LM's engine failed to render the chat template (its log says why: -vv)")
+        ids, bos = [], self.engine.bos_token_id
+        if bos is not None:
+            ids.append(bos)
+            spelled = self.engine.detokenize([bos])
+            if spelled and text.startswith(spelled):
+                text = text[len(spelled):]
+                ids.append(bos)
+        return ids + list(self.engine.tokenize(text))
+
     def tokenize(self, text: str) -> list[int]:
         return list(self.engine.tokenize(text))
 
@@ -231,6 +255,17 @@ def check_image(path) -> str:
     path = os.fspath(path)
     open_image(path, path).close()
     return path
+
+
+def _tool(lm, description: dict):
+    """An OpenAI function dict as LiteRT-LM's conversation takes a tool (never run: its calls come back)."""
+    class Tool(lm.interfaces.Tool):
+        def get_tool_description(self):
+            return description
+
+        def execute(self, param):
+            raise RuntimeError("tools are not run here")
+    return Tool()
 
 
 def _parts(message) -> list:

@@ -337,10 +337,11 @@ def test_sections_litert_lm_does_not_read_are_listed_not_checked(good, tmp_path)
 
 
 METADATA = {  # what LiteRT-LM aborts on, fails on later, or runs with tokens past the embedding
-    "a start token outside the vocabulary": (lambda m: m.start_token.token_ids.ids.__setitem__(0, 100_000),
+    # (the good bundle has none: its chat template writes the BOS, as transformers renders it)
+    "a start token outside the vocabulary": (lambda m: m.start_token.token_ids.ids.append(100_000),
                                              "start_token.token_ids holds token 100000"),
-    "a negative start token": (lambda m: m.start_token.token_ids.ids.__setitem__(0, -5), "token -5"),
-    "an empty start token (LiteRT-LM aborts)": (lambda m: m.start_token.token_ids.ClearField("ids"),
+    "a negative start token": (lambda m: m.start_token.token_ids.ids.append(-5), "token -5"),
+    "an empty start token (LiteRT-LM aborts)": (lambda m: m.start_token.token_ids.SetInParent(),
                                                 "start_token is empty"),
     "no stop token": (lambda m: m.ClearField("stop_tokens"), "no stop token"),
     "a stop token outside the vocabulary": (lambda m: m.stop_tokens[0].token_ids.ids.__setitem__(0, 320),
@@ -440,4 +441,5 @@ def test_the_good_bundle_still_generates_and_says_what_runs(good):
     r = run_cli("run", good["path"], "--prompt", "hi", "--chat", "--max-new-tokens", "4")
     assert r.returncode == 0, r.stderr
     checked = litertlm.check(str(good["path"]))
-    assert (checked.context, checked.vocab, checked.start_tokens) == (32, 320, 1)
+    # no start token: the template writes the chat's BOS, and a raw prompt is prefilled after the tokenizer's
+    assert (checked.context, checked.vocab, checked.start_tokens, checked.raw_bos) == (32, 320, 0, "<bos>")

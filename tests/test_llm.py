@@ -25,7 +25,8 @@ LONG = "hello world, this is a tiny language model and tokens are made locally f
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("llms")
-    return {arch: hf_llms.save_folder(arch, str(root / arch)) for arch in hf_llms.MODELS}
+    return {arch: hf_llms.save_folder(arch, str(root / arch), chat_template=hf_llms.FAMILY_TEMPLATES.get(arch))
+            for arch in hf_llms.MODELS}
 
 
 def _reference(folder, prompt: str, chat: bool) -> str:
@@ -52,6 +53,8 @@ def test_bundle_runs_in_litert_lm_and_equals_transformers(arch, folders, tmp_pat
                 "-o", out)
     assert r.returncode == 0, r.stderr
     assert "signatures prefill_8, prefill_32, decode" in r.stdout
+    # the family's template style: its probe chats give transformers' ids in LiteRT-LM's conversation API
+    assert "probe conversations rendered by LiteRT-LM's conversation API give transformers'" in r.stdout, r.stdout
     bundle = tte.load(out)
     assert bundle.signatures == ["prefill_8", "prefill_32", "decode"]
     io = {s.name: s for s in bundle.inputs("decode")}

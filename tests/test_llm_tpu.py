@@ -153,14 +153,24 @@ def test_every_dense_family_gives_transformers_tokens_over_64_steps(arch, tmp_pa
     """Each dense family of examples/hf_llms.py, its folder exported through the CLI to the tpu target (its
     cpu program, one slot: the family's tokens; batches: test_serving): TpuProgram.generate's greedy tokens
     equal transformers' over 64 steps, the prompt longer than the shorter prefill chunk."""
-    from conftest import export_folder
+    from conftest import run_cli_many
     model, tok = hf_llms.build(arch)
-    ids = tok(PROMPT)["input_ids"]
-    with torch.no_grad():
-        want = model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, pad_token_id=0)
-    want = want[0, len(ids):].tolist()
-    want = want[:want.index(2)] if 2 in want else want
+    tok.chat_template = hf_llms.FAMILY_TEMPLATES.get(arch, tok.chat_template)  # the family's template style
+    chat = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                   return_dict=True)["input_ids"]
+    wants = []
+    for ids in (tok(PROMPT)["input_ids"], chat):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, pad_token_id=0)
+        want = want[0, len(ids):].tolist()
+        wants.append(want[:want.index(2)] if 2 in want else want)
     out = tmp_path / f"{arch}.tpu"
-    export_folder(model, tok, tmp_path / arch, ["--target", "tpu", "--platforms", "cpu", "--batch-size", "1",
-                                                "--prefill-lengths", "8,32", "--cache-length", "128", "-o", out])
-    assert tte.load(out).generate(ids, 64).ids == want
+    model.save_pretrained(tmp_path / arch)
+    tok.save_pretrained(tmp_path / arch)
+    r, = run_cli_many([[tmp_path / arch, "--target", "tpu", "--platforms", "cpu", "--batch-size", "1",
+                        "--prefill-lengths", "8,32", "--cache-length", "192", "-o", out]])
+    assert r.returncode == 0 and "checked against transformers on a probe prompt" in r.stdout, r.stderr
+    assert "probe conversations rendered by the server's text workers give transformers'" in r.stdout, r.stdout
+    program = tte.load(out)
+    assert program.generate(tok(PROMPT)["input_ids"], 64).ids == wants[0]
+    assert program.generate(PROMPT, 64, chat=True).ids == wants[1]  # run --chat's way: the template, the text worker

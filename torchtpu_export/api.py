@@ -228,7 +228,8 @@ def default_cache_length(config) -> int:
 def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefill_lengths: Sequence[int] = (128,),
                cache_length: int | None = None, quant_config=None, batch_size: int | None = None,
                abstract_weights: bool = False, kv_pages: int | str | None = None, page_size: int = 16,
-               check: bool = True, lora=None, batch_buckets: Sequence[int] | None = None, **options):
+               check: bool = True, lora=None, batch_buckets: Sequence[int] | None = None,
+               chat_template: str | None = None, **options):
     """Exports a causal LM's prefill (one signature per length, ``prefill_<N>``) and ``decode`` steps.
 
     ``model_or_path``: a local Hugging Face folder (config.json, safetensors weights, tokenizer.json),
@@ -266,6 +267,10 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     (``llm.lora``; LiteRT-LM's ``LoraConfig(lora_path=...)`` fills them, zeros without an adapter); with a
     folder, its adapter is converted too (``bundle.adapter``, written by ``bundle.save_adapter(path)``) and
     the check runs the steps with it against transformers' model with the adapter merged.
+    ``chat_template``: a chat template (text) to carry instead of the tokenizer's. With ``check=True`` and a
+    template, probe conversations (``llm.chat``) are rendered through the engine that renders them at run time
+    (LiteRT-LM's conversation API for litertlm, the server's text workers for tpu) and must give transformers'
+    ``apply_chat_template`` ids; otherwise ChatTemplateError (an InputError) names the probe and the construct.
     """
     import torch
 
@@ -278,6 +283,7 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     from .quant import parse
     t = targets.get(target)
     source = load_source(model_or_path, tokenizer, abstract_weights, vision=target if t.vision else None)
+    _chat(source, chat_template, check)
     if cache_length is None:
         cache_length = default_cache_length(source.model.config)
     lengths = _check_llm_options(source, prefill_lengths, cache_length)
@@ -407,8 +413,27 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
             if quant_config is None else {"checked": False, "why": "quantized (the text steps' report says how far)"}
     more = {**({"parts": parts} if parts else {}), **({"adapter": adapter} if adapter is not None else {})}
     artifact = program if t.from_llm is None else t.from_llm(program, source, layout, lengths, **more)
+    if source.chat_report is not None:
+        report["chat"] = source.chat_report
     artifact.llm_check = report
     return artifact
+
+
+def _chat(source, chat_template, check: bool) -> None:
+    """``chat_template`` in place of the tokenizer's; with ``check``, transformers' ids of the chat probes for
+    the target's build to check its runtime against (``source.chat``)."""
+    tok = source.tokenizer
+    if chat_template is not None:
+        if tok is None:
+            raise InputError("chat_template= goes with a tokenizer: this model has none", hint="pass tokenizer=")
+        if not isinstance(chat_template, str) or not chat_template.strip():
+            raise InputError("chat_template must be a template's text (a Jinja chat template)")
+        tok.chat_template = chat_template
+    if check and tok is not None and tok.chat_template:
+        reference = tok.reference()
+        if reference is not None:
+            from .llm.chat import references
+            source.chat = references(reference, tok.chat_template)
 
 
 def _lora(lora, source, t) -> tuple:

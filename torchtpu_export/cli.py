@@ -96,6 +96,9 @@ def _convert_parser() -> argparse.ArgumentParser:
                    help="LLM folders: KV-cache positions, the most tokens of prompt and reply (default: the smaller "
                         "of 1024 and the model's max_position_embeddings)")
     p.add_argument("--tokenizer", default=None, help="LLM folders: the tokenizer's folder (default: the model's)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="LLM folders: a Jinja chat template to carry instead of the tokenizer's (the export checks "
+                        "that the runtime renders it as transformers does)")
     p.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help="LLM folders, tpu target: also a decode_batch program for B sequences at once "
                         "(the serving engine's slots; default 8, 1 for the one-slot decode only)")
@@ -230,6 +233,13 @@ def _convert_llm(args, target) -> int:
     if args.lora is not None:
         options["lora"] = int(args.lora) if args.lora.isdigit() else args.lora
         check_writable(_adapter_path(output, "nolora"), inputs=(args.model, args.lora))
+    if args.chat_template is not None:
+        data = fileio.read_regular(args.chat_template, f"the chat template {args.chat_template} (--chat-template)",
+                                   4 << 20)
+        try:
+            options["chat_template"] = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InputError(f"the chat template {args.chat_template} (--chat-template) is not UTF-8 text") from None
     artifact = api.export_llm(args.model, args.tokenizer, target=target.name, prefill_lengths=lengths,
                               cache_length=args.cache_length, batch_size=args.batch_size,
                               abstract_weights=args.abstract_weights, check=not args.no_check, **options)
@@ -247,6 +257,12 @@ def _convert_llm(args, target) -> int:
     _out(args, f"checked against transformers on a probe prompt: max error {c['max_error']:.1e} of the logits' scale, "
                f"top-1 {c['top1']:.0%}, KL {c['kl']:.1e} over {c['positions']} positions ({c['seconds']} s)"
          if c.get("checked") else f"not checked against transformers: {c['why']}")
+    chat = c.get("chat")
+    if chat is not None:
+        _out(args, f"chat: {len(chat['probes'])} probe conversations rendered by {chat['runtime']} give transformers' "
+                   f"apply_chat_template ids ({', '.join(chat['probes'])})"
+                   + (f"; refused by the template as by transformers: {', '.join(chat['refused'])}"
+                      if chat.get("refused") else ""))
     vision = getattr(artifact, "vision", None)
     if vision is not None:
         v = c.get("vision")

@@ -190,7 +190,7 @@ class _TokenTable:
         self._greedy, self._longest = None, 1  # bytes -> id, built when a text first fails to tokenize to itself
 
     def _spellings(self, vocab: int) -> list[bytes]:
-        from .textproc import _token_bytes
+        from .textproc import token_bytes
         tok = self._tok
         size = min(vocab, max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
         entries = [tok.id_to_token(i) for i in range(size)]
@@ -203,7 +203,7 @@ class _TokenTable:
         alone = [i for i in range(size) if texts[i] is None and entries[i] is not None]
         for i, text in zip(alone, tok.decode_batch([[i] for i in alone], skip_special_tokens=False)):
             texts[i] = text
-        out = [bytes(_token_bytes(t, e)) if e is not None else b"" for t, e in zip(texts, entries)]
+        out = [bytes(token_bytes(t, e)) if e is not None else b"" for t, e in zip(texts, entries)]
         return out + [b""] * (vocab - size)
 
     def __call__(self, text) -> list[int]:

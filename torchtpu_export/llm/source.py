@@ -18,6 +18,10 @@ class LlmSource:
     tokenizer: LlmTokenizer | None
     name: str
     vision: object = None  # llm.vision.VisionParts: a VLM's encoder, adapter and embedder (``model`` its text)
+    # transformers' ids of the chat probes (llm.chat.references), which the target's build checks its runtime's
+    # rendering against; None: no check (check=False, no template, no transformers tokenizer)
+    chat: list | None = None
+    chat_report: dict | None = None  # what that check found (set by the target's build)
 
 
 def load_source(model_or_path, tokenizer=None, abstract: bool = False, vision: str | None = None) -> LlmSource:

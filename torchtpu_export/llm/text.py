@@ -34,10 +34,22 @@ class LlmTokenizer:
     """What a bundle needs of a tokenizer: the HF ``tokenizer.json``, the special tokens and the chat template."""
 
     json: str
-    bos_id: int | None  # the token the tokenizer puts first (None: it puts none)
+    bos_id: int | None  # the token the tokenizer's post-processor puts first (None: it puts none)
     stop_ids: list[int]
     pad_id: int | None
     chat_template: str | None
+    # the special tokens' text transformers passes a chat template (bos_token, eos_token, unk_token, pad_token)
+    specials: dict = dataclasses.field(default_factory=dict)
+    # where it came from (a folder, or transformers' tokenizer object): transformers' tokenizer for the export's
+    # chat probes is made from it on demand (:meth:`reference`)
+    origin: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    def reference(self):
+        """transformers' tokenizer for this one, as ``AutoTokenizer`` loads the folder (from its checked files
+        alone), or the object it came from; None where there is none (a bare ``tokenizers.Tokenizer``)."""
+        if isinstance(self.origin, str):
+            self.origin = _auto_tokenizer(self.origin)
+        return self.origin
 
     @classmethod
     def from_dir(cls, path: str, stop_ids: Sequence[int] = ()) -> "LlmTokenizer":
@@ -56,7 +68,10 @@ class LlmTokenizer:
             template = chat_template_from(config.get("chat_template"), os.path.join(path, "tokenizer_config.json"))
         gen = hf_folder.read_json(path, "generation_config.json") or {}
         stops = token_ids(gen.get("eos_token_id"), os.path.join(path, "generation_config.json"))
-        return cls.build(text, config, template, [*stop_ids, *stops])
+        specials = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
+                    if k in SPECIALS and isinstance(v.get("content") if isinstance(v, dict) else v, str)}
+        return dataclasses.replace(cls.build(text, config, template, [*stop_ids, *stops]), specials=specials,
+                                   origin=path)
 
     @classmethod
     def build(cls, text: str, config: dict, template: str | None, stop_ids: Sequence[int]) -> "LlmTokenizer":
@@ -91,7 +106,37 @@ class LlmTokenizer:
             raise InputError(f"tokenizer {type(tokenizer).__name__} has no tokenizer.json form",
                              hint="use a fast tokenizer (transformers' PreTrainedTokenizerFast)")
         config = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token")}
-        return cls.build(backend.to_str(), config, getattr(tokenizer, "chat_template", None), stop_ids)
+        from .chat import specials_of
+        return dataclasses.replace(cls.build(backend.to_str(), config, getattr(tokenizer, "chat_template", None),
+                                             stop_ids), specials=specials_of(tokenizer), origin=tokenizer)
+
+
+SPECIALS = ("bos_token", "eos_token", "unk_token", "pad_token")  # what transformers passes a template by name
+
+
+def _auto_tokenizer(path: str):
+    """``AutoTokenizer.from_pretrained`` over a private folder of the model folder's checked tokenizer files (a
+    tokenizer transformers cannot load gives None: no chat probes)."""
+    import json
+    import tempfile
+
+    from . import hf_folder
+    with tempfile.TemporaryDirectory(prefix="tte-tokenizer-") as stage:
+        for name in ("tokenizer.json", "chat_template.jinja"):
+            text = hf_folder.read_text(path, name, hf_folder.MAX_TOKENIZER_BYTES)
+            if text is not None:
+                with open(os.path.join(stage, name), "w", encoding="utf-8") as f:
+                    f.write(text)
+        for name in ("tokenizer_config.json", "special_tokens_map.json", "config.json"):
+            value = hf_folder.read_json(path, name)
+            if value is not None:
+                with open(os.path.join(stage, name), "w", encoding="utf-8") as f:
+                    json.dump(value, f)
+        try:
+            from transformers import AutoTokenizer
+            return AutoTokenizer.from_pretrained(stage)
+        except Exception:  # noqa: BLE001 - whatever transformers makes of it: no reference, no probes
+            return None
 
 
 def token_ids(value, where: str) -> list[int]:

@@ -32,16 +32,22 @@ TextError = WorkerError
 
 # ---- the worker (this file run as a script) ---------------------------------------------------
 
-class _Codec:
-    """The tokenizer and chat template of one served file, in a worker process."""
+class Codec:
+    """The tokenizer and chat template of one served file, as a text worker runs them (and the export's chat
+    probes check them). The template gets what transformers' ``apply_chat_template`` passes: the messages,
+    ``tools`` (None without), ``documents`` (None), ``add_generation_prompt`` and the tokenizer's special tokens
+    by name (``specials``; a file written before they were carried: the BOS and the first stop token)."""
 
-    def __init__(self, tokenizer_json: str, bos_id, eos_id, max_chars: int, images=None):
+    def __init__(self, tokenizer_json: str, bos_id, eos_id, max_chars: int, images=None, specials=None):
         from tokenizers import Tokenizer
         self.tok = Tokenizer.from_str(tokenizer_json)
         self.images = images  # a VLM's [marker, sequence]: the processor's text for each image the template marks
         self.max_chars = max_chars
-        self.bos = self.tok.id_to_token(bos_id) if bos_id is not None else None
-        self.eos = self.tok.id_to_token(eos_id) if eos_id is not None else None
+        if specials is None:
+            specials = {k: self.tok.id_to_token(i) for k, i in (("bos_token", bos_id), ("eos_token", eos_id))
+                        if i is not None}
+            specials = {"bos_token": "", "eos_token": "", **{k: v for k, v in specials.items() if v is not None}}
+        self.specials = dict(specials)
         self.template = None
 
     def compile(self, source: str) -> None:
@@ -66,7 +72,7 @@ class _Codec:
         for i in ids:
             text = self.tok.decode([i], skip_special_tokens=False)
             entry = self.tok.id_to_token(i)
-            out.append([text, entry if entry is not None else f"<{i}>", _token_bytes(text, entry)])
+            out.append([text, entry if entry is not None else f"<{i}>", token_bytes(text, entry)])
         return out
 
     def chat(self, messages: list, tools: list | None = None) -> list[int]:
@@ -75,9 +81,8 @@ class _Codec:
         import jinja2
         out, size = [], 0
         try:
-            extra = {"tools": tools} if tools else {}
-            for piece in self.template.generate(messages=messages, add_generation_prompt=True,
-                                                bos_token=self.bos or "", eos_token=self.eos or "", **extra):
+            for piece in self.template.generate(messages=messages, tools=tools or None, documents=None,
+                                                add_generation_prompt=True, **self.specials):
                 size += len(piece)
                 if size > self.max_chars:
                     raise TextError(f"the chat template writes more than {self.max_chars:,} characters for "
@@ -106,7 +111,7 @@ _BYTE_LEVEL = _byte_level()
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _token_bytes(text: str, entry: str | None) -> list[int]:
+def token_bytes(text: str, entry: str | None) -> list[int]:
     """A token's bytes: its text's, unless that is a partial character (\ufffd), then its vocabulary entry's
     (SentencePiece's byte fallback ``<0xE2>``, a byte-level BPE's ``âĢ``)."""
     if "\ufffd" in text and entry:
@@ -146,7 +151,8 @@ def _sandbox(max_items: int, extensions):
     env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
-    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)  # transformers' own
     return env
 
 
@@ -155,7 +161,8 @@ def worker_ops(config: dict) -> dict:
     compiled at ``start`` (within the memory limit)."""
     import jinja2.ext  # noqa: F401 - imported before the memory limit is set
     import jinja2.sandbox  # noqa: F401
-    codec = _Codec(config["tokenizer"], config["bos_id"], config["eos_id"], config["max_chars"], config.get("images"))
+    codec = Codec(config["tokenizer"], config["bos_id"], config["eos_id"], config["max_chars"], config.get("images"),
+                  config.get("specials"))
     ops = {"encode": codec.encode, "decode": codec.decode, "decode_many": codec.decode_many, "chat": codec.chat,
            "pieces": codec.pieces}
     if config["template"]:
@@ -180,10 +187,11 @@ class TextWorkers:
 
     def __init__(self, tokenizer_json: bytes, *, template: str | None, bos_id, eos_id, max_chars: int,
                  workers: int = 2, time_budget: float = 10.0, memory_budget: int = 128 << 20,
-                 start_budget: float = 30.0, images: tuple | None = None):
+                 start_budget: float = 30.0, images: tuple | None = None, specials: dict | None = None):
         from ..errors import ArtifactError
         config = {"tokenizer": tokenizer_json.decode("utf-8", "replace"), "template": template, "bos_id": bos_id,
-                  "eos_id": eos_id, "max_chars": max_chars, "images": list(images) if images else None}
+                  "eos_id": eos_id, "max_chars": max_chars, "images": list(images) if images else None,
+                  "specials": specials}
         self.time_budget = time_budget
         self._decodes: list = []  # (ids, split, future) waiting for the next batch
         self._flusher = None

@@ -77,7 +77,7 @@ class Served:
                                         bos_id=self.llm.get("bos_id"),
                                         eos_id=self.stop_ids[0] if self.stop_ids else None,
                                         max_chars=self.limits.chars, workers=text_workers, time_budget=text_budget,
-                                        images=image_text(self.engine.vision))
+                                        images=image_text(self.engine.vision), specials=self.llm.get("specials"))
         else:
             sig = self.program.signature(None)
             self.limits = Limits.for_inputs(self.program.inputs(sig))

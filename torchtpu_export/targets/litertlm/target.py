@@ -82,8 +82,9 @@ class LitertLmBundle(Runnable):
         """Writes the bundle atomically (packed by litert-lm-builder)."""
         from ...fileio import atomic_open, check_writable
         path = check_writable(os.fspath(path))
-        if self.path is not None:  # loaded from a file: the same bytes
-            with open(self.path, "rb") as src, atomic_open(path) as f:
+        packed = self._file() if self._tmp is not None else self.path  # loaded, or packed already for a check
+        if packed is not None:  # the same bytes
+            with open(packed, "rb") as src, atomic_open(path) as f:
                 while chunk := src.read(1 << 24):
                     f.write(chunk)
             return
@@ -122,12 +123,22 @@ class LitertLmBundle(Runnable):
         return {s.name: tuple(s.shape) for s in self.edge.inputs("decode") if s.name.startswith("lora_atten_")}
 
     def _file(self) -> str:
-        if self.path is None:  # made in this process: the engine reads a file
-            self._tmp = tempfile.TemporaryDirectory(prefix="tte-litertlm-")
-            path = os.path.join(self._tmp.name, "model.litertlm")
-            self.save(path)
-            return path
+        if self.path is None:  # made in this process: the engine reads a file, packed once
+            if self._tmp is None:
+                tmp = tempfile.TemporaryDirectory(prefix="tte-litertlm-")
+                self.save(os.path.join(tmp.name, "model.litertlm"))
+                self._tmp = tmp
+            return os.path.join(self._tmp.name, "model.litertlm")
         return self.path
+
+    def check_chat(self, refs: list) -> dict:
+        """The chat probes (``llm.chat.references``) through LiteRT-LM's conversation API on this bundle, against
+        transformers' ids: the report, or ChatTemplateError naming the probe and the construct."""
+        from ...llm.chat import compare
+        from .chat import unsupported
+        engine = self.engine()
+        return compare("LiteRT-LM's conversation API", refs, engine.conversation_ids, engine.detokenize,
+                       self.tokenizer.chat_template, unsupported)
 
     def engine(self, threads: int | None = None):
         if self._engine is None:
@@ -135,7 +146,7 @@ class LitertLmBundle(Runnable):
             path = self._file()
             if self._checked is None:
                 self._checked = check(path)
-            self._engine = LitertLmEngine(path, threads, vision=self._checked.vision)
+            self._engine = LitertLmEngine(path, threads, vision=self._checked.vision, raw_bos=self._checked.raw_bos)
         return self._engine
 
     def generate(self, prompt, max_new_tokens: int = 64, *, chat: bool = False, temperature: float = 0.0,
@@ -228,7 +239,9 @@ def pack(edge, tokenizer, metadata: dict, tmp: str, out, parts: dict | None = No
     with open(tok_path, "w", encoding="utf-8") as f:
         f.write(tokenizer.json)
     msg = llm_metadata_pb2.LlmMetadata()
-    if tokenizer.bos_id is not None:
+    # LiteRT-LM prefills a start token before every prompt, whatever the template writes: with a template the BOS
+    # is the template's to write, as in transformers (llm.chat), and the raw prompts' is the runtime's
+    if tokenizer.bos_id is not None and not tokenizer.chat_template:
         msg.start_token.token_ids.ids.append(tokenizer.bos_id)
     for stop in tokenizer.stop_ids:
         msg.stop_tokens.add().token_ids.ids.append(stop)
@@ -246,9 +259,9 @@ def pack(edge, tokenizer, metadata: dict, tmp: str, out, parts: dict | None = No
     else:
         getattr(msg.llm_model_type, kind or "generic_model").SetInParent()
     if tokenizer.chat_template:
-        from ...llm.text import parts_template
+        from .chat import litert_template
         # (a VLM's template takes content parts itself, images among them, as transformers gives it them)
-        msg.jinja_prompt_template = tokenizer.chat_template if vision else parts_template(tokenizer.chat_template)
+        msg.jinja_prompt_template = litert_template(tokenizer.chat_template, tokenizer.specials, parts=vision is None)
         # an app asks LiteRT-LM (ModelInfo) whether a bundle takes tools: it does where the template renders
         # them and LiteRT-LM reads the tool calls back
         msg.supports_function_calling = bool(kind) and "tools" in tokenizer.chat_template
@@ -529,6 +542,9 @@ class Checked:
     context: int | None  # tokens the model's KV cache holds
     start_tokens: int
     summary: dict
+    # a raw prompt's BOS, where the bundle has no start token for LiteRT-LM to put first (its template writes the
+    # chat's) and the tokenizer's post-processor adds one: the text a raw prompt is prefilled after
+    raw_bos: str = ""
 
     @property
     def model(self) -> dict:
@@ -552,7 +568,7 @@ class Checked:
         if prompt and not ids:  # LiteRT-LM fails on a prefill of no tokens
             raise InputError(f"{self.path}'s tokenizer makes no tokens of the prompt (its characters are not in "
                              "the vocabulary)")
-        if self.context is not None and len(ids) + self.start_tokens >= self.context:
+        if self.context is not None and len(ids) + self.start_tokens + bool(self.raw_bos) >= self.context:
             raise InputError(f"the prompt is {len(ids):,} tokens; {self.path} holds {self.context:,} tokens of "
                              f"context, so a prompt may take at most {self.context - self.start_tokens - 1:,}",
                              hint="shorten the prompt, or export the model with a longer --cache-length")
@@ -594,7 +610,16 @@ def check(path: str) -> Checked:
                                            if start.token_str else 0)
     summary = _summary(msg)
     summary.update(model_info)
-    return Checked(path, sections, found, tokenizer, text_bytes, vocab, context, n_start, summary)
+    raw_bos = _post_processor_bos(tokenizer) if not n_start and tok["code"] != _SP else ""
+    return Checked(path, sections, found, tokenizer, text_bytes, vocab, context, n_start, summary, raw_bos)
+
+
+def _post_processor_bos(tokenizer) -> str:
+    """The text of the token a ``tokenizers`` tokenizer's post-processor puts first (its BOS), or ""."""
+    with_special, plain = tokenizer.encode("a").ids, tokenizer.encode("a", add_special_tokens=False).ids
+    if len(with_special) == len(plain) + 1 and with_special[1:] == plain:
+        return tokenizer.id_to_token(with_special[0]) or ""
+    return ""
 
 
 def _said(e: BaseException) -> str:
@@ -948,7 +973,13 @@ def from_llm(edge, source, layout, prefill_lengths, parts: dict | None = None, a
     if source.vision is not None:
         meta.update(vision=source.vision.family, image_size=f"{source.vision.height}x{source.vision.width}",
                     image_tokens=source.vision.image_tokens)
-    return LitertLmBundle(edge, source.tokenizer, meta, parts=parts, vision=source.vision, adapter=adapter)
+    if source.chat is not None:  # what the check below holds the bundle to (it is not returned otherwise)
+        meta["chat"] = "; ".join([f"{r.name}: transformers' ids" for r in source.chat if r.ids is not None]
+                                 + [f"{r.name}: refused by the template" for r in source.chat if r.ids is None])
+    bundle = LitertLmBundle(edge, source.tokenizer, meta, parts=parts, vision=source.vision, adapter=adapter)
+    if source.chat is not None:
+        source.chat_report = bundle.check_chat(source.chat)
+    return bundle
 
 
 def build(captures: dict, options: dict):
@@ -1003,6 +1034,12 @@ def describe(path: str, topologies=None) -> dict:
     for s in sections:
         kind = f"{s['type']} ({s['model_type']})" if s["model_type"] else s["type"]
         lines.append(f"section {kind}: {s['bytes']:,} bytes, {s['role']}")
+    chat = (model.get("items") or {}).get("tte_chat")
+    if checked.summary.get("chat_template"):
+        from ...untrusted import printable
+        lines.append(f"chat: the export checked its probe conversations in LiteRT-LM's conversation API against "
+                     f"transformers' apply_chat_template ids ({printable(chat)})" if chat else
+                     "chat: not checked against transformers (another tool's bundle, an older export, or check=False)")
     desc["extra_lines"] = lines + [f"llm metadata: {k} {v}" for k, v in meta.items()] + desc.get("extra_lines", [])
     return desc
 

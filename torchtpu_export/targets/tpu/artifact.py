@@ -336,7 +336,9 @@ def _manifest_schema():
                                   "pad_id": Opt(Count()), "stop_ids": ListOf(Count()), "slots": Count(),
                                   "name": STR, "recurrent_states": Record({"tensors": Count(),
                                                                            "bytes_per_sequence": Count()}),
-                                  "engine": MapOf(engine), "vision": vision})})
+                                  "engine": MapOf(engine), "vision": vision,
+                                  "specials": MapOf(STR, key=Is(str, max_len=64)),
+                                  "chat": Record({"runtime": STR, "probes": ListOf(STR)}, {"refused": ListOf(STR)})})})
 
 
 def donated(spec: dict) -> tuple[int, ...]:

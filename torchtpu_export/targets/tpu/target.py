@@ -225,7 +225,7 @@ class TpuProgram(Runnable):
             self._text_worker = TextWorkers(self.artifact.extras[llm["tokenizer"]], template=llm.get("chat_template"),
                                             bos_id=llm.get("bos_id"), eos_id=stops[0],
                                             max_chars=TextWorkers.chars_for(llm["cache_length"]), workers=1,
-                                            images=image_text(llm.get("vision")))
+                                            images=image_text(llm.get("vision")), specials=llm.get("specials"))
         return self._text_worker
 
     def kernels(self) -> list[dict]:
@@ -330,6 +330,11 @@ def describe_lines(desc: dict, program: str | None) -> list[str]:
                          f"{', '.join(map(str, llm['prefill_lengths']))}, {llm.get('slots', 1)} decode slot(s), "
                          + (f"tokenizer (stop ids {llm.get('stop_ids', [])}, chat template "
                             f"{'yes' if llm.get('chat_template') else 'no'})" if llm.get("tokenizer") else "no tokenizer"))
+        if llm and llm.get("chat_template"):
+            chat = llm.get("chat")
+            lines.append(f"chat: the export's probe conversations ({', '.join(chat['probes'])}) rendered by "
+                         f"{chat['runtime']} gave transformers' apply_chat_template ids" if chat else
+                         "chat: not checked against transformers at export (a file of an older export, or check=False)")
         vision = (llm or {}).get("vision")
         if vision:  # a VLM: its images' programs
             lines.append(f"vision ({vision.get('family', '?')}): a {vision['height']}x{vision['width']} image is "
@@ -521,8 +526,11 @@ def _carry_llm(artifact, llm: dict) -> None:
     tok = source.tokenizer
     if tok is not None:
         info.update(tokenizer=LLM_TOKENIZER, chat_template=tok.chat_template, bos_id=tok.bos_id, pad_id=tok.pad_id,
-                    stop_ids=list(tok.stop_ids))
+                    stop_ids=list(tok.stop_ids), specials=dict(tok.specials))
         artifact.extras[LLM_TOKENIZER] = tok.json.encode()
+        if source.chat is not None:  # the export's chat probes, through the code the server's text workers run
+            from ...llm.chat import check_text_workers
+            info["chat"] = source.chat_report = check_text_workers(tok, source.chat, info.get("vision"), layout.length)
     manifest["llm"] = info
 
 
