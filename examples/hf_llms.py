@@ -134,27 +134,51 @@ def large_tokenizer(vocab: int = 262_144, seed: int = 0):
     """A byte-level BPE tokenizer of ``vocab`` tokens, as large as real ones (262,144 tokens make a 32 MB
     tokenizer.json; Gemma 3's is 33 MB), built without training: the bytes, then pseudo-words of 3 to 30
     letters or byte-level characters, each prefix of one a token, many with a second merge to it."""
-    import random
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    ids = {t: i for i, t in enumerate(SPECIALS + alphabet)}
-    merges, rng = [], random.Random(seed)
     wide = [c for c in alphabet if ord(c) > 127]  # other scripts' UTF-8 bytes, as byte-level BPE spells them
+    tok = Tokenizer(_pseudo_bpe(SPECIALS + alphabet, vocab, "Ġ", wide, seed))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def sentencepiece_tokenizer(vocab: int = 100_000, seed: int = 0):
+    """A SentencePiece-style BPE tokenizer of ``vocab`` tokens, as Llama 2's, Mistral's and Gemma's converted
+    ones are: words marked with ``▁`` (prepended to the text's start only), byte fallback (``<0x00>`` ...
+    ``<0xFF>``), a decoder that strips the first space, and <bos> put first by its post-processor."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    base = SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + ["▁"] + list("abcdefghijklmnopqrstuvwxyz,.!?'")
+    tok = Tokenizer(_pseudo_bpe(base, vocab, "▁", [], seed, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                       special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def _pseudo_bpe(base: list, vocab: int, space: str, wide: list, seed: int, **options):
+    """A BPE model of ``vocab`` tokens: ``base``, then pseudo-words of 3 to 30 letters (or of ``wide``
+    characters), half of them starting with ``space``, each prefix of one a token, many with a second merge."""
+    import random
+    from tokenizers import models
+    ids = {t: i for i, t in enumerate(base)}
+    merges, rng = [], random.Random(seed)
     while len(ids) < vocab:
-        chars = wide if rng.random() < 0.4 else "abcdefghijklmnopqrstuvwxyz"
-        word = ("Ġ" if rng.random() < 0.5 else "") + "".join(rng.choice(chars) for _ in range(rng.randint(3, 30)))
+        chars = wide if wide and rng.random() < 0.4 else "abcdefghijklmnopqrstuvwxyz"
+        word = (space if rng.random() < 0.5 else "") + "".join(rng.choice(chars) for _ in range(rng.randint(3, 30)))
         for k in range(2, len(word) + 1):
             if word[:k] not in ids and len(ids) < vocab:
                 merges.append((word[:k - 1], word[k - 1]))
                 if k > 2 and word[k - 2:k] in ids:
                     merges.append((word[:k - 2], word[k - 2:k]))
                 ids[word[:k]] = len(ids)
-    tok = Tokenizer(models.BPE(vocab=ids, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
-                                   chat_template=CHAT_TEMPLATE)
+    return models.BPE(vocab=ids, merges=merges, **options)
 
 
 def _ids(tok):

@@ -145,3 +145,30 @@ def test_the_rewrite_keeps_text_and_strings_and_rewrites_only_tags():
                     "{{ (xs | join(', ')) }}{{ (_tte_tojson(d, 2)) }}")
     assert '{%- set bos_token = "<s>" %}' in out
     assert unsupported("{{ '%d' % 3 }}\n{{ x.format(1) }}") == ["'...' % ... formatting (line 1)", ".format() (line 2)"]
+
+
+def test_a_sentencepiece_tokenizer_of_100k_tokens_chats_as_transformers_on_both_targets(tmp_path):
+    """A SentencePiece-style tokenizer (``▁`` prepended to the text's start, byte fallback, <bos> from the
+    post-processor) of 100,000 tokens with a Mistral-style template: the rendered text tokenized as one piece, as
+    transformers does (a start token in the bundle made LiteRT-LM tokenize the text after it alone, with a
+    leading ``▁``), on both targets; LiteRT-LM's greedy chat reply is transformers'."""
+    tok = hf_llms.sentencepiece_tokenizer(100_000)
+    tok.chat_template = TEMPLATES["alternating"]
+    torch.manual_seed(0)
+    model = hf_llms.llama(tok).eval()
+    folder = tmp_path / "sp"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    bundle = tte.export_llm(str(folder), target="litertlm", prefill_lengths=(32,), cache_length=128)
+    program = tte.export_llm(str(folder), target="tpu", prefill_lengths=(32,), cache_length=128, batch_size=1,
+                             platforms=("cpu",))
+    assert bundle.llm_check["chat"]["probes"] and program.llm_check["chat"]["probes"]
+    reference = _reference(folder)
+    messages = [{"role": "user", "content": "hello world, the quick brown fox"}]
+    ids = _chat_ids(reference, messages)
+    assert bundle.engine().conversation_ids(messages) == ids
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(ids):].tolist()
+    assert bundle.generate(messages[0]["content"], 6, chat=True).text == reference.decode(greedy)
+    assert program.generate(messages[0]["content"], 6, chat=True).ids == greedy
