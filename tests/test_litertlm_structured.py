@@ -154,7 +154,7 @@ def test_cli_run_json_schema_and_regex(bundles, tmp_path):
     assert rs[2].returncode == 0 and re.fullmatch(CODE, rs[2].stdout.strip()), rs[2].stderr
     says = ["pattern '([a-z' is not valid" if LLGUIDANCE else NOT_COMPILED,
             "JSON schema is not valid" if LLGUIDANCE else NOT_COMPILED, "is JSON but not a JSON schema",
-            "more than 65,536 bytes", "cannot read the JSON schema", "--regex goes with --prompt",
+            "at most 65,536 are read", "cannot read the JSON schema", "--regex goes with --prompt",
             "holds no LLM"]
     for r, want in zip(rs[3:], says):
         assert r.returncode == 2, (want, r.stderr)
