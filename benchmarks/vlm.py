@@ -81,7 +81,8 @@ def _median_ms(fn, rounds: int) -> float:
 def measure(name: str, rounds: int, root: str) -> dict:
     import torchtpu_export as tte
     from torchtpu_export.targets.litert.target import EdgeModel
-    from torchtpu_export.targets.litertlm.target import check, section_bytes
+    from torchtpu_export.targets.litertlm.artifact import section_bytes
+    from torchtpu_export.targets.litertlm.checks import check
 
     from examples import hf_vlms
     folder = _folder(name, root)

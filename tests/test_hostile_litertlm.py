@@ -17,7 +17,8 @@ import hf_llms
 import torchtpu_export as tte
 from conftest import run_cli, run_cli_many
 from test_hostile import _cli_peak_rss_mb
-from torchtpu_export.targets.litertlm import target as litertlm
+from torchtpu_export.targets.litertlm import artifact, checks
+from torchtpu_export.targets.litertlm.target import LitertLmBundle
 
 T = schema.AnySectionDataType
 MEMORY_BOUND_MB = 300  # plus 4x the file: what the README promises for any hostile file
@@ -30,7 +31,7 @@ def good(tmp_path_factory):
                             prefill_lengths=(8,), cache_length=32)
     path = root / "good.litertlm"
     bundle.save(path)
-    parts = {s["type"]: litertlm.section_bytes(str(path), s) for s in litertlm.read_sections(str(path))}
+    parts = {s["type"]: artifact.section_bytes(str(path), s) for s in artifact.read_sections(str(path))}
     tokenizer = zlib.decompress(parts["HF_Tokenizer_Zlib"][8:])
     return {"path": path, "tflite": parts["TFLiteModel"], "tokenizer": tokenizer,
             "metadata": parts["LlmMetadataProto"], "bundle": bundle}
@@ -217,14 +218,14 @@ def test_a_tokenizer_that_takes_gigabytes_to_load_is_refused_in_bounded_memory(g
     j = json.loads(good["tokenizer"])
     j["model"]["merges"] = ["MERGES"]
     head, tail = json.dumps(j).encode().split(b'"MERGES"')
-    n = (litertlm.MAX_TOKENIZER - len(head) - len(tail)) // 10
+    n = (checks.MAX_TOKENIZER - len(head) - len(tail)) // 10
     text = head + b'["a","b"],' * (n - 1) + b'["a","b"]' + tail
     bomb = _write(tmp_path / "bomb.litertlm", _sections(good, tokenizer=_zlib(text)))
     size_mb = bomb.stat().st_size / 2 ** 20
     _, baseline = _cli_peak_rss_mb("inspect", good["path"])
     for argv in (("run", bomb, "--prompt", "hi"), ("inspect", bomb)):
         r, peak = _cli_peak_rss_mb(*argv)
-        _one_message(r, 5, f"takes more than the {litertlm.TOKENIZER_MEMORY >> 20} MB a tokenizer may take")
+        _one_message(r, 5, f"takes more than the {checks.TOKENIZER_MEMORY >> 20} MB a tokenizer may take")
         print(f"{argv[0]} of a {size_mb:.1f} MB bundle whose tokenizer takes gigabytes: peak {peak:.0f} MB "
               f"(a good bundle's inspect: {baseline:.0f} MB)")
         assert peak < baseline + 4 * size_mb + MEMORY_BOUND_MB, (argv[0], peak, baseline)
@@ -252,8 +253,8 @@ def test_a_bundle_with_a_real_vocabulary_is_written_loaded_and_run(tmp_path):
 
 def test_a_bundle_load_would_refuse_is_never_written(good, tmp_path, monkeypatch):
     exported = good["bundle"]
-    bundle = litertlm.LitertLmBundle(exported.edge, exported.tokenizer, exported.metadata)  # not packed yet
-    monkeypatch.setattr(litertlm, "MAX_TOKENIZER", 1000)  # its tokenizer past the bound
+    bundle = LitertLmBundle(exported.edge, exported.tokenizer, exported.metadata)  # not packed yet
+    monkeypatch.setattr(checks, "MAX_TOKENIZER", 1000)  # its tokenizer past the bound
     out = tmp_path / "out.litertlm"
     with pytest.raises(tte.ArtifactError) as e:
         bundle.save(out)
@@ -440,6 +441,6 @@ def test_the_good_bundle_still_generates_and_says_what_runs(good):
     assert "the model LiteRT-LM runs" in out and "the tokenizer (320 tokens" in out and "the LlmMetadata" in out
     r = run_cli("run", good["path"], "--prompt", "hi", "--chat", "--max-new-tokens", "4")
     assert r.returncode == 0, r.stderr
-    checked = litertlm.check(str(good["path"]))
+    checked = checks.check(str(good["path"]))
     # no start token: the template writes the chat's BOS, and a raw prompt is prefilled after the tokenizer's
     assert (checked.context, checked.vocab, checked.start_tokens, checked.raw_bos) == (32, 320, 0, "<bos>")

@@ -94,7 +94,8 @@ def test_the_encoder_section_alone_agrees_with_the_vision_tower(vlm):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from torchtpu_export.targets.litert.target import EdgeModel
-    from torchtpu_export.targets.litertlm.target import check, section_bytes
+    from torchtpu_export.targets.litertlm.artifact import section_bytes
+    from torchtpu_export.targets.litertlm.checks import check
     family, folder, out, images, _ = vlm
     checked = check(str(out))
     section = next(s for s in checked.reads["tflite"] if s["model_type"] == "tf_lite_vision_encoder")
@@ -132,7 +133,7 @@ def test_the_executor_metadata_is_checked_before_litert_lm_reads_it(vlm, tmp_pat
     with one message, before LiteRT-LM follows it."""
     from litert_lm_builder.runtime.proto import executor_metadata_pb2
 
-    from torchtpu_export.targets.litertlm.target import read_sections
+    from torchtpu_export.targets.litertlm.artifact import read_sections
     family, folder, out, images, _ = vlm
     found = [s for s in read_sections(str(out)) if s["type"] == "ExecutorMetadataProto"]
     assert len(found) == (family == "gemma3")
