@@ -309,6 +309,28 @@ def test_bad_combinations_get_one_400(served):
     assert r.choices[0].message.content is not None
 
 
+def test_what_the_engine_would_refuse_names_the_field_it_is_about(served):
+    """A prompt's ids, its length with max_tokens and min_tokens past max_tokens: each a 400 in the engine's
+    words whose param is the request's field (found from the request's fields, not from the message)."""
+    import openai
+    model, _, client, _ = served
+    msgs = [{"role": "user", "content": PROMPT}]
+    vocab = model.config.vocab_size
+    for call, says, param in (
+            (lambda: client.completions.create(model="tiny-qwen", prompt=[1, vocab + 5], max_tokens=2),
+             "prompt token ids must be in [0, ", "prompt"),
+            (lambda: client.completions.create(model="tiny-qwen", prompt=PROMPT, max_tokens=600),
+             "do not fit the cache", "max_tokens"),
+            (lambda: client.chat.completions.create(model="tiny-qwen", messages=msgs, max_completion_tokens=600),
+             "do not fit the cache", "max_completion_tokens"),
+            (lambda: client.chat.completions.create(model="tiny-qwen", messages=msgs, max_tokens=2,
+                                                    extra_body={"min_tokens": 5}),
+             "min_tokens must be an integer from 0 to max_new_tokens (2)", "min_tokens")):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert says in e.value.body["message"] and e.value.body["param"] == param, e.value.body
+
+
 def test_costly_unsatisfiable_and_conflicting_formats_get_one_400_line(served):
     """Each gets a 400 in one line, none a 500 with llguidance's state dump, and the server is fine after:
     schemas whose lexers take gigabytes, formats no text satisfies, tools with a format, GBNF grammars."""

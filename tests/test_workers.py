@@ -323,14 +323,14 @@ def test_image_files_are_read_only_when_regular(tmp_path):
 
 
 def test_tool_calls_are_read_in_linear_time_and_only_for_declared_tools():
-    from torchtpu_export.server.openai import _tool_calls
+    from torchtpu_export.server.openai import tool_calls
     start = time.monotonic()
-    calls, text = _tool_calls("<tool_call>" + " " * 200_000 + "x", {"f"})  # the regex took minutes on 4,000
+    calls, text = tool_calls("<tool_call>" + " " * 200_000 + "x", {"f"})  # the regex took minutes on 4,000
     assert calls == [] and len(text) == 200_012 and time.monotonic() - start < 5
     reply = ('hi <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call> and '
              '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call><tool_call>not json</tool_call>'
              '<tool_call>' + "[" * 5000 + "]" * 5000 + '</tool_call> bye')
-    calls, text = _tool_calls(reply, {"f"})
+    calls, text = tool_calls(reply, {"f"})
     assert [c["function"]["name"] for c in calls] == ["f"] and calls[0]["function"]["arguments"] == '{"a": 1}'
     assert text.startswith("hi  and <tool_call>{\"name\": \"rm_rf\"") and text.endswith("</tool_call> bye")
     assert "not json" in text
