@@ -11,7 +11,7 @@ import torch
 
 import hf_llms
 import torchtpu_export as tte
-from conftest import run_cli
+from conftest import run_cli_many
 from torchtpu_export.llm.chat import PROBES, ChatTemplateError
 
 pytestmark = pytest.mark.xdist_group("chat_templates")
@@ -45,33 +45,26 @@ def _chat_ids(tok, messages, tools=None) -> list:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def _text_workers(path):
-    """The text workers a server starts for the .tpu file at ``path``."""
-    from torchtpu_export.llm.textproc import TextWorkers
-    program = tte.load(path)
-    llm = program.manifest["llm"]
-    return TextWorkers(program.artifact.extras[llm["tokenizer"]], template=llm["chat_template"], bos_id=llm["bos_id"],
-                       eos_id=llm["stop_ids"][0], max_chars=8192, workers=1, specials=llm["specials"])
-
-
 @pytest.mark.parametrize("name", list(TEMPLATES))
 def test_litert_lm_and_the_text_workers_render_as_transformers(folders, name):
+    """The bundle's export checked its probes in LiteRT-LM; the file as written and loaded gives them again, and
+    so do text workers started as a server starts them for this tokenizer (a .tpu export of each style is the
+    family tests': test_llm_tpu); LiteRT-LM's greedy chat reply is transformers'."""
+    from torchtpu_export.llm.text import LlmTokenizer
+    from torchtpu_export.llm.textproc import TextWorkers
     root, model, made = folders
     folder = made[name]
     bundle = tte.export_llm(str(folder), target="litertlm", prefill_lengths=(32,), cache_length=256)
-    program = tte.export_llm(str(folder), target="tpu", prefill_lengths=(32,), cache_length=256, batch_size=1,
-                             platforms=("cpu",))
     tok = _reference(folder)
     uses_tools = "tools" in TEMPLATES[name]
-    for artifact in (bundle, program):
-        chat = artifact.llm_check["chat"]
-        want = [p for p, _, tools in PROBES if not tools or uses_tools]
-        assert chat["probes"] + chat["refused"] and sorted(chat["probes"] + chat["refused"]) == sorted(want), chat
-    # the files as written and loaded: the same ids, again, through the runtimes' own paths
+    chat = bundle.llm_check["chat"]
+    want = [p for p, _, tools in PROBES if not tools or uses_tools]
+    assert chat["probes"] + chat["refused"] and sorted(chat["probes"] + chat["refused"]) == sorted(want), chat
     bundle.save(root / f"{name}.litertlm")
-    program.save(root / f"{name}.tpu")
     engine = tte.load(root / f"{name}.litertlm").engine()
-    served = _text_workers(root / f"{name}.tpu")
+    ours = LlmTokenizer.from_dir(str(folder))
+    served = TextWorkers(ours.json.encode(), template=ours.chat_template, bos_id=ours.bos_id, eos_id=ours.stop_ids[0],
+                         max_chars=8192, workers=1, specials=ours.specials)
     try:
         for probe, messages, tools in PROBES:
             if tools and not uses_tools:
@@ -90,7 +83,6 @@ def test_litert_lm_and_the_text_workers_render_as_transformers(folders, name):
     with torch.no_grad():
         greedy = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None,
                                 pad_token_id=0)[0, len(ids):].tolist()
-    assert tte.load(root / f"{name}.tpu").generate(messages[0]["content"], 6, chat=True).ids == greedy
     text = tte.load(root / f"{name}.litertlm").generate(messages[0]["content"], 6, chat=True).text
     assert text == tok.decode(greedy), (text, tok.decode(greedy))  # LiteRT-LM writes special tokens out
 
@@ -125,14 +117,13 @@ def test_a_template_litert_lm_renders_otherwise_is_refused_naming_the_construct(
     plain.write_text(NO_BOS)
     bad = tmp_path / "loops.jinja"
     bad.write_text(template)
-    out = tmp_path / "x.litertlm"
-    r = run_cli(made["headers"], "--target", "litertlm", "--prefill-lengths", "32", "--cache-length", "256",
-                "--chat-template", bad, "-o", out)
-    assert r.returncode == 2 and "continue" in r.stderr and "--chat-template" in r.stderr and not out.exists(), \
+    refused, taken = tmp_path / "refused.litertlm", tmp_path / "taken.litertlm"
+    r, ok = run_cli_many([[made["headers"], "--target", "litertlm", "--prefill-lengths", "32", "--cache-length", "256",
+                           "--chat-template", template, "-o", out] for template, out in ((bad, refused),
+                                                                                         (plain, taken))])
+    assert r.returncode == 2 and "continue" in r.stderr and "--chat-template" in r.stderr and not refused.exists(), \
         r.stderr
-    r = run_cli(made["headers"], "--target", "litertlm", "--prefill-lengths", "32", "--cache-length", "256",
-                "--chat-template", plain, "-o", out)
-    assert r.returncode == 0 and "chat: 3 probe conversations rendered by LiteRT-LM" in r.stdout, r.stderr
+    assert ok.returncode == 0 and "chat: 3 probe conversations rendered by LiteRT-LM" in ok.stdout, ok.stderr
 
 
 def test_the_rewrite_keeps_text_and_strings_and_rewrites_only_tags():
