@@ -25,7 +25,7 @@ def captures(entries: Sequence[tuple], target: str, strict_export=False,
                             strict_export=strict_export, keep=converter.KEEP_WHOLE, lowerable=converter.lowerable,
                             state=targets.get(target).stateful)
         abstract = [w for w, t in out[name].weights.items() if is_abstract(t)]
-        if abstract and not targets.get(targets.get(target).program_target or target).abstract_weights:
+        if abstract and not targets.get(targets.get(target).llm.program_target or target).abstract_weights:
             raise InputError(f"weight {abstract[0]!r} has no values (built under abstract_weights() or on the meta "
                              f"device); the {target} target writes weights into its file",
                              hint="load the weights (e.g. from safetensors) before converting, or export to the tpu "
@@ -282,42 +282,42 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     from .llm.step import CacheStep, grouped_attention_in, probe_layout
     from .quant import parse
     t = targets.get(target)
-    source = load_source(model_or_path, tokenizer, abstract_weights, vision=target if t.vision else None)
+    source = load_source(model_or_path, tokenizer, abstract_weights, vision=target if t.llm.vision else None)
     _chat(source, chat_template, check)
     if cache_length is None:
         cache_length = default_cache_length(source.model.config)
     lengths = _check_llm_options(source, prefill_lengths, cache_length)
-    if not t.recurrent_state:
-        refuse_recurrent(source.name, source.model, target, t.recurrent_state_why or
+    if not t.llm.recurrent_state:
+        refuse_recurrent(source.name, source.model, target, t.llm.recurrent_state_why or
                          "their states are not carried between this target's steps")
-    program_target = t.program_target or target
+    program_target = t.llm.program_target or target
     recipe = parse(quant_config, program_target, targets.get(program_target).recipes)
-    # serving in bf16 keeps the KV cache in bf16 too (half the HBM); LiteRT-LM's caches are float32
-    serving = targets.get(program_target).serving
+    maker = targets.get(program_target).llm  # what the programs' target does with them
     # a VLM: on litertlm its steps take embeddings (LiteRT-LM merges an image's rows); served (tpu), they take
     # tokens, and prefill_image_<N> steps take an image's rows beside them (the vision program's)
-    hidden = source.vision.hidden if source.vision is not None and not serving else None
+    hidden = source.vision.hidden if source.vision is not None and not maker.image_rows else None
     image = (source.vision.image_token_id, source.vision.bidirectional) \
-        if source.vision is not None and serving else None
-    bf16 = serving and recipe is not None and recipe.recipe == "bf16"
+        if source.vision is not None and maker.image_rows else None
+    # serving in bf16 keeps the KV cache in bf16 too (half the HBM); LiteRT-LM's caches are float32
+    bf16 = maker.cache_follows_recipe and recipe is not None and recipe.recipe == "bf16"
     layout = probe_layout(source.model, cache_length, "bfloat16" if bf16 else "float32")
     if not layout.states and recurrent_layers(source.model):
         refuse_recurrent(source.name, source.model, target, "their states are kept outside transformers' cache "
                          "protocol (get/update_conv_state, get/update_recurrent_state), which the steps carry")
-    if t.check_llm_layout is not None:
-        t.check_llm_layout(source, layout)
+    if t.llm.check_layout is not None:
+        t.llm.check_layout(source, layout)
     adapter, lora_layout = _lora(lora, source, t)
-    padded = t.pads_prompts  # the runtime pads a prompt's last chunk: the steps find the real tokens
+    padded = t.llm.pads_prompts  # the runtime pads a prompt's last chunk: the steps find the real tokens
     if layout.states and not padded and 1 not in lengths:  # recurrent states: prompts are never padded
         lengths = [1, *lengths]  # (llm.contract)
     if batch_size is None:
-        batch_size = DEFAULT_SLOTS if serving else 1
+        batch_size = DEFAULT_SLOTS if maker.batched else 1
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or not 1 <= batch_size <= 4096:
         raise InputError(f"batch_size must be an integer from 1 to 4096, got {batch_size!r}")
-    if batch_size > 1 and not serving:
+    if batch_size > 1 and not maker.batched:
         raise InputError(f"batch_size applies to target='tpu' (the serving engine's slots); {target} programs "
                          "step one sequence", hint="leave batch_size out, or export with target='tpu'")
-    pages = _check_pages(kv_pages, page_size, batch_size, cache_length, serving, layout)
+    pages = _check_pages(kv_pages, page_size, batch_size, cache_length, maker.batched, layout)
     buckets = _check_buckets(batch_buckets, batch_size)
     if image is not None and (pages or options.get("mesh")):
         raise InputError(f"{source.name}: a vision-language model is served from the engine's slots on one chip: "
@@ -372,9 +372,8 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
         # tensor parallel splits attention by head: each chip keeps its own heads' KV cache, never the whole
         paged = [e[0] for e in sigs.entries if "page_table" in e[3]]  # their caches are pools
         options.setdefault("input_shardings", cache_shardings(layout, options["mesh"], paged))
-    maker = targets.get(program_target)
-    if maker.llm_options is not None:
-        options.update(maker.llm_options(source, layout, lengths))
+    if maker.options is not None:
+        options.update(maker.options(source, layout, lengths))
     if quant_config is not None:
         # quality is the agreement of next tokens (benchmarks/llm.py), not the error on zero-filled samples,
         # and measuring that would run both models on every signature's full cache
@@ -412,7 +411,7 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
         report["vision"] = check_image_steps(source.vision, program, LLM_CHECK_TOLERANCE) \
             if quant_config is None else {"checked": False, "why": "quantized (the text steps' report says how far)"}
     more = {**({"parts": parts} if parts else {}), **({"adapter": adapter} if adapter is not None else {})}
-    artifact = program if t.from_llm is None else t.from_llm(program, source, layout, lengths, **more)
+    artifact = program if t.llm.from_llm is None else t.llm.from_llm(program, source, layout, lengths, **more)
     if source.chat_report is not None:
         report["chat"] = source.chat_report
     artifact.llm_check = report
@@ -440,7 +439,7 @@ def _lora(lora, source, t) -> tuple:
     """``(adapter or None, LoraLayout or None)`` of export_llm's ``lora``: a PEFT folder or a rank."""
     if lora is None:
         return None, None
-    if not t.lora:
+    if not t.llm.lora:
         raise InputError(f"lora= applies to target='litertlm' (LiteRT-LM's LoRA adapters), not {t.name}")
     if source.vision is not None:
         raise InputError(f"{source.name}: LoRA adapters on a vision-language bundle are not supported yet")
@@ -490,11 +489,11 @@ def _check_buckets(buckets, batch_size: int) -> list[int]:
     return out
 
 
-def _check_pages(kv_pages, page_size, batch_size: int, cache_length: int, serving: bool, layout) -> int:
+def _check_pages(kv_pages, page_size, batch_size: int, cache_length: int, batched: bool, layout) -> int:
     """The paged cache's pool size (0: no paged programs), or InputError."""
     if kv_pages is None:
         return 0
-    if not serving:
+    if not batched:
         raise InputError("kv_pages (a paged KV cache) applies to target='tpu', the serving engine's programs")
     if layout.states:
         raise InputError("a model with recurrent states cannot have a paged cache: a state is not kept per page",

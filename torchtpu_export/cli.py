@@ -140,7 +140,7 @@ def _convert(args) -> int:
     from .models import describe_inputs, ep_input_specs, load_model, parse_inputs
 
     target = targets.get(args.target)
-    if target.llm_only or os.path.isdir(args.model):
+    if target.llm.only or os.path.isdir(args.model):
         return _convert_llm(args, target)
     for flag in ("prefill_lengths", "cache_length", "tokenizer", "batch_size", "abstract_weights", "no_check",
                  "batch_buckets", "kv_pages", "page_size", "lora"):

@@ -12,6 +12,41 @@ from ..specs import TensorSpec
 
 
 @dataclasses.dataclass(frozen=True)
+class LlmSupport:
+    """What a target does with an LLM (``api.export_llm``); by default its prefill and decode programs as plain
+    programs of this target, one sequence each, float32 caches."""
+
+    # the target whose converter makes the programs (None: this one), and what wraps them into this target's
+    # artifact ((program, source, cache layout, prefill lengths, **parts) -> Runnable; None: the program itself)
+    program_target: str | None = None
+    from_llm: Callable | None = None
+    # (source, cache layout) -> None, or InputError for a model whose cache this target's runtime cannot use
+    # (checked before anything is exported)
+    check_layout: Callable | None = None
+    # (source, cache layout, prefill lengths) -> build options through which the programs carry what an LLM
+    # artifact needs (the tpu target's manifest: donated caches, tokenizer, chat template)
+    options: Callable | None = None
+    only: bool = False  # the target takes only LLMs: its command-line input is a model folder, not a module
+    # its artifacts carry recurrent layers' states (Mamba, linear attention, short convolutions) from step to
+    # step; export_llm refuses such a model for the other targets, naming the layer (and ``recurrent_state_why``)
+    recurrent_state: bool = False
+    recurrent_state_why: str = ""
+    # its runtime pads a prompt's last chunk (LiteRT-LM: token 0 at position 0, the rows masked): the steps then
+    # find the real tokens themselves and keep each recurrent state as it was after the last of them
+    pads_prompts: bool = False
+    # vision-language models (llm.vision): an image encoder and adapter beside the language model; with
+    # ``image_rows`` the steps take tokens and an image's rows (``prefill_image_<N>``, a serving engine merges
+    # them), else embeddings (the runtime merges an image's rows); export_llm refuses a VLM elsewhere
+    vision: bool = False
+    image_rows: bool = False
+    lora: bool = False  # LoRA adapters (llm.lora): export_llm(lora=) makes LoRA-ready steps
+    # datacenter serving: batched programs for an engine's slots (by default ``DEFAULT_SLOTS`` rows), smaller
+    # decode batches, paged KV caches
+    batched: bool = False
+    cache_follows_recipe: bool = False  # a bf16 recipe keeps the KV cache in bf16 (on-device runtimes: float32)
+
+
+@dataclasses.dataclass(frozen=True)
 class Target:
     """A deployment target: the one record code goes through for anything that differs by target.
 
@@ -54,33 +89,8 @@ class Target:
     gpu_check: Callable | None = None  # path -> {"compatible", "problems"}: `inspect --gpu` (a GPU delegate's verdict)
     npu_check: Callable | None = None  # (path, "vendor:SoC,...") -> per-SoC ops on the NPU/CPU: `inspect --soc`
     stateful: bool = False  # buffers a module changes in place are kept between calls (on the device)
-    # LLMs (api.export_llm): the target whose converter makes the prefill/decode programs (None: this one),
-    # what wraps them into this target's artifact ((program, source, cache layout, prefill lengths) -> Runnable),
-    # and whether the target takes only LLMs (its CLI input is a model folder, not a module)
-    program_target: str | None = None
-    from_llm: Callable | None = None
-    # (source, cache layout) -> None, or InputError for a model whose cache this target's runtime cannot use
-    # (checked before anything is exported)
-    check_llm_layout: Callable | None = None
-    # (source, cache layout, prefill lengths) -> build options through which the programs carry what an LLM
-    # artifact needs (the tpu target's manifest: donated caches, tokenizer, chat template)
-    llm_options: Callable | None = None
-    llm_only: bool = False
-    # its LLM artifacts carry recurrent layers' states (Mamba, linear attention, short convolutions) from
-    # step to step; export_llm refuses such a model for the other targets, naming the layer
-    recurrent_state: bool = False
-    recurrent_state_why: str = ""  # why not, said when such a model is refused
-    # its runtime pads a prompt's last chunk (LiteRT-LM: token 0 at position 0, the rows masked): an LLM's
-    # steps then find the real tokens themselves and keep each recurrent state as it was after the last of them
-    pads_prompts: bool = False
-    # its LLM artifacts take vision-language models (llm.vision): an image encoder and adapter beside the
-    # language model, whose steps take embeddings; export_llm refuses a VLM for the other targets
-    vision: bool = False
-    # its LLM artifacts take LoRA adapters (llm.lora): export_llm(lora=) makes LoRA-ready steps
-    lora: bool = False
-    # datacenter serving: export_llm may add batched programs (the engine's slots), and the KV cache
-    # follows a bf16 recipe (on-device runtimes keep float32 caches)
-    serving: bool = False
+    # what the target does with an LLM (api.export_llm): its own sub-record
+    llm: "LlmSupport" = dataclasses.field(default_factory=lambda: LlmSupport())
     # programs take weights by shape and dtype alone (a model built under abstract_weights()); values
     # are bound at load. Other targets write weight values into their files.
     abstract_weights: bool = False

@@ -25,7 +25,7 @@ from ...errors import ArtifactError, InputError, OutputError
 from ...fileio import atomic_open, write_bytes_atomic
 from .artifact import LiteRTArtifact, damaged, op_histogram, parse_model, read_metadata, signature_io, validate
 from ...specs import TensorSpec, as_numpy, bind_dims, check_dims, numpy_dtype
-from ..base import Runnable, Target, no_topologies
+from ..base import LlmSupport, Runnable, Target, no_topologies
 
 
 def _quantize_input(x, scale_zero: tuple, dtype: str) -> np.ndarray:
@@ -650,5 +650,6 @@ TARGET = Target(
     recipes=("fp16", "dynamic_int8", "int8", "int4_blockwise"), magic=lambda head, names: head[4:8] == b"TFL3",
     gpu_check=gpu_compatibility, compile=compile_cli,
     npu_check=npu_report,
-    recurrent_state=True,  # the signatures take and give the states; the caller never pads a prompt (llm.contract)
+    # the signatures take and give the states; the caller never pads a prompt (llm.contract)
+    llm=LlmSupport(recurrent_state=True),
 )

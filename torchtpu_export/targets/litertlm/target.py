@@ -21,7 +21,7 @@ import tempfile
 import numpy as np
 
 from ...errors import ArtifactError, InputError
-from ..base import Runnable, Target, no_topologies
+from ..base import LlmSupport, Runnable, Target, no_topologies
 from .artifact import EXECUTOR_METADATA, VISION_ENCODER, pack, section_bytes
 from .checks import Checked, check
 
@@ -309,11 +309,11 @@ TARGET = Target(
     converter="litert", runtime="litertlm", suffix=".litertlm", runnable=LitertLmBundle, signature="decode",
     build=build, load=load, describe=describe, cli_options=cli_options, debuggable=False,
     recipes=LITERT.recipes, magic=lambda head, names: head == b"LITERTLM",
-    program_target="litert", from_llm=from_llm, check_llm_layout=check_llm_layout, llm_only=True,
     # LiteRT-LM's executor (0.18.1) carries the tensors named kv_cache_k_*, kv_cache_v_* and kv_cache_c_* from
     # step to step (one buffer, in place, on CPU), so recurrent states too (kv_cache_c_<i>, kv_cache_c_ssm_<i>);
     # it finds a model's caches by kv_cache_k_0 or kv_cache_c_0. It pads a prompt's last chunk with token 0 at
     # position 0 (PrefillInternal, GetOptimizedPrefillWorkGroups): the steps count the real tokens and keep the
     # states after the last
-    recurrent_state=True, pads_prompts=True, vision=True, lora=True,
+    llm=LlmSupport(program_target="litert", from_llm=from_llm, check_layout=check_llm_layout, only=True,
+                   recurrent_state=True, pads_prompts=True, vision=True, lora=True),
 )

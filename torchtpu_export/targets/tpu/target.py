@@ -17,7 +17,7 @@ import numpy as np
 
 from . import artifact as tpu_format
 from ...errors import InputError
-from ..base import Runnable, Target
+from ..base import LlmSupport, Runnable, Target
 
 
 class TpuProgram(Runnable):
@@ -551,6 +551,7 @@ TARGET = Target(
     ),
     recipes=("int8_weight_only", "bf16"), magic=lambda head, names: names is not None and "manifest.json" in names,
     zipped=True, describe_lines=describe_lines,
-    local_options={"platforms": ("cpu",)}, llm_options=llm_options, serving=True, abstract_weights=True, stateful=True,
-    recurrent_state=True, vision=True, stored_executables=True,
+    local_options={"platforms": ("cpu",)}, abstract_weights=True, stateful=True, stored_executables=True,
+    llm=LlmSupport(options=llm_options, recurrent_state=True, vision=True, image_rows=True, batched=True,
+                   cache_follows_recipe=True),
 )
