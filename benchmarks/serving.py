@@ -254,7 +254,7 @@ engine.warm()
 t4 = time.perf_counter()
 tokens = engine.generate(list(range(3, 40)), 4)
 t5 = time.perf_counter()
-print(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, len(list(engine._calls())))
+print(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, len(list(engine.calls())))
 """
 
 

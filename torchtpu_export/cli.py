@@ -182,7 +182,7 @@ def _convert(args) -> int:
     dt = time.perf_counter() - t0
     _out(args, f"wrote {output} ({_human(os.path.getsize(output))}) in {dt:.1f} s "
                f"[target {args.target}; inputs {describe_inputs(margs)}]")
-    report = getattr(artifact, "quant_report", None)
+    report = artifact.quant_report
     if report:
         _out(args, str(report))
     if args.check:
@@ -244,7 +244,7 @@ def _convert_llm(args, target) -> int:
                               cache_length=args.cache_length, batch_size=args.batch_size,
                               abstract_weights=args.abstract_weights, check=not args.no_check, **options)
     adapter_path = None
-    if getattr(artifact, "adapter", None) is not None:
+    if artifact.adapter is not None:
         adapter_path = _adapter_path(output)
         check_writable(adapter_path, inputs=(args.model, args.lora))
     artifact.save(output)
@@ -263,7 +263,7 @@ def _convert_llm(args, target) -> int:
                    f"apply_chat_template ids ({', '.join(chat['probes'])})"
                    + (f"; refused by the template as by transformers: {', '.join(chat['refused'])}"
                       if chat.get("refused") else ""))
-    vision = getattr(artifact, "vision", None)
+    vision = artifact.vision
     if vision is not None:
         v = c.get("vision")
         _out(args, f"vision ({vision.family}): a {vision.height}x{vision.width} image is {vision.image_tokens} rows of "
@@ -272,7 +272,7 @@ def _convert_llm(args, target) -> int:
                       "outputs' scale" if v else ""))
         for note in vision.notes:
             _out(args, f"note: {note}")
-    served = (getattr(artifact, "manifest", None) or {}).get("llm", {}).get("vision")
+    served = (artifact.llm or {}).get("vision")
     if served is not None:  # the tpu target's VLM
         v = c.get("vision") or {}
         _out(args, f"vision ({served['family']}): a {served['height']}x{served['width']} image is "
@@ -280,7 +280,7 @@ def _convert_llm(args, target) -> int:
                    "of the prompt, from the vision program; prefill_image_<N> puts them in"
              + (f"; checked against transformers' VLM on a probe image: rows max error {v['rows_error']:.1e}, "
                 f"next-token logits {v['steps_error']:.1e}" if "steps_error" in v else ""))
-    if getattr(artifact, "lora_inputs", None):  # LiteRT-LM runs a session without an adapter on stale inputs
+    if artifact.lora_inputs:  # LiteRT-LM runs a session without an adapter on stale inputs
         from .llm.lora import zero_adapter
         zeros = _adapter_path(output, "nolora")
         zero_adapter(artifact.lora_inputs).save(zeros)
@@ -314,11 +314,10 @@ def _adapter(args) -> int:
     from .fileio import check_writable
     from .llm.lora import features_of_inputs, read_peft
     base = api.load(args.base)
-    inputs = getattr(base, "lora_inputs", None)
-    if inputs is None:
-        raise InputError(f"--base takes a .litertlm bundle, not {args.base}")
+    inputs = base.lora_inputs
     if not inputs:
-        raise InputError(f"{args.base} takes no LoRA adapter: its steps have no LoRA inputs",
+        raise InputError(f"{args.base} takes no LoRA adapter: its steps have no LoRA inputs (--base takes a "
+                         ".litertlm bundle exported with --lora)",
                          hint="export the model with --lora PEFT_DIR (or --lora 16)")
     features, rank = features_of_inputs(inputs)
     output = args.output or os.path.basename(os.path.normpath(args.peft)) + ".lora.tflite"

@@ -10,7 +10,7 @@ import torch
 
 from .errors import InputError
 
-_NP_DTYPES = {
+NP_DTYPES = {
     "float32": np.float32, "float64": np.float64, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
     "int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64, "uint8": np.uint8,
     "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64, "bool": np.bool_,
@@ -27,9 +27,9 @@ def dtype_name(dtype) -> str:
 
 def numpy_dtype(name: str):
     try:
-        return np.dtype(_NP_DTYPES[name])
+        return np.dtype(NP_DTYPES[name])
     except KeyError:
-        raise InputError(f"unknown dtype {name!r}; known: {', '.join(sorted(_NP_DTYPES))}") from None
+        raise InputError(f"unknown dtype {name!r}; known: {', '.join(sorted(NP_DTYPES))}") from None
 
 
 @dataclasses.dataclass
@@ -54,7 +54,7 @@ class TensorSpec:
 def _schemas():
     from .untrusted import MAX_DIM_TEXT, NAME, Count, Either, Is, ListOf, MapOf, OneOf, Record
     digits = Is(str, max_len=12)
-    tensor = Record({"name": NAME, "dtype": OneOf(*_NP_DTYPES),
+    tensor = Record({"name": NAME, "dtype": OneOf(*NP_DTYPES),
                      "shape": ListOf(Either(Count(), Is(str, max_len=MAX_DIM_TEXT)))})
     call = Record({"inputs": ListOf(tensor), "outputs": ListOf(tensor), "in_spec": Is(str), "out_spec": Is(str)},
                   {"constant_inputs": MapOf(Either(Is(int, float, str, bool), OneOf(None)), key=digits),

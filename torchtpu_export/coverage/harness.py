@@ -106,10 +106,10 @@ class Batch:
                 if set(quantized) == {"DEQUANTIZE"}:
                     note = "int8 weights dequantized at load; the op runs in float"
         except Exception as e:
-            return self._failure(column, e, note)
+            return self.failure(column, e, note)
         return program, note
 
-    def _failure(self, column: Column, e: Exception, note) -> Cell:
+    def failure(self, column: Column, e: Exception, note) -> Cell:
         if isinstance(e, UnsupportedOpError):
             reason = e.reason if e.op == self.entry.name else f"{e.op}: {e.reason}"
             return Cell("unsupported", sample=self.label, reason=reason or str(e), note=note)
@@ -128,7 +128,7 @@ class Batch:
                 return compile_cell(program, column.compile_for, self.samples, self.label, note)
             outs = program.run_flat([to_numpy(t) for t in self.inputs])
         except Exception as e:
-            return self._failure(column, e, note)
+            return self.failure(column, e, note)
         return compare_outputs(self.entry, self.samples, self.refs, outs, column, note)
 
 

@@ -267,7 +267,7 @@ def random_cell(batch, column) -> Cell:
     try:
         eager, runs = draw(0)
     except Exception as e:
-        return batch._failure(column, e, note)
+        return batch.failure(column, e, note)
     ref0 = eager[0]
     if len(runs[0]) != len(ref0):
         return Cell("mismatch", sample=batch.label, reason=f"{len(runs[0])} outputs, torch has {len(ref0)}", note=note)
@@ -288,7 +288,7 @@ def random_cell(batch, column) -> Cell:
         try:
             eager, runs = draw(1_000_000)
         except Exception as e:
-            return batch._failure(column, e, note)
+            return batch.failure(column, e, note)
         if batch.entry.name in SIGN_FREE_RANDOM:
             eager, runs = [_canonical_signs(e) for e in eager], [_canonical_signs(r) for r in runs]
         verdict = same_distribution(eager, runs, rtol=batch.entry.tolerance(None))

@@ -90,6 +90,14 @@ class TopologyProgram:
     def manifest(self) -> dict:
         return self.program.manifest
 
+    @property
+    def llm(self) -> dict | None:
+        return self.program.llm
+
+    @property
+    def trust_stored_executables(self) -> bool:
+        return self.program.trust_stored_executables
+
     def call_metadata(self, sig: str):
         return self.program.call_metadata(sig)
 
@@ -125,7 +133,7 @@ def compile_engine(program, topology_name: str, engine_class) -> dict:
         engine = Engine(TopologyProgram(program, topology_name))
         kind, versions = aot.generation(topology_name).device_kind, {"libtpu": aot.libtpu_version()}
     calls = {}
-    for name, fn, args in engine._calls():
+    for name, fn, args in engine.calls():
         t0 = time.perf_counter()
         try:
             compiled = fn.compile(*args, platforms=None if on_cpu else ("tpu",))
@@ -149,7 +157,7 @@ def compile_engine(program, topology_name: str, engine_class) -> dict:
 def trusted(program) -> bool:
     """Whether ``program``'s file was marked trusted when it was loaded (``trust_stored_executables``): only
     then is any of its stored executables read."""
-    return getattr(program, "trust_stored_executables", False) is True
+    return program.trust_stored_executables is True
 
 
 def ignored_calls(program) -> int:

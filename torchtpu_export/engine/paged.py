@@ -66,7 +66,7 @@ class PagedEngine(Engine):
 
     @classmethod
     def serves(cls, program, batched: bool = True, **kwargs) -> bool:
-        return batched and DECODE_PAGED in getattr(program, "signatures", ())
+        return batched and program is not None and DECODE_PAGED in program.signatures
 
     takes_images = False  # a VLM is exported without paged programs (export_llm refuses kv_pages there)
 
@@ -79,7 +79,7 @@ class PagedEngine(Engine):
         import jax
         from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
         self._jax = jax
-        self._abstract = bool(getattr(program, "abstract", False))
+        self._abstract = program.abstract
         self.vision = None
         sigs = program.signatures
         self.lengths = sorted(int(m.group(1)) for m in (re.fullmatch(r"prefill_paged_(\d+)", s) for s in sigs) if m)
@@ -282,7 +282,7 @@ class PagedEngine(Engine):
                                                self.cache_names, top)
         return self._mixeds[sig, top]
 
-    def _calls(self):
+    def calls(self):
         B, table, i32 = self.slots, self._host((self.slots, self._max_pages)), self._host(())
         allowed = self._host((B, mask_words(self.vocab)))
         for (n, b), sig in sorted(self._fill.items()):

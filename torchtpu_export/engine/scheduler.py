@@ -76,7 +76,7 @@ class Engine(Following):
                  page_size: int = PAGE_SIZE):
         import jax
         self._jax = jax
-        self._abstract = bool(getattr(program, "abstract", False))  # aot.TopologyProgram: chips not attached
+        self._abstract = program.abstract  # aot.TopologyProgram: chips not attached
         sigs = program.signatures
         self.lengths = prefill_lengths(sigs)
         decode_sig = DECODE_BATCH if batched and DECODE_BATCH in sigs else DECODE
@@ -197,7 +197,7 @@ class Engine(Following):
         devices = self._devices()
         self._say_ignored()
         stored = stored_calls(self.program, devices)
-        for name, fn, args in self._calls():
+        for name, fn, args in self.calls():
             if stored is None:
                 fn.compile(*args)
             elif name in stored:
@@ -223,7 +223,7 @@ class Engine(Following):
         """The abstract value of one slot's state row (:func:`state_row`)."""
         return tuple(self._host(x.shape[1:], x.dtype) for x in state_rows(1, self.vocab))
 
-    def _calls(self):
+    def calls(self):
         """``(name, function, arguments)`` for every device function this engine may call (the arguments
         abstract where the engine makes them per call), the functions made now where they are made on first
         use. A name says the same call with the same shapes in every engine of one file."""
@@ -924,7 +924,7 @@ def vision_of(program, vocab: int, length: int) -> dict | None:
     """A VLM file's ``llm.vision`` (what puts images into a prompt), checked against its programs, or None for a
     model without images; ArtifactError for a file whose vision entry its programs do not bear out."""
     from ..errors import ArtifactError
-    v = (getattr(program, "manifest", None) or {}).get("llm", {}).get("vision")
+    v = (program.llm or {}).get("vision")
     if v is None:
         return None
     sigs = program.signatures

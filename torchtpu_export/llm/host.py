@@ -27,7 +27,7 @@ class HostLoop:
         self.caches = {n: np.zeros(s.shape, np.dtype(s.dtype)) for n, s in specs.items() if n.startswith("kv_cache_")}
         self.pos = 0
 
-    def _step(self, sig: str, tokens: Sequence[int], more: dict | None = None):
+    def step(self, sig: str, tokens: Sequence[int], more: dict | None = None):
         import numpy as np
         n = len(tokens) if sig == DECODE else int(sig.rsplit("_", 1)[1])
         if self.pos + len(tokens) > self.length:
@@ -51,11 +51,11 @@ class HostLoop:
         """Fills the cache with ``ids``, in the largest chunks that help."""
         exact = has_state(self.caches) and not self.padded
         for start, take, n in prefill_chunks(len(ids), self.lengths, exact=exact):
-            self._step(PREFILL.format(n), ids[start:start + take])
+            self.step(PREFILL.format(n), ids[start:start + take])
 
     def decode(self, token: int):
         """The next-token logits ``[vocab]`` after ``token``, which goes into the cache."""
-        return self._step(DECODE, [int(token)])[0, -1]
+        return self.step(DECODE, [int(token)])[0, -1]
 
 
 def host_generate(program, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),

@@ -411,7 +411,7 @@ def check_image_steps(parts: VisionParts, program, tolerance: float) -> dict:
     where = [i for i, t in enumerate(ids[:-1]) if t == parts.image_token_id]
     aligned[0, where] = rows[0]
     loop = HostLoop(program)
-    loop._step(PREFILL_IMAGE.format(n), ids[:-1], {"image_rows": aligned})
+    loop.step(PREFILL_IMAGE.format(n), ids[:-1], {"image_rows": aligned})
     ours = np.asarray(loop.decode(ids[-1]), np.float64)
     ref = _reference_logits(parts, ids, image)
     scale = float(np.abs(ref).max()) or 1.0

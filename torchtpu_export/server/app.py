@@ -53,8 +53,7 @@ class Served:
             raise InputError(f"model name {self.name!r}: use up to 128 letters, digits, '-', '_' and '.'",
                              hint="pass --name")
         self.program = load(self.path, trust_stored_executables=trust_stored_executables)
-        manifest = getattr(self.program, "manifest", None) or {}
-        self.llm = manifest.get("llm") if isinstance(manifest, dict) else None
+        self.llm = self.program.llm
         self.engine = self.text = self.model = self.tokenizer_json = None
         self.stop_ids: tuple = ()
         if self.llm is not None:

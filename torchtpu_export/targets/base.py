@@ -127,6 +127,21 @@ class Runnable:
     """
 
     default_signature: str | None = None  # what a call without signature_name runs, among several
+    # an LLM artifact's: the LoRA adapter export_llm(lora=PEFT_DIR) converted, a VLM bundle's image parts
+    # (llm.vision.VisionParts); None for the others
+    adapter = None
+    vision = None
+    quant_report = None  # a quantized edge model's error against float (tte.convert's)
+
+    @property
+    def llm(self) -> dict | None:
+        """What an LLM artifact carries for a server (a ``.tpu``'s manifest entry ``llm``), or None."""
+        return None
+
+    @property
+    def lora_inputs(self) -> dict:
+        """``{name: shape}`` of the LoRA adapter inputs its steps take (empty: it takes no adapter)."""
+        return {}
 
     @property
     def signatures(self) -> list[str]:

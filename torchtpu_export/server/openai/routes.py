@@ -27,7 +27,7 @@ class OpenAIServer:
         self.tokenizer_json, self.grammars = tokenizer_json, None  # structured outputs: llguidance's grammars
         self._grammars_made = None  # a lock, made on the event loop
         self.images = None  # a VLM's image workers
-        if getattr(engine, "vision", None) is not None:
+        if engine.vision is not None:
             from ...images import ImageWorkers
             self.images = ImageWorkers(time_budget=image_budget)
         self.limits = limits or Limits.for_cache(engine.length)
@@ -133,7 +133,7 @@ class OpenAIServer:
             raise OpenAIError("a request needs at least one prompt token", param=prompt_key)
         if any(not 0 <= t < vocab for t in ids):
             raise OpenAIError(f"prompt token ids must be in [0, {vocab})", param=prompt_key)
-        vision = getattr(self.engine, "vision", None)
+        vision = self.engine.vision
         if vision is not None:
             token, rows, count = vision["image_token_id"], vision["rows"], len(images or ())
             places = ids.count(token)
@@ -197,7 +197,7 @@ class OpenAIServer:
                               "positions can hold", param="messages")
         if self.text is None:
             raise OpenAIError("this model was exported without a tokenizer: chat needs one")
-        vision = getattr(self.engine, "vision", None) is not None
+        vision = self.engine.vision is not None
         plain = [plain_message(m, found if vision else None, f"messages[{i}]") for i, m in enumerate(messages)]
         text = json.dumps(plain, ensure_ascii=False) + (json.dumps(tools, ensure_ascii=False) if tools else "")
         check_text(text, "messages")

@@ -57,7 +57,7 @@ def with_metadata(model_bytes: bytes, artifact_metadata: dict) -> bytes:
 
 def _graph_specs(values, path: str) -> list[TensorSpec]:
     import onnx
-    from ...specs import _NP_DTYPES
+    from ...specs import NP_DTYPES
     specs = []
     for v in values:
         t = v.type.tensor_type
@@ -66,7 +66,7 @@ def _graph_specs(values, path: str) -> list[TensorSpec]:
             dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name if t.elem_type else "float32"
         except (KeyError, ValueError, TypeError):
             dtype = None
-        if dtype not in _NP_DTYPES:
+        if dtype not in NP_DTYPES:
             raise ArtifactError(f"{path}: {v.name[:80]!r} is a tensor of ONNX type {t.elem_type}, which "
                                 "torchtpu-export does not run")
         specs.append(TensorSpec(v.name, shape, dtype))

@@ -85,7 +85,7 @@ class TpuArtifact:
     programs: dict[str, dict[str, bytes]]  # program -> platform -> serialized Exported
     mlir: dict[str, dict[str, str]]  # program -> platform -> StableHLO text
     weights: Mapping[str, np.ndarray]
-    _keepalive: object = None  # the mmap the weights point into
+    keepalive: object = None  # the mmap the weights point into
     executables: dict[str, dict[str, bytes]] = dataclasses.field(default_factory=dict)  # topology -> program -> bytes
     extras: dict[str, bytes] = dataclasses.field(default_factory=dict)  # entry -> bytes (an LLM's tokenizer.json)
 

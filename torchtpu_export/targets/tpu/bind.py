@@ -119,4 +119,4 @@ def bind(artifact: tpu_format.TpuArtifact, source, prefix: str | None = None) ->
                          f"{', '.join(repr(m) for m in missing[:3])}{' ...' if len(missing) > 3 else ''}",
                          hint="pass prefix= for names the checkpoint stores under another module path")
     return tpu_format.TpuArtifact(copy.deepcopy(artifact.manifest), artifact.programs, artifact.mlir, weights,
-                                  (artifact._keepalive, keep), artifact.executables, artifact.extras)
+                                  (artifact.keepalive, keep), artifact.executables, artifact.extras)

@@ -33,6 +33,7 @@ class TpuProgram(Runnable):
     """
 
     default_signature = "main"
+    abstract = False  # the engine's program protocol: its chips are attached (engine.aot.TopologyProgram's are not)
 
     def __init__(self, artifact: tpu_format.TpuArtifact, *, trust_stored_executables: bool = False):
         if not isinstance(trust_stored_executables, bool):  # an opt-in to native code is said in so many words
@@ -47,6 +48,10 @@ class TpuProgram(Runnable):
     @property
     def manifest(self) -> dict:
         return self.artifact.manifest
+
+    @property
+    def llm(self) -> dict | None:
+        return self.manifest.get("llm")
 
     @property
     def signatures(self) -> list[str]:
