@@ -20,7 +20,7 @@ venv: $(STAMP)
 demo: venv
 	cd examples && $(abspath $(PY)) demo.py
 
-# The browser tests (tests/test_web.py) need Debian's chromium, node and examples/web's npm packages.
+# The browser tests (tests/web/test_litert_js.py) need Debian's chromium, node and examples/web's npm packages.
 # Installed here when missing; if that fails make goes on and those tests fail saying what is missing.
 WEB := examples/web
 CHROMIUM ?= /usr/bin/chromium
@@ -28,13 +28,13 @@ CHROMIUM ?= /usr/bin/chromium
 web-deps:
 	@command -v node >/dev/null && command -v npm >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null; } || \
-	  echo "web-deps: could not install node and npm; tests/test_web.py will fail"
+	  echo "web-deps: could not install node and npm; tests/web/test_litert_js.py will fail"
 	@test -x $(CHROMIUM) || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
-	  echo "web-deps: could not install chromium; tests/test_web.py will fail"
+	  echo "web-deps: could not install chromium; tests/web/test_litert_js.py will fail"
 	@test $(WEB)/node_modules/.package-lock.json -nt $(WEB)/package-lock.json || \
 	  (cd $(WEB) && npm ci --no-audit --no-fund --loglevel=error) || \
-	  echo "web-deps: npm ci failed in $(WEB); tests/test_web.py will fail"
+	  echo "web-deps: npm ci failed in $(WEB); tests/web/test_litert_js.py will fail"
 
 test: venv web-deps
 	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup --durations=30 tests

@@ -9,7 +9,7 @@ against torch eager relative to each output's scale.
 Then the GPU-delegate verdicts of litert-torch 0.10's files of the same models beside ours, with
 the op types only one of them uses (litert-torch runs in .venv-bench-litert-torch, made on first use).
 
-tests/test_npu.py and tests/test_edge_consumers.py assert the same (the CNNs on three SoCs within
+tests/targets/litert/test_npu.py and tests/targets/litert/test_tflite_consumers.py assert the same (the CNNs on three SoCs within
 their tolerances; GPU compatible; OpenVINO within 1e-5); this prints the numbers. Needs the [test]
 extra (`openvino`, `onnxruntime-qnn`) and `make`'s QNN libraries (tools/qnn_libs.py).
 """

@@ -23,7 +23,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # model types the tests do not name (tests name llama, qwen2, qwen3, gemma3, phi3, mistral, smollm, the
 # mixture-of-experts and hybrid families of examples/hf_llms.py, deepseek_v2/v3, falcon, the refused recurrent
-# ones, and bloom, doge, jetmoe and dbrx, which this sweep found failing and tests/test_llm_attention.py names)
+# ones, and bloom, doge, jetmoe and dbrx, which this sweep found failing and tests/llm/test_attention_variants.py names)
 HELD_OUT = ["starcoder2", "olmo", "olmo2", "olmo3", "cohere", "cohere2", "glm", "glm4", "stablelm", "gpt_neox",
             "gptj", "gpt2", "opt", "granite", "nemotron", "exaone4", "helium", "arcee", "persimmon", "phi",
             "codegen", "gpt_bigcode", "ministral", "seed_oss", "smollm3", "hunyuan_v1_dense", "hunyuan_v1_moe",

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from tests.web_browser import Browser, interpreter_outputs, max_error, missing_web_deps  # the tests' helper
+from tests.helpers.web_browser import Browser, interpreter_outputs, max_error, missing_web_deps  # the tests' helper
 
 MODELS = ["small_cnn", "mobilenet_v2", "bert_encoder", "llama_decode"]
 

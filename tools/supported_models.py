@@ -27,32 +27,34 @@ BEGIN, END = "<!-- supported-models:begin -->", "<!-- supported-models:end -->"
 
 # test (file::name) -> (targets, what it checks); the parameter is the family
 CHECKS = {
-    "tests/test_llm.py::test_bundle_runs_in_litert_lm_and_equals_transformers":
+    "tests/targets/litertlm/test_llm_bundles.py::test_bundle_runs_in_litert_lm_and_equals_transformers":
         (("litertlm",), "CLI export; LiteRT-LM's greedy text = transformers', 64 tokens (raw, chat, long prompt)"),
-    "tests/test_llm_tpu.py::test_every_dense_family_gives_transformers_tokens_over_64_steps":
+    "tests/targets/tpu/test_llm_tpu.py::test_every_dense_family_gives_transformers_tokens_over_64_steps":
         (("tpu",), "CLI export; greedy tokens = transformers', 64 tokens"),
-    "tests/test_llm_moe.py::test_moe_gives_transformers_tokens_on_both_targets":
+    "tests/llm/test_moe_decoders.py::test_moe_gives_transformers_tokens_on_both_targets":
         (("tpu", "litertlm"), "CLI export; greedy tokens = transformers', 64 tokens (tpu generate, LiteRT-LM)"),
-    "tests/test_llm_attention.py::test_cache_layout_is_the_models_and_both_targets_give_transformers_tokens":
+    "tests/llm/test_attention_variants.py::test_cache_layout_is_the_models_and_both_targets_give_transformers_tokens":
         (("tpu", "litertlm"), "CLI export; the model's own cache layout; greedy tokens = transformers', 64 tokens"),
-    "tests/test_llm_attention.py::test_adapted_families_give_transformers_tokens_on_both_targets":
+    "tests/llm/test_attention_variants.py::test_adapted_families_give_transformers_tokens_on_both_targets":
         (("tpu", "litertlm"), "CLI export; greedy tokens = transformers', 64 tokens (tpu generate, LiteRT-LM)"),
-    "tests/test_llm_hybrid.py::test_hybrid_families_carry_their_states_and_give_transformers_tokens":
+    "tests/llm/test_hybrid_decoders.py::test_hybrid_families_carry_their_states_and_give_transformers_tokens":
         (("tpu",), "CLI export; recurrent states carried as program state; greedy tokens = transformers', 64 tokens"),
-    "tests/test_llm_hybrid.py::test_hybrid_bundles_give_transformers_tokens_in_litert_lm":
+    "tests/llm/test_hybrid_decoders.py::test_hybrid_bundles_give_transformers_tokens_in_litert_lm":
         (("litertlm",), "CLI export; states kept past LiteRT-LM's padded chunk; "
                         "LiteRT-LM's greedy text = transformers', "
                         "64 tokens, 2 prompts"),
-    "tests/test_llm_hybrid.py::test_layers_that_keep_their_state_elsewhere_are_refused_naming_the_layer":
+    "tests/llm/test_hybrid_decoders.py::test_layers_that_keep_their_state_elsewhere_are_refused_naming_the_layer":
         (("tpu", "litertlm"), "refused at export, naming the recurrent layer"),
-    "tests/test_sharding.py::test_experts_split_over_chips_give_the_same_tokens_and_gather_no_weights":
+    "tests/targets/tpu/test_sharding.py::test_experts_split_over_chips_give_the_same_tokens_and_gather_no_weights":
         (("tpu",), "expert-parallel over 4 devices: same tokens; compiles for v5e:2x2"),
 }
 # tests that check a family's chat too (the export's probe conversations in the runtime's renderer against
 # transformers' apply_chat_template ids, and a chat's greedy reply), on the targets named
 CHAT = {
-    "tests/test_llm.py::test_bundle_runs_in_litert_lm_and_equals_transformers": "LiteRT-LM's conversation API",
-    "tests/test_llm_tpu.py::test_every_dense_family_gives_transformers_tokens_over_64_steps": "run --chat / serve",
+    "tests/targets/litertlm/test_llm_bundles.py::test_bundle_runs_in_litert_lm_and_equals_transformers":
+        "LiteRT-LM's conversation API",
+    "tests/targets/tpu/test_llm_tpu.py::test_every_dense_family_gives_transformers_tokens_over_64_steps":
+        "run --chat / serve",
 }
 # tests without a family parameter: the family they cover
 FAMILY_OF = {"test_experts_split_over_chips_give_the_same_tokens_and_gather_no_weights": "qwen3_moe"}
