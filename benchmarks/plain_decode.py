@@ -164,7 +164,7 @@ def measure(name: str, topologies: list[str]) -> dict:
     import time
 
     import torchtpu_export as tte
-    from torchtpu_export.llm.contract import DECODE, DECODE_BATCH
+    from torchtpu_export.llm.plan import DECODE, DECODE_BATCH
     from torchtpu_export.targets.tpu import aot
     family, config, slots, cache, lengths, abstract = CONFIGS[name]
     model = _model(family, config, abstract)

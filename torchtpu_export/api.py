@@ -6,6 +6,7 @@ converter, ``build`` converts and wraps the artifact in the target's runnable ob
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Sequence
 
@@ -274,12 +275,9 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     """
     import torch
 
-    from .llm.contract import (DECODE, DECODE_BATCH, DECODE_BUCKET, DECODE_PAGED, DECODE_PAGED_BUCKET,
-                               MIXED_PAGED, MIXED_PAGED_BLOCKS, MIXED_PAGED_BUCKET, PREFILL, PREFILL_BATCH,
-                               PREFILL_PAGED, PREFILL_PAGED_BUCKET, cache_shardings, mixed_chunks, mixed_inputs,
-                               paged_inputs, slot_inputs, step_inputs)
+    from .llm.contract import cache_shardings
     from .llm.source import load_source, recurrent_layers, refuse_recurrent
-    from .llm.step import CacheStep, grouped_attention_in, probe_layout
+    from .llm.step import grouped_attention_in, probe_layout
     from .quant import parse
     t = targets.get(target)
     source = load_source(model_or_path, tokenizer, abstract_weights, vision=target if t.llm.vision else None)
@@ -322,52 +320,13 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
     if image is not None and (pages or options.get("mesh")):
         raise InputError(f"{source.name}: a vision-language model is served from the engine's slots on one chip: "
                          f"not with {'kv_pages' if pages else 'mesh'}", hint="leave kv_pages and mesh out")
+    from .llm.plan import StepPlan
+    plan = StepPlan(tuple(lengths), batch_size, tuple(buckets), paged=bool(pages), batched_prefill=not layout.states,
+                    images=image is not None)
+    steps = _StepMaker(source, layout, padded, hidden, image, lora_layout, pages, page_size)
     sigs = SignatureSet()
-    image_end = source.vision.image_end if hidden is not None else None
-    for n in lengths:
-        sigs.signature(PREFILL.format(n), CacheStep(source.model, layout, logits=False, padded=padded,
-                                                    image_end=image_end, lora=lora_layout), (),
-                       step_inputs(layout, n, hidden, lora_layout))
-    # (a padded runtime's decode at position 0 starts a sequence too: a one-token prompt)
-    sigs.signature(DECODE, CacheStep(source.model, layout, logits=True, padded=padded, lora=lora_layout), (),
-                   step_inputs(layout, 1, hidden, lora_layout))
-    if image is not None:
-        from .llm.contract import PREFILL_IMAGE, VISION, image_inputs
-        from .llm.vision import ImageRows, sample_image
-        for n in lengths:
-            sigs.signature(PREFILL_IMAGE.format(n), CacheStep(source.model, layout, logits=False, image=image), (),
-                           image_inputs(layout, n, source.vision.hidden))
-        sigs.signature(VISION, ImageRows(source.vision), (), {"images": sample_image(source.vision)})
-    if pages:
-        sigs.signature(DECODE_PAGED, CacheStep(source.model, layout, logits=True, slots=True), (),
-                       paged_inputs(layout, batch_size, 1, pages, page_size))
-        for b in [1] + buckets if batch_size > 1 else ():  # a light load steps its own rows, not the whole batch's
-            sigs.signature(DECODE_PAGED_BUCKET.format(b), CacheStep(source.model, layout, logits=True, slots=True),
-                           (), paged_inputs(layout, b, 1, pages, page_size))
-        smaller = [1] + buckets if batch_size > 1 else []
-        for n in lengths:
-            # prompts prefilled together (and for fewer rows: a light load's); the engine's mixed steps, packed:
-            # each decoding row's next token and one row's next chunk (for fewer decoding rows too)
-            for b, sig in [(batch_size, PREFILL_PAGED.format(n))] + [(b, PREFILL_PAGED_BUCKET.format(n, b))
-                                                                     for b in smaller]:
-                sigs.signature(sig, CacheStep(source.model, layout, logits=False, slots=True), (),
-                               paged_inputs(layout, b, n, pages, page_size))
-            for b, sig in [(batch_size, MIXED_PAGED.format(n))] + [(b, MIXED_PAGED_BUCKET.format(n, b))
-                                                                   for b in smaller]:
-                sigs.signature(sig, CacheStep(source.model, layout, logits=True, slots=True, lanes=b), (),
-                               mixed_inputs(layout, b, n, pages, page_size))
-            k = mixed_chunks(n, batch_size)
-            if k > 1:  # and for a burst of arrivals while rows decode: their chunks share the step
-                sigs.signature(MIXED_PAGED_BLOCKS.format(n, k),
-                               CacheStep(source.model, layout, logits=True, slots=True, lanes=batch_size), (),
-                               mixed_inputs(layout, batch_size, n, pages, page_size, k))
-    elif batch_size > 1:
-        for b, sig in [(batch_size, DECODE_BATCH)] + [(b, DECODE_BUCKET.format(b)) for b in buckets]:
-            sigs.signature(sig, CacheStep(source.model, layout, logits=True, slots=True), (), slot_inputs(layout, b))
-        for n in lengths if not layout.states else ():  # requests arriving together are prefilled together,
-            # straight into their slots (never with recurrent states: the other rows' states would move)
-            sigs.signature(PREFILL_BATCH.format(n), CacheStep(source.model, layout, logits=False, slots=True), (),
-                           slot_inputs(layout, batch_size, n))
+    for p in plan.programs():
+        sigs.signature(p.name, *steps.make(p))
     if options.get("mesh") and options.get("sharding", "tensor_parallel") in (None, "tensor_parallel"):
         # tensor parallel splits attention by head: each chip keeps its own heads' KV cache, never the whole
         paged = [e[0] for e in sigs.entries if "page_table" in e[3]]  # their caches are pools
@@ -416,6 +375,47 @@ def export_llm(model_or_path, tokenizer=None, *, target: str = "litertlm", prefi
         report["chat"] = source.chat_report
     artifact.llm_check = report
     return artifact
+
+
+@dataclasses.dataclass
+class _StepMaker:
+    """The module and sample inputs of each program of an LLM's plan (``llm.plan.Program``)."""
+
+    source: object
+    layout: object
+    padded: bool  # the runtime pads a prompt's last chunk
+    hidden: int | None  # steps take embeddings of this width (a VLM on litertlm)
+    image: tuple | None  # steps of a served VLM: (image token, whether an image's rows attend to one another)
+    lora: object  # an llm.lora.LoraLayout: the steps take an adapter's inputs
+    pages: int
+    page_size: int
+
+    def make(self, p) -> tuple:
+        """``(module, args, kwargs)`` of program ``p``."""
+        from .llm.contract import image_inputs, mixed_inputs, paged_inputs, slot_inputs, step_inputs
+        from .llm.step import CacheStep
+        model, layout, vision = self.source.model, self.layout, self.source.vision
+        if p.kind == "prefill":
+            image_end = vision.image_end if self.hidden is not None else None
+            return (CacheStep(model, layout, logits=False, padded=self.padded, image_end=image_end, lora=self.lora),
+                    (), step_inputs(layout, p.tokens, self.hidden, self.lora))
+        if p.kind == "decode":  # (a padded runtime's decode at position 0 starts a sequence too: a one-token prompt)
+            return (CacheStep(model, layout, logits=True, padded=self.padded, lora=self.lora), (),
+                    step_inputs(layout, 1, self.hidden, self.lora))
+        if p.kind == "image_prefill":
+            return (CacheStep(model, layout, logits=False, image=self.image), (),
+                    image_inputs(layout, p.tokens, vision.hidden))
+        if p.kind == "vision":
+            from .llm.vision import ImageRows, sample_image
+            return ImageRows(vision), (), {"images": sample_image(vision)}
+        logits = p.kind in ("paged_decode", "mixed", "batch_decode")
+        lanes = {"lanes": p.rows} if p.kind == "mixed" else {}
+        step = CacheStep(model, layout, logits=logits, slots=True, **lanes)
+        if p.kind == "mixed":
+            return step, (), mixed_inputs(layout, p.rows, p.tokens, self.pages, self.page_size, p.blocks)
+        if p.kind in ("paged_decode", "paged_prefill"):
+            return step, (), paged_inputs(layout, p.rows, p.tokens, self.pages, self.page_size)
+        return step, (), slot_inputs(layout, p.rows, *((p.tokens,) if p.kind == "batch_prefill" else ()))
 
 
 def _chat(source, chat_template, check: bool) -> None:
@@ -475,7 +475,7 @@ def _export_vision(parts, program_target: str) -> dict:
 
 def _check_buckets(buckets, batch_size: int) -> list[int]:
     """``export_llm``'s ``batch_buckets``: distinct integers from 2 to below ``batch_size``, ascending."""
-    from .llm.contract import default_buckets
+    from .llm.plan import default_buckets
     if buckets is None:
         return default_buckets(batch_size)
     try:

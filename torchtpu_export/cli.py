@@ -248,7 +248,8 @@ def _convert_llm(args, target) -> int:
         adapter_path = _adapter_path(output)
         check_writable(adapter_path, inputs=(args.model, args.lora))
     artifact.save(output)
-    mask = next((s for s in artifact.inputs("decode") if s.name == "mask"), None)
+    from .llm.plan import DECODE
+    mask = next((s for s in artifact.inputs(DECODE) if s.name == "mask"), None)
     cache = f"; cache {mask.shape[-1]} positions" + ("" if args.cache_length else " (the default: the smaller of 1024 "
                                                      "and the model's limit)") if mask is not None else ""
     _out(args, f"wrote {output} ({_human(os.path.getsize(output))}) in {time.perf_counter() - t0:.1f} s "

@@ -33,13 +33,11 @@ kernel for rows of one query (a decode step, a packed step's decode tokens), our
 chunks, a packed step's blocks)."""
 from __future__ import annotations
 
-import re
 
 import numpy as np
 
 from ..errors import InputError
-from ..llm.contract import (DECODE_PAGED, DECODE_PAGED_BUCKET, MIXED_PAGED, MIXED_PAGED_BLOCKS, MIXED_PAGED_BUCKET,
-                            PREFILL_PAGED, PREFILL_PAGED_BUCKET, decode_buckets, mixed_chunks)
+from ..llm.plan import DECODE_PAGED, StepPlan, mixed_chunks
 from .prefix import PagePool, page_keys
 from .request import TOP_LOGPROBS
 from .scheduler import Engine, decode_program, first_device, part_rows
@@ -82,8 +80,9 @@ class PagedEngine(Engine):
         self._abstract = program.abstract
         self.vision = None
         sigs = program.signatures
-        self.lengths = sorted(int(m.group(1)) for m in (re.fullmatch(r"prefill_paged_(\d+)", s) for s in sigs) if m)
-        if DECODE_PAGED not in sigs or not self.lengths:
+        plan = StepPlan.of(sigs)
+        self.lengths = plan.paged_lengths
+        if not plan.has(DECODE_PAGED) or not self.lengths:
             raise InputError(f"a paged engine needs decode_paged and prefill_paged_<N> programs; this artifact has "
                              f"{sigs}", hint="export the model with tte.export_llm(..., target='tpu', kv_pages=...)")
         if prefix_pages is not None:
@@ -98,6 +97,7 @@ class PagedEngine(Engine):
         if page_size is not None and page_size != self.page_size:
             raise InputError(f"this program's pages hold {self.page_size} positions, not {page_size}")
         self.slots = spec["tokens"].shape[0]
+        plan = self.plan = plan.with_rows(self.slots)  # which program takes each of the engine's calls
         self._max_pages = spec["page_table"].shape[1]
         self.length = self._max_pages * self.page_size
         self.exact = False
@@ -111,35 +111,34 @@ class PagedEngine(Engine):
         weights = self.decode_runner.weights
         self.device = first_device(weights)
         self._small = SingleDeviceSharding(self.device) if mesh is None else NamedSharding(mesh, PartitionSpec())
-        self.runners = {PREFILL_PAGED.format(n): program.runner(PREFILL_PAGED.format(n), platform)
+        self.runners = {plan.prefill_paged(n, self.slots): program.runner(plan.prefill_paged(n, self.slots), platform)
                         for n in self.lengths}
         self._fns = {sig: jit_prefill(r, output_tree(program, sig), self.length, self.cache_names, slots=True)
                      for sig, r in self.runners.items()}
         self._decodes: dict = {}
         self._mixeds: dict = {}  # (mixed signature, alternatives reported) -> jitted mixed step
         # a light load steps its own rows through a smaller program (decode_paged_<b>): no idle row stepped
-        self._buckets = {b: program.runner(DECODE_PAGED_BUCKET.format(b), platform)
-                         for b in decode_buckets(sigs, paged=True) if b < self.slots}
+        self._buckets = {b: program.runner(plan.decode_paged_bucket(b), platform)
+                         for b in plan.decode_buckets() if b < self.slots}
         self._row_decodes: dict = {}
         # prefill chunks (and mixed steps) of fewer rows: (length, rows) -> signature, the batch's own among them
-        self._fill = {(n, self.slots): PREFILL_PAGED.format(n) for n in self.lengths}
+        self._fill = {(n, self.slots): plan.prefill_paged(n, self.slots) for n in self.lengths}
         for b in sorted(self._buckets):
-            if all(PREFILL_PAGED_BUCKET.format(n, b) in sigs for n in self.lengths):
+            if all(plan.has(plan.prefill_paged(n, b)) for n in self.lengths):
                 for n in self.lengths:
-                    sig = self._fill[n, b] = PREFILL_PAGED_BUCKET.format(n, b)
+                    sig = self._fill[n, b] = plan.prefill_paged(n, b)
                     self.runners[sig] = program.runner(sig, platform)
                     self._fns[sig] = jit_prefill(self.runners[sig], output_tree(program, sig), self.length,
                                                  self.cache_names, slots=True)
         # packed mixed steps: (chunk length, decode lanes, blocks of prompt tokens) -> signature (none in an
         # artifact of an older version: its arrivals are then prefilled between decode steps); a step of one
         # prompt's chunk, or of several (B lanes, ``mixed_paged_<N>_blocks_<k>``) when more than one rides
-        self._mixes = {(n, b, 1): sig for n in self.lengths for b in [self.slots] + sorted(self._buckets)
-                       for sig in [MIXED_PAGED.format(n) if b == self.slots else MIXED_PAGED_BUCKET.format(n, b)]
-                       if sig in sigs}
+        self._mixes = {(n, b, 1): plan.mixed(n, b) for n in self.lengths for b in [self.slots] + sorted(self._buckets)
+                       if plan.has(plan.mixed(n, b))}
         for n in self.lengths:
             k = mixed_chunks(n, self.slots)
-            if MIXED_PAGED_BLOCKS.format(n, k) in sigs and (n, self.slots, 1) in self._mixes:
-                self._mixes[n, self.slots, k] = MIXED_PAGED_BLOCKS.format(n, k)
+            if plan.has(plan.mixed(n, self.slots, k)) and (n, self.slots, 1) in self._mixes:
+                self._mixes[n, self.slots, k] = plan.mixed(n, self.slots, k)
         for sig in self._mixes.values():
             self.runners[sig] = program.runner(sig, platform)
         self._set_row, self._get_row = jit_set_row(), jit_get_row()
@@ -253,7 +252,7 @@ class PagedEngine(Engine):
     def _rows_fn(self, rows: int, top: int):
         if (rows, top) not in self._row_decodes:
             self._row_decodes[rows, top] = jit_decode_rows(
-                self._buckets[rows], output_tree(self.program, DECODE_PAGED_BUCKET.format(rows)), self.length,
+                self._buckets[rows], output_tree(self.program, self.plan.decode_paged_bucket(rows)), self.length,
                 self.cache_names, top)
         return self._row_decodes[rows, top]
 
@@ -300,7 +299,7 @@ class PagedEngine(Engine):
                 self.decode_runner.weights, self._state, self._caches, allowed, table)
         for b, runner in sorted(self._buckets.items()):
             for top in (0, TOP_LOGPROBS):
-                yield f"{DECODE_PAGED_BUCKET.format(b)}.top{top}", self._rows_fn(b, top), (
+                yield f"{self.plan.decode_paged_bucket(b)}.top{top}", self._rows_fn(b, top), (
                     runner.weights, self._state, self._caches, self._host((b, allowed.shape[1])),
                     self._host((b, self._max_pages)), self._host((b,)))
         yield f"set_row.{B}", self._set_row, (self._state, i32, self._row_abstract())

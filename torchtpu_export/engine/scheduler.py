@@ -16,8 +16,8 @@ import numpy as np
 
 from ..errors import InputError
 from ..images import MAX_IMAGES
-from ..llm.contract import (DECODE, DECODE_BATCH, DECODE_BUCKET, PREFILL, PREFILL_BATCH, PREFILL_IMAGE, VISION,
-                            decode_buckets, has_state, prefill_chunks, prefill_lengths)
+from ..llm.contract import has_state, prefill_chunks
+from ..llm.plan import DECODE, DECODE_BATCH, VISION, StepPlan
 from .follow import Following
 from .prefix import PAGE_SIZE, PrefixCache, default_pages, page_keys
 from .request import TOP_LOGPROBS, Request, SamplingParams, is_int
@@ -78,13 +78,14 @@ class Engine(Following):
         self._jax = jax
         self._abstract = program.abstract  # aot.TopologyProgram: chips not attached
         sigs = program.signatures
-        self.lengths = prefill_lengths(sigs)
-        decode_sig = DECODE_BATCH if batched and DECODE_BATCH in sigs else DECODE
+        plan = self.plan = StepPlan.of(sigs)  # which program takes each of the engine's calls
+        self.lengths = list(plan.lengths)
+        decode_sig = DECODE_BATCH if batched and plan.has(DECODE_BATCH) else DECODE
         if decode_sig not in sigs or not self.lengths:
             raise InputError(f"serving an LLM needs prefill_<N> and decode programs; this artifact has {sigs}",
                              hint="export the model with tte.export_llm(..., target='tpu')")
         self.program = program
-        self.runners = {sig: program.runner(sig, platform) for sig in [PREFILL.format(n) for n in self.lengths]}
+        self.runners = {sig: program.runner(sig, platform) for sig in [plan.prefill(n) for n in self.lengths]}
         self.decode_runner, spec, self.vocab = decode_program(program, decode_sig, platform, ("tokens", "input_pos",
                                                                                              "mask"))
         self.cache_names = [n for n in spec if n.startswith("kv_cache_")]
@@ -105,23 +106,23 @@ class Engine(Following):
         self.lead = self.processes == 1 or jax.process_index() == 0
         self._small = SingleDeviceSharding(self.device) if mesh is None else NamedSharding(mesh, PartitionSpec())
         batch_sh = cache_shardings(self.decode_runner, self.cache_names, self._small)
-        slot_sh = cache_shardings(self.runners[PREFILL.format(self.lengths[0])], self.cache_names, self._small)
+        slot_sh = cache_shardings(self.runners[plan.prefill(self.lengths[0])], self.cache_names, self._small)
         self._slot_specs = [(tuple(spec[n].shape[1:]), np.dtype(spec[n].dtype)) for n in self.cache_names]
         self._slot_sh = slot_sh
         self._fns = {sig: self._prefill_fn(sig) for sig in self.runners}
         # prefill of several slots at once, straight into the batch's cache (requests arriving together)
-        self.batch_lengths = [n for n in self.lengths if decode_sig == DECODE_BATCH and PREFILL_BATCH.format(n) in sigs
+        self.batch_lengths = [n for n in self.lengths if decode_sig == DECODE_BATCH and plan.has(plan.prefill_batch(n))
                               and not self.exact]
         for n in self.batch_lengths:
-            sig = PREFILL_BATCH.format(n)
+            sig = plan.prefill_batch(n)
             self.runners[sig] = program.runner(sig, platform)
             self._fns[sig] = self._prefill_fn(sig, slots=True)
         self.vision = vision_of(program, self.vocab, self.length) if self.takes_images else None
-        if self.vision is not None:  # a VLM (llm.contract.VISION): image requests prefill through prefill_image_<N>
+        if self.vision is not None:  # a VLM (llm.plan.VISION): image requests prefill through prefill_image_<N>
             self._vision_runner = program.runner(VISION, platform)
             self._vision = jit_vision(self._vision_runner, output_tree(program, VISION))
             for n in self.lengths:
-                sig = PREFILL_IMAGE.format(n)
+                sig = plan.prefill_image(n)
                 self.runners[sig] = program.runner(sig, platform)
                 self._fns[sig] = jit_prefill_image(self.runners[sig], output_tree(program, sig), self.length,
                                                    self.cache_names)
@@ -132,9 +133,9 @@ class Engine(Following):
         # step reads every slot's cache), put back when the load outgrows it. By rows: (signature, runner)
         self._buckets: dict = {}
         if decode_sig == DECODE_BATCH:
-            self._buckets = {b: (DECODE_BUCKET.format(b), program.runner(DECODE_BUCKET.format(b), platform))
-                             for b in decode_buckets(sigs) if b < self.slots}
-            if DECODE in sigs:
+            self._buckets = {b: (plan.decode_bucket(b), program.runner(plan.decode_bucket(b), platform))
+                             for b in plan.decode_buckets() if b < self.slots}
+            if plan.has(DECODE):
                 self._buckets[1] = (DECODE, program.runner(DECODE, platform))
         self._part: list | None = None  # [slot of each row (-1: none), their state, their caches] while in use
         self._part_decodes: dict = {}  # (rows, alternatives reported) -> jitted decode
@@ -231,16 +232,16 @@ class Engine(Following):
         one = tuple(self._jax.ShapeDtypeStruct((1, *s), d, sharding=sh)
                     for (s, d), sh in zip(self._slot_specs, self._slot_sh))
         for n in self.lengths:
-            sig = PREFILL.format(n)
+            sig = self.plan.prefill(n)
             yield sig, self._fns[sig], (self.runners[sig].weights, self._host((1, n)), i32, one)
         for n in self.batch_lengths:
-            sig = PREFILL_BATCH.format(n)
+            sig = self.plan.prefill_batch(n)
             yield sig, self._fns[sig], (self.runners[sig].weights, self._host((B, n)), self._host((B,)),
                                         self._caches)
         if self.vision is not None:
             v = self.vision
             for n in self.lengths:
-                sig = PREFILL_IMAGE.format(n)
+                sig = self.plan.prefill_image(n)
                 yield sig, self._fns[sig], (self.runners[sig].weights, self._host((1, n)), i32, one,
                                             self._host((1, n, v["hidden"]), np.float32))
             yield VISION, self._vision, (self._vision_runner.weights,
@@ -617,7 +618,7 @@ class Engine(Following):
                         return budget
                     chunk = np.zeros((1, n), np.int32)
                     chunk[0, :take] = todo[slot.filled:slot.filled + take]
-                    sig = PREFILL.format(n) if rows is None else PREFILL_IMAGE.format(n)
+                    sig = self.plan.prefill(n) if rows is None else self.plan.prefill_image(n)
                     more = ()
                     if rows is not None:  # the image rows of this chunk's positions
                         aligned = np.zeros((1, n, rows.shape[1]), np.float32)
@@ -751,7 +752,7 @@ class Engine(Following):
                 if take:
                     tokens[i, :take] = s.request.prompt[s.filled:s.filled + take]
                     start[i] = s.filled
-            sig = PREFILL_BATCH.format(n)
+            sig = self.plan.prefill_batch(n)
             self._caches = self._fns[sig](self.runners[sig].weights, self._put(tokens), self._put(start),
                                           self._caches)
             for i, s in rows:
@@ -928,7 +929,7 @@ def vision_of(program, vocab: int, length: int) -> dict | None:
     if v is None:
         return None
     sigs = program.signatures
-    wanted = [VISION, *(PREFILL_IMAGE.format(n) for n in prefill_lengths(sigs))]
+    wanted = [VISION, *(StepPlan.prefill_image(n) for n in StepPlan.of(sigs).lengths)]
     if any(s not in sigs for s in wanted):
         raise ArtifactError(f"this file names a vision model but lacks the programs "
                             f"{[s for s in wanted if s not in sigs]}")

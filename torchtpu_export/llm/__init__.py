@@ -12,11 +12,12 @@ project's own, exported as prefill and decode programs for any target (``tte.exp
 
 So no architecture is re-authored: one that transformers builds from these blocks works.
 """
-from .contract import (DECODE, DECODE_BATCH, DECODE_BUCKET, DECODE_PAGED, DECODE_PAGED_BUCKET, DECODE_PAGED_ONE,
-                       MIXED_CHUNKS, MIXED_PAGED, MIXED_PAGED_BLOCKS, MIXED_PAGED_BUCKET, PREFILL, PREFILL_BATCH,
-                       PREFILL_PAGED, PREFILL_PAGED_BUCKET, CacheLayout, cache_shardings, decode_buckets, mixed_chunks,
-                       mixed_inputs, paged_inputs, prefill_chunks, prefill_lengths, slot_inputs, step_inputs)
+from .contract import (CacheLayout, cache_shardings, mixed_inputs, paged_inputs, prefill_chunks, slot_inputs,
+                       step_inputs)
 from .host import HostLoop, host_generate, next_token_logits
+from .plan import (DECODE, DECODE_BATCH, DECODE_BUCKET, DECODE_PAGED, DECODE_PAGED_BUCKET, DECODE_PAGED_ONE, MIXED_CHUNKS,
+                   MIXED_PAGED, MIXED_PAGED_BLOCKS, MIXED_PAGED_BUCKET, PREFILL, PREFILL_BATCH, PREFILL_PAGED,
+                   PREFILL_PAGED_BUCKET, StepPlan, mixed_chunks)
 from .source import LlmSource, load_source
 from .step import CacheStep
 from .text import LlmTokenizer, parts_template
@@ -24,6 +25,5 @@ from .text import LlmTokenizer, parts_template
 __all__ = ["DECODE", "DECODE_BATCH", "DECODE_BUCKET", "DECODE_PAGED", "DECODE_PAGED_BUCKET", "DECODE_PAGED_ONE",
            "MIXED_CHUNKS", "MIXED_PAGED", "MIXED_PAGED_BLOCKS", "MIXED_PAGED_BUCKET", "PREFILL", "PREFILL_BATCH",
            "PREFILL_PAGED", "PREFILL_PAGED_BUCKET", "CacheLayout", "CacheStep", "HostLoop", "LlmSource", "LlmTokenizer",
-           "cache_shardings", "decode_buckets", "host_generate", "load_source", "mixed_chunks", "mixed_inputs",
-           "next_token_logits", "paged_inputs", "parts_template", "prefill_chunks", "prefill_lengths", "slot_inputs",
-           "step_inputs"]
+           "StepPlan", "cache_shardings", "host_generate", "load_source", "mixed_chunks", "mixed_inputs",
+           "next_token_logits", "paged_inputs", "parts_template", "prefill_chunks", "slot_inputs", "step_inputs"]

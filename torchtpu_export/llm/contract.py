@@ -1,46 +1,15 @@
 """The contract between an LLM's exported programs and whoever runs them (LiteRT-LM, the serving engine, the
-host loop): signature names, the cache layout (``kv_cache_k_<i>`` / ``kv_cache_v_<i>``, ``[B, kv_heads, C,
+host loop): the cache layout (``kv_cache_k_<i>`` / ``kv_cache_v_<i>``, ``[B, kv_heads, C,
 head_dim]``; a recurrent layer's states ``kv_cache_c_<i>`` / ``kv_cache_c_ssm_<i>``), a step's inputs, and how
 a prompt is cut into prefill chunks. Targets and the engine read it; it imports no target."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Sequence
 
 import torch
 
 from ..errors import InputError
-
-# what LiteRT-LM and litert-torch call the signatures and tensors (the bundle contract)
-PREFILL = "prefill_{}"
-DECODE = "decode"
-DECODE_BATCH = "decode_batch"  # tpu serving: one token for each of B sequences (slots), each at its own position
-# a smaller batch of the same step, for a light load (``b`` rows; exported for ``b`` in ``batch_buckets``): the engine
-# steps the busy rows through the smallest that holds them, not every slot
-DECODE_BUCKET = "decode_batch_{}"
-PREFILL_BATCH = "prefill_batch_{}"  # tpu serving: N prompt tokens for each of B slots, each row from its own start
-# tpu serving over a paged KV cache (``export_llm(..., paged=True)``): the same steps, the caches a pool of pages
-# shared by all rows, each row's pages in its ``page_table`` row
-DECODE_PAGED = "decode_paged"
-DECODE_PAGED_ONE = "decode_paged_1"  # one row of the batch alone (its page table's row): no idle row stepped
-DECODE_PAGED_BUCKET = "decode_paged_{}"  # ``b`` rows of the batch (``batch_buckets``), as DECODE_BUCKET
-PREFILL_PAGED = "prefill_paged_{}"  # N prompt tokens for each of B rows, each row from its own start
-PREFILL_PAGED_BUCKET = "prefill_paged_{}_rows_{}"  # the same, N tokens for b rows (``batch_buckets``, and 1)
-# a mixed step, packed (``mixed_inputs``): b decode tokens (one per decoding row) and one row's N prompt tokens
-# in one sequence of b + N tokens, so a step computes the tokens it carries, not rows x chunk length
-MIXED_PAGED = "mixed_paged_{}"  # B decode lanes
-MIXED_PAGED_BUCKET = "mixed_paged_{}_rows_{}"  # b decode lanes (``batch_buckets``, and 1)
-# the same with B lanes and the N prompt tokens in k blocks of N / k, each block a row's: up to k arriving prompts
-# share the step (k: ``mixed_chunks``, at most MIXED_CHUNKS)
-MIXED_PAGED_BLOCKS = "mixed_paged_{}_blocks_{}"
-MIXED_CHUNKS = 4
-# a vision-language model on the tpu target: ``vision`` (``images [1, H, W, 3]`` in [0, 1] -> ``embeddings
-# [1, R, D]``, an image's rows) and a prefill taking ``image_rows [1, N, D]`` beside its tokens (row ``i`` put in
-# where token ``i`` is the image token, as transformers merges them)
-VISION = "vision"
-PREFILL_IMAGE = "prefill_image_{}"
-
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
@@ -165,12 +134,6 @@ def mixed_inputs(layout: CacheLayout, lanes: int, n: int, pages: int, page: int,
                 input_pos=torch.zeros(lanes + n, dtype=torch.int32))
 
 
-def mixed_chunks(n: int, rows: int) -> int:
-    """The blocks of a mixed step's ``n`` prompt tokens for a batch of ``rows``: the most, up to MIXED_CHUNKS and
-    ``rows``, that divide ``n``."""
-    return max(k for k in range(1, min(MIXED_CHUNKS, rows) + 1) if n % k == 0)
-
-
 def cache_shardings(layout: CacheLayout, mesh, paged=()) -> dict:
     """Each cache ``[slots, kv_heads, length, head_dim]`` split by KV head over the mesh's ``model``
     axis, when the heads divide over it (else replicated, as XLA would gather them anyway). The paged
@@ -192,28 +155,6 @@ def cache_shardings(layout: CacheLayout, mesh, paged=()) -> dict:
     else:
         return {}
     return split | {f"{sig}:{name}": [spec[1], None, None, spec[3]] for sig in paged for name, spec in split.items()}
-
-
-def default_buckets(batch_size: int) -> list[int]:
-    """The smaller batches exported beside a ``batch_size``-row decode by default: 4, 16, 64, ... below it (a
-    light load then steps at most four times the rows it has)."""
-    out, b = [], 4
-    while b < batch_size:
-        out.append(b)
-        b *= 4
-    return out
-
-
-def decode_buckets(signatures, paged: bool = False) -> list[int]:
-    """The row counts of the smaller decode batches among ``signatures`` (``decode_batch_<b>``, or with ``paged``
-    ``decode_paged_<b>``; ``decode_paged_1`` among them), ascending."""
-    pattern = r"decode_paged_(\d+)" if paged else r"decode_batch_(\d+)"
-    return sorted(int(m.group(1)) for m in (re.fullmatch(pattern, s) for s in signatures) if m)
-
-
-def prefill_lengths(signatures) -> list[int]:
-    """The lengths of the one-sequence ``prefill_<N>`` signatures, ascending."""
-    return sorted(int(m.group(1)) for m in (re.fullmatch(r"prefill_(\d+)", s) for s in signatures) if m)
 
 
 def prefill_chunks(count: int, lengths: Sequence[int], exact: bool = False):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..errors import InputError
-from .contract import DECODE, PREFILL, has_state, prefill_chunks, prefill_lengths
+from .contract import has_state, prefill_chunks
+from .plan import DECODE, StepPlan
 
 
 class HostLoop:
@@ -21,15 +22,16 @@ class HostLoop:
         import numpy as np
         self.program, self.padded, self.embed = program, padded, embed
         self.extra = extra or {}  # inputs every step takes as they are (a LoRA adapter's)
-        self.lengths = prefill_lengths(program.signatures)
+        self.lengths = list(StepPlan.of(program.signatures).lengths)
         specs = {s.name: s for s in program.inputs(DECODE)}
         self.length = specs["mask"].shape[-1]
         self.caches = {n: np.zeros(s.shape, np.dtype(s.dtype)) for n, s in specs.items() if n.startswith("kv_cache_")}
         self.pos = 0
 
-    def step(self, sig: str, tokens: Sequence[int], more: dict | None = None):
+    def step(self, sig: str, tokens: Sequence[int], more: dict | None = None, n: int | None = None):
+        """Program ``sig`` on ``tokens`` (padded to its ``n`` positions; ``n`` None: as many as the tokens)."""
         import numpy as np
-        n = len(tokens) if sig == DECODE else int(sig.rsplit("_", 1)[1])
+        n = len(tokens) if n is None else n
         if self.pos + len(tokens) > self.length:
             raise InputError(f"{self.pos + len(tokens)} tokens do not fit the cache of {self.length}")
         pos = np.zeros(n, np.int32)
@@ -51,7 +53,7 @@ class HostLoop:
         """Fills the cache with ``ids``, in the largest chunks that help."""
         exact = has_state(self.caches) and not self.padded
         for start, take, n in prefill_chunks(len(ids), self.lengths, exact=exact):
-            self.step(PREFILL.format(n), ids[start:start + take])
+            self.step(StepPlan.prefill(n), ids[start:start + take], n=n)
 
     def decode(self, token: int):
         """The next-token logits ``[vocab]`` after ``token``, which goes into the cache."""

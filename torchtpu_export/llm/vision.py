@@ -397,21 +397,21 @@ def check_image_steps(parts: VisionParts, program, tolerance: float) -> dict:
     import numpy as np
 
     from ..errors import NumericsError
-    from .contract import PREFILL_IMAGE, VISION, prefill_lengths
+    from .plan import VISION, StepPlan
     from .host import HostLoop
     image = sample_image(parts, seed=2)
     rows = np.asarray(_outputs(program, VISION, images=image.numpy())["embeddings"])
     with torch.no_grad():
         rows_error = _compare("image rows", rows, ImageRows(parts)(image)["embeddings"].double().numpy())
     ids = [5, 9, *[parts.image_token_id] * rows.shape[1], 7, 11, 13]
-    n = next((k for k in prefill_lengths(program.signatures) if k >= len(ids) - 1), None)
+    n = next((k for k in StepPlan.of(program.signatures).lengths if k >= len(ids) - 1), None)
     if n is None:
         return {"rows_error": rows_error, "steps_checked": False, "why": "no prefill length holds an image"}
     aligned = np.zeros((1, n, rows.shape[2]), np.float32)
     where = [i for i, t in enumerate(ids[:-1]) if t == parts.image_token_id]
     aligned[0, where] = rows[0]
     loop = HostLoop(program)
-    loop.step(PREFILL_IMAGE.format(n), ids[:-1], {"image_rows": aligned})
+    loop.step(StepPlan.prefill_image(n), ids[:-1], {"image_rows": aligned}, n=n)
     ours = np.asarray(loop.decode(ids[-1]), np.float64)
     ref = _reference_logits(parts, ids, image)
     scale = float(np.abs(ref).max()) or 1.0

@@ -8,7 +8,7 @@ import torch
 
 import torchtpu_export as tte
 from benchmarks.plain_decode import compile_plain_decode
-from torchtpu_export.llm.contract import DECODE, DECODE_BATCH
+from torchtpu_export.llm.plan import DECODE, DECODE_BATCH
 from torchtpu_export.targets.tpu import aot
 
 pytestmark = [pytest.mark.skipif(aot.libtpu_version() is None, reason="libtpu is not installed"),

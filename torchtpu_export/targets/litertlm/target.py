@@ -21,6 +21,7 @@ import tempfile
 import numpy as np
 
 from ...errors import ArtifactError, InputError
+from ...llm.plan import DECODE
 from ..base import LlmSupport, Runnable, Target, no_topologies
 from .artifact import EXECUTOR_METADATA, VISION_ENCODER, pack, section_bytes
 from .checks import Checked, check
@@ -31,7 +32,7 @@ class LitertLmBundle(Runnable):
     ``bundle(tokens=..., input_pos=..., mask=..., kv_cache_k_0=..., signature_name="decode")`` runs one
     step on the LiteRT interpreter (what the engine calls); ``save`` writes it atomically."""
 
-    default_signature = "decode"
+    default_signature = DECODE
 
     def __init__(self, edge, tokenizer=None, metadata: dict | None = None, path: str | None = None,
                  checked: "Checked | None" = None, parts: dict | None = None, vision=None, adapter=None):
@@ -112,7 +113,7 @@ class LitertLmBundle(Runnable):
     @property
     def lora_inputs(self) -> dict:
         """``{name: shape}`` of the steps' LoRA inputs (empty: the bundle takes no adapter)."""
-        return {s.name: tuple(s.shape) for s in self.edge.inputs("decode") if s.name.startswith("lora_atten_")}
+        return {s.name: tuple(s.shape) for s in self.edge.inputs(DECODE) if s.name.startswith("lora_atten_")}
 
     def _file(self) -> str:
         if self.path is None:  # made in this process: the engine reads a file, packed once
@@ -306,7 +307,7 @@ from ..litert.target import TARGET as LITERT  # noqa: E402  (its programs are li
 
 TARGET = Target(
     name="litertlm", summary="LLM bundles (.litertlm) for LiteRT-LM on phones, desktops and the web",
-    converter="litert", runtime="litertlm", suffix=".litertlm", runnable=LitertLmBundle, signature="decode",
+    converter="litert", runtime="litertlm", suffix=".litertlm", runnable=LitertLmBundle, signature=DECODE,
     build=build, load=load, describe=describe, cli_options=cli_options, debuggable=False,
     recipes=LITERT.recipes, magic=lambda head, names: head == b"LITERTLM",
     # LiteRT-LM's executor (0.18.1) carries the tensors named kv_cache_k_*, kv_cache_v_* and kv_cache_c_* from

@@ -311,7 +311,7 @@ def _manifest_schema():
                        "column_parallel": ListOf(NAME), "row_parallel": ListOf(NAME)},
                       {"mesh": MapOf(Count()), "outputs": ListOf(ListOf(axis)), "expert_axis": NAME,
                        "expert_parallel": ListOf(NAME)})
-    # a VLM (llm.contract.VISION): the image size, rows per image, and the text and token that place an image
+    # a VLM (llm.plan.VISION): the image size, rows per image, and the text and token that place an image
     vision = Record({k: Count() for k in ("height", "width", "rows", "hidden", "image_token_id")}
                     | {"marker": STR, "sequence": STR, "bidirectional": BOOL, "resample": OneOf(*RESAMPLE)},
                     {"family": STR})

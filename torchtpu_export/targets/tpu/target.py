@@ -414,10 +414,10 @@ def _pages_line(desc: dict, llm: dict) -> str:
     import numpy as np
 
     from ...engine.prefix import PAGE_SIZE, default_pages
-    from ...llm.contract import DECODE_PAGED
+    from ...llm.plan import DECODE, DECODE_PAGED
     paged = [i for i in (desc.get("programs", {}).get(DECODE_PAGED) or {}).get("inputs", [])
              if i["name"].startswith(("kv_cache_k_", "kv_cache_v_"))]
-    kv = [i for i in (desc.get("programs", {}).get("decode") or {}).get("inputs", [])
+    kv = [i for i in (desc.get("programs", {}).get(DECODE) or {}).get("inputs", [])
           if i["name"].startswith(("kv_cache_k_", "kv_cache_v_"))]
 
     def itemsize(dtype) -> int:  # bytes per element (bfloat16 too); 0 for what is no dtype
@@ -511,14 +511,14 @@ def llm_options(source, layout, prefill_lengths) -> dict:
 def _carry_llm(artifact, llm: dict) -> None:
     """What a server needs to take text: the tokenizer, its special tokens and
     the chat template, the cache length, prefill lengths and decode slots."""
-    from ...llm.contract import DECODE_BATCH, DECODE_PAGED
+    from ...llm.plan import DECODE_BATCH, DECODE_PAGED
     manifest = artifact.manifest
     batch = manifest["programs"].get(DECODE_BATCH) or manifest["programs"].get(DECODE_PAGED)
     source, layout = llm["source"], llm["layout"]
     info = {"name": source.name, "cache_length": layout.length, "prefill_lengths": llm["prefill_lengths"],
             "slots": next(i["shape"][0] for i in batch["inputs"] if i["name"] == "tokens") if batch else 1}
     parts = source.vision
-    if parts is not None:  # a VLM: what the server needs to put images into a prompt (llm.contract.VISION)
+    if parts is not None:  # a VLM: what the server needs to put images into a prompt (llm.plan.VISION)
         info["vision"] = {"family": parts.family, "height": parts.height, "width": parts.width,
                           "rows": parts.image_tokens - (parts.image_end is not None), "hidden": parts.hidden,
                           "image_token_id": parts.image_token_id, "marker": parts.expansion[0],
