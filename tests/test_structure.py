@@ -365,6 +365,21 @@ def test_the_docs_list_the_targets_of_the_table():
     assert "three steps" in section and "../shared" not in text + open(os.path.join(REPO, "README.md")).read()
 
 
+def test_the_wheel_lists_every_package():
+    """pyproject.toml names each package the wheel installs: a new folder left out installs nothing, and only
+    the installed-wheel tests would notice."""
+    import tomllib
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = set()
+    for folder, package in PACKAGES.items():
+        for root, _, files in os.walk(os.path.join(REPO, folder)):
+            if "__init__.py" in files:
+                rel = os.path.relpath(root, os.path.join(REPO, folder))
+                found.add(package if rel == "." else package + "." + rel.replace(os.sep, "."))
+    assert found == listed, (sorted(found - listed), sorted(listed - found))
+
+
 def test_every_runnable_is_a_runnable():
     for t in targets.all_targets().values():
         assert issubclass(t.runnable, targets.Runnable), t.name
