@@ -16,7 +16,7 @@ import torchtpu_export as tte
 from conftest import export_folder, run_cli
 from serving_harness import Server, _compile_events, greedy
 from torchtpu_export.engine import Engine
-from torchtpu_export.engine.aot import compile_engine
+from torchtpu_export.targets.tpu.stored import compile_engine
 from torchtpu_export.engine.paged import PagedEngine
 from torchtpu_export.errors import InputError
 
@@ -325,7 +325,7 @@ def test_paged_programs_compile_for_tpu_with_the_kernel_where_it_pays():
         assert stats["fits"] and stats["hbm_bytes"]["aliased"] >= pool, (sig, stats)
         assert stats.get("kernel_estimates", 0) == 2, (sig, stats)
     # every call of the server's engine (steps with sampling, mixed steps, row and pool work) compiles for v5e too
-    engine = compile_engine(prog, "v5e:1x1", Engine)
+    engine = compile_engine(prog, "v5e:1x1")
     assert engine["server"] == "PagedEngine" and engine["device_kind"] == "TPU v5 lite" and engine["libtpu"]
     assert {"decode_paged.top0", "decode_paged.top20", "prefill_paged_16", "mixed_paged_16.top0",
             "mixed_paged_16.top20", "decode_paged_1.top0", "decode_paged_1.top20", "set_row.4",

@@ -193,17 +193,16 @@ class Engine(Following):
         import time
 
         from ..errors import ArtifactError
-        from .aot import stored_calls
         t0 = time.perf_counter()
         devices = self._devices()
         self._say_ignored()
-        stored = stored_calls(self.program, devices)
+        stored = self.program.stored_calls(devices)
         for name, fn, args in self.calls():
             if stored is None:
                 fn.compile(*args)
             elif name in stored:
                 try:
-                    fn.load(stored[name], *args, devices=devices)
+                    fn.load(stored[name], *args, devices=devices, loader=self.program.load_executable)
                 except ArtifactError as e:
                     raise ArtifactError(f"the file's stored engine call {name!r}: {e}", hint=e.hint) from e
             else:
@@ -289,7 +288,7 @@ class Engine(Following):
         if blob is not None:
             from ..errors import ArtifactError
             try:
-                fn.load(blob, devices=self._devices())
+                fn.load(blob, devices=self._devices(), loader=self.program.load_executable)
             except ArtifactError as e:
                 raise ArtifactError(f"the file's stored engine call {name!r}: {e}", hint=e.hint) from e
         return fn()
@@ -303,10 +302,9 @@ class Engine(Following):
         none that run here: :meth:`warm` says why)."""
         if getattr(self, "_stored_calls", None) is None:
             from ..errors import ArtifactError
-            from .aot import stored_calls
             self._say_ignored()
             try:
-                self._stored_calls = stored_calls(self.program, self._devices()) or {}
+                self._stored_calls = self.program.stored_calls(self._devices()) or {}
             except ArtifactError:
                 self._stored_calls = {}
         return self._stored_calls
@@ -314,8 +312,7 @@ class Engine(Following):
     def _say_ignored(self) -> None:
         """The file's stored executables left unread because it is not trusted: counted in the stats, and
         said once in the log (a user who compiled the file learns why the engine compiles)."""
-        from .aot import ignored_calls
-        ignored = ignored_calls(self.program)
+        ignored = self.program.ignored_calls()
         if ignored and "stored_executables_ignored" not in self.stats:
             log.warning("ignoring the file's %d stored engine executables: they are native code, loaded only from "
                         "a file marked trusted (--trust-stored-executables; tte.load(path, "

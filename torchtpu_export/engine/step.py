@@ -35,16 +35,16 @@ class Prepared:
         import jax
         return jax.tree.map(_plain, self.jitted.trace(*abstract(args)).out_info)
 
-    def load(self, blob: bytes, *args, devices: list) -> None:
-        """The executable stored for ``args`` (``aot.serialize``'s bytes), loaded for ``devices``; ArtifactError
-        when it takes other arguments than ``args`` or gives other results than this function does."""
+    def load(self, blob: bytes, *args, devices: list, loader) -> None:
+        """The executable stored for ``args``, loaded for ``devices`` by ``loader`` (the program's
+        ``load_executable``: the stored bytes' format is its target's); ArtifactError when it takes other
+        arguments than ``args`` or gives other results than this function does."""
         import jax
         from ..errors import ArtifactError
-        from ..targets.tpu.aot import load_executable
         args = abstract(args)
         out_info = self.jitted.trace(*args).out_info
-        compiled = load_executable(blob, None, uses_x64=jax.config.jax_enable_x64, devices=devices,
-                                   trees=(jax.tree.structure((args, {})), jax.tree.structure(out_info)))
+        compiled = loader(blob, uses_x64=jax.config.jax_enable_x64, devices=devices,
+                          trees=(jax.tree.structure((args, {})), jax.tree.structure(out_info)))
 
         def avals(tree):
             return [(tuple(a.shape), np.dtype(a.dtype)) for a in jax.tree.leaves(tree)]

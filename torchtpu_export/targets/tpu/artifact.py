@@ -257,7 +257,7 @@ def _named_entries(manifest: dict) -> list[str]:
 
 
 def _extra_entries(manifest: dict) -> list[str]:
-    """An LLM's tokenizer and its engine's stored executables (``engine.aot``)."""
+    """An LLM's tokenizer and its engine's stored executables (:mod:`.stored`)."""
     llm = manifest.get("llm", {})
     calls = [c["file"] for entry in (llm.get("engine") or {}).values() for c in entry["calls"].values()]
     return ([llm["tokenizer"]] if llm.get("tokenizer") else []) + calls

@@ -33,7 +33,7 @@ class TpuProgram(Runnable):
     """
 
     default_signature = "main"
-    abstract = False  # the engine's program protocol: its chips are attached (engine.aot.TopologyProgram's are not)
+    abstract = False  # the engine's program protocol: its chips are attached (stored.TopologyProgram's are not)
 
     def __init__(self, artifact: tpu_format.TpuArtifact, *, trust_stored_executables: bool = False):
         if not isinstance(trust_stored_executables, bool):  # an opt-in to native code is said in so many words
@@ -80,6 +80,24 @@ class TpuProgram(Runnable):
                                            trust_stored_executables=self.trust_stored_executables)
         return self._runners[key]
 
+    # the serving engine's stored executables (:mod:`.stored`): the engine asks its program, never this target
+
+    def stored_calls(self, devices: list) -> dict[str, bytes] | None:
+        """The file's stored engine executables that run on ``devices`` (call name -> bytes), or None (see
+        :func:`.stored.stored_calls`)."""
+        from .stored import stored_calls
+        return stored_calls(self, devices)
+
+    def ignored_calls(self) -> int:
+        """How many stored engine executables go unread because the file is not trusted."""
+        from .stored import ignored_calls
+        return ignored_calls(self)
+
+    def load_executable(self, blob: bytes, *, uses_x64: bool, devices: list, trees):
+        """One stored engine executable loaded for ``devices`` (``trees``: its input and output trees)."""
+        from .aot import load_executable
+        return load_executable(blob, None, uses_x64=uses_x64, devices=devices, trees=trees)
+
     @property
     def state(self) -> dict[str, np.ndarray]:
         """The buffers the model changes in place (a cache kept as a buffer), as they are now: kept on the
@@ -124,12 +142,11 @@ class TpuProgram(Runnable):
         sequence) with libtpu, ahead of time (no TPU needed), and stores each executable in the
         artifact (``save`` writes them; ``load`` on a matching TPU host runs them without compiling).
         For an LLM (``export_llm``) and all its programs, the serving engine's calls are compiled and
-        stored too (``engine.aot``: a server on such chips starts without compiling); the topology
+        stored too (:mod:`.stored`: a server on such chips starts without compiling); the topology
         ``"cpu"`` compiles those for this host's processor. Raises ConversionError with the compiler's
         message if it rejects a program."""
-        from ...engine import Engine
-        from ...engine.aot import CPU, compile_engine
         from . import aot as tpu_compile
+        from .stored import CPU, compile_engine
         names = [t.strip() for t in (topology.split(",") if isinstance(topology, str) else topology) if t.strip()]
         on_cpu = CPU in names
         tpus = [t for t in names if t != CPU]
@@ -141,9 +158,9 @@ class TpuProgram(Runnable):
         for topo in tpu_compile.parse_topologies(tpus) if tpus else ():
             tpu_compile.compile_artifact(self.artifact, topo, programs)
             if programs is None and "llm" in self.manifest:
-                compile_engine(self, topo, Engine)
+                compile_engine(self, topo)
         if on_cpu:
-            compile_engine(self, CPU, Engine)
+            compile_engine(self, CPU)
         return self
 
     def compiled_stats(self, topology: str = "v5e:2x2", signature_name: str | None = None) -> dict:
@@ -457,7 +474,7 @@ def compile_cli(args) -> list[str]:
         if getattr(args, flag, None):
             raise InputError(f"--{flag.replace('_', '-')} applies to .tflite files (NPUs), not .tpu programs")
     output = check_writable(args.output or args.artifact)
-    from ...engine.aot import CPU
+    from .stored import CPU
     names = [t.strip() for t in args.topology.split(",") if t.strip()]
     topologies = tpu_compile.parse_topologies([t for t in names if t != CPU]) if set(names) - {CPU} else ()
     if topologies:

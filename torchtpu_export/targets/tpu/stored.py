@@ -1,4 +1,4 @@
-"""The engine's device calls compiled ahead of time and stored in the ``.tpu`` file.
+"""The serving engine's device calls compiled ahead of time and stored in the ``.tpu`` file.
 
 ``torchtpu-export compile model.tpu --topology v5e`` (or ``cpu``: this host's processor) compiles every call
 that a server's engine makes: each prefill and decode program with its sampling, the mixed steps of a paged
@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from ..errors import ArtifactError, InputError
+from ...errors import ArtifactError, InputError
 
 CPU = "cpu"  # the topology name of this host's processor
 
@@ -46,8 +46,8 @@ class AbstractRunner:
         import jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-        from ..specs import TensorSpec
-        from ..targets.tpu.aot import devices_for
+        from ...specs import TensorSpec
+        from .aot import devices_for
         spec = artifact.manifest["programs"][sig]
         blob = artifact.programs[sig].get("tpu")
         if blob is None:
@@ -101,21 +101,30 @@ class TopologyProgram:
     def call_metadata(self, sig: str):
         return self.program.call_metadata(sig)
 
+    def stored_calls(self, devices: list) -> dict[str, bytes] | None:
+        return self.program.stored_calls(devices)
+
+    def ignored_calls(self) -> int:
+        return self.program.ignored_calls()
+
+    def load_executable(self, blob: bytes, *, uses_x64: bool, devices: list, trees):
+        return self.program.load_executable(blob, uses_x64=uses_x64, devices=devices, trees=trees)
+
     def runner(self, sig: str, platform: str | None = None):
         if sig not in self._runners:
             self._runners[sig] = AbstractRunner(self.program.artifact, sig, self.topology)
         return self._runners[sig]
 
 
-def compile_engine(program, topology_name: str, engine_class) -> dict:
+def compile_engine(program, topology_name: str) -> dict:
     """Compiles every call of the engine that serves ``program`` by default (``serve`` without flags) for
     ``topology_name`` (a TPU topology, or ``cpu``: this host), stores the executables in the program's
     artifact and records them in its manifest; returns the manifest entry. Raises CompileError naming the
-    call the compiler rejects. ``engine_class``: ``engine.Engine`` (which picks the server for the file)."""
+    call the compiler rejects."""
     import jax
 
-    from ..targets.tpu import aot
-    Engine = engine_class
+    from ...engine import Engine
+    from . import aot
     llm = program.manifest.get("llm")
     if llm is None:
         raise InputError("only an LLM's program (tte.export_llm) has engine calls to compile for the cpu",
@@ -174,7 +183,7 @@ def stored_calls(program, devices: list) -> dict[str, bytes] | None:
     ArtifactError when it stores some and none can run here: a server never compiles behind them."""
     import jax
 
-    from ..targets.tpu import aot
+    from . import aot
     manifest = program.manifest
     stored = (manifest.get("llm") or {}).get("engine") or {}
     if not stored or not trusted(program):
