@@ -39,7 +39,7 @@ web-deps:
 test: venv web-deps
 	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup --durations=30 tests
 
-# the committed coverage files (docs/coverage.*, tests/coverage_expected.json, README totals);
+# the committed coverage files (docs/coverage.*, tests/coverage_expected.json, the totals in docs/op-coverage.md);
 # OPS='aten.add.*' regenerates those ops' rows only
 coverage: venv
 	$(PY) -m tools.coverage $(if $(OPS),--ops '$(OPS)')

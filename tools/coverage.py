@@ -1,6 +1,7 @@
 """Regenerates the committed coverage files: ``make coverage`` (a repository tool, not installed code).
 
-    python -m tools.coverage                      # the whole table: docs/coverage.{json,md}, README totals,
+    python -m tools.coverage                      # the whole table: docs/coverage.{json,md}, the totals in
+                                                  # docs/op-coverage.md,
                                                   # tests/coverage_expected.json
     python -m tools.coverage --ops 'aten.add.*'   # only these ops' rows, the rest kept as committed
     python -m tools.coverage --runtimes xla_bf16  # only these columns, the rest kept as committed
@@ -30,7 +31,7 @@ OPINFO_JSON = os.path.join(REPO, "docs", "coverage_opinfo.json.gz")
 OPINFO_MD = os.path.join(REPO, "docs", "coverage_opinfo.md")
 OPINFO_BF16_JSON = os.path.join(REPO, "docs", "coverage_opinfo_bf16.json.gz")
 OPINFO_BF16_MD = os.path.join(REPO, "docs", "coverage_opinfo_bf16.md")
-README = os.path.join(REPO, "README.md")
+TOTALS_PAGE = os.path.join(REPO, "docs", "op-coverage.md")  # the site's op-coverage page, between its markers
 BEGIN, END = "<!-- coverage-totals:begin -->", "<!-- coverage-totals:end -->"
 
 
@@ -60,25 +61,30 @@ def table(pattern: str | None, jobs: int, runtimes: list[str] | None = None) -> 
     _write(DOCS_JSON, json.dumps(report, indent=1) + "\n")
     _write(DOCS_MD, coverage.to_markdown(report))
     _write(EXPECTED, json.dumps(coverage.expected(report), indent=1, sort_keys=True) + "\n")
-    _readme_totals(report)
+    _write_totals(report)
     print(f"coverage: {coverage.totals_line(report)} ({time.perf_counter() - t0:.0f} s with {jobs} workers)",
           file=sys.stderr)
 
 
-def _readme_totals(report: dict) -> None:
-    with open(README) as f:
+def totals_block(report: dict) -> str:
+    """The totals per runtime that docs/op-coverage.md shows between its markers (links relative to docs/)."""
+    tot = coverage.totals(report)
+    n_core = sum(1 for r in report["ops"] if r["core"])
+    lines = [f"Op coverage ({n_core} core ATen overloads + {len(report['ops']) - n_core} non-core ops, "
+             f"torch {report['torch']}; details in [coverage.md](coverage.md)):", "",
+             "| runtime | " + " | ".join(coverage.STATUSES) + " |", "|---|" + "---|" * len(coverage.STATUSES)]
+    lines += [f"| {rt} | " + " | ".join(str(tot[rt][s]) for s in coverage.STATUSES) + " |" for rt in report["runtimes"]]
+    return "\n".join(lines) + "\n"
+
+
+def _write_totals(report: dict) -> None:
+    with open(TOTALS_PAGE) as f:
         text = f.read()
     if BEGIN not in text:
         return
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    tot = coverage.totals(report)
-    n_core = sum(1 for r in report["ops"] if r["core"])
-    lines = [f"Op coverage ({n_core} core ATen overloads + {len(report['ops']) - n_core} non-core ops, "
-             f"torch {report['torch']}; details in [docs/coverage.md](docs/coverage.md)):", "",
-             "| runtime | " + " | ".join(coverage.STATUSES) + " |", "|---|" + "---|" * len(coverage.STATUSES)]
-    lines += [f"| {rt} | " + " | ".join(str(tot[rt][s]) for s in coverage.STATUSES) + " |" for rt in report["runtimes"]]
-    _write(README, head + BEGIN + "\n" + "\n".join(lines) + "\n" + END + tail)
+    _write(TOTALS_PAGE, head + BEGIN + "\n" + totals_block(report) + END + tail)
 
 
 def opinfo_source(pattern: str | None, jobs: int, dtype: str = "float32") -> None:
