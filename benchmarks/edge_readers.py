@@ -1,4 +1,4 @@
-"""The README's table of .tflite readers other than LiteRT's CPU interpreter, per zoo model:
+"""The table of .tflite readers (docs/guides/npus.md) other than LiteRT's CPU interpreter, per zoo model:
 Qualcomm's NPU compiler through LiteRT's AOT path (every Qualcomm SoC LiteRT knows; ops on the
 NPU; the SM8650 file run on QNN's HTP simulator), LiteRT's GPU-delegate compatibility analyzer (what
 `inspect --gpu` prints) and OpenVINO's TFLite frontend on its CPU device. Errors are the max error

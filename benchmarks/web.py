@@ -64,7 +64,7 @@ def main() -> int:
     import torchtpu_export as tte
     from torchtpu_export.targets.litert import web
     server = web.start_server({}, port=0)
-    # the CPU (WASM) path, as the README's table reports; the page's default would pick WebGPU when
+    # the CPU (WASM) path, as the table in docs/benchmarks/edge.md reports; the page's default would pick WebGPU when
     # the browser has it (here SwiftShader, a software GPU)
     browser = Browser(server.url + "?accelerator=wasm" + ("" if args.threads else "&threads=0"))
     print("| model | size | convert s | LiteRT.js compile ms | first run ms | median ms | wasm threads "

@@ -1,4 +1,4 @@
-"""The CLI's exit codes against the README's rules, for the cases red-team round 5 found (issue #65): bad user
+"""The CLI's exit codes against the documented rules (docs/reference/cli.md), for the cases red-team round 5 found (issue #65): bad user
 input is exit 2 naming the flag, never a hang, an internal error (1), another class's code (3, 6) or a
 silent success that ignores what was asked. Each group of cases runs in one CLI process (run_cli_many)."""
 import os

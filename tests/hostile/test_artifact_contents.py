@@ -2,7 +2,7 @@
 .pt2, sparse and STRING tensors that corrupt LiteRT's memory, outputs that would replace inputs,
 "exit 1" on hostile files, dimension expressions, memory far beyond the file, ONNX external data,
 terminal escapes, and serve-web's connections. Each ends in one message and its exit code, within
-the memory bound the README states (4x the file plus 300 MB), nothing left behind or run."""
+the memory bound docs/security.md states (4x the file plus 300 MB), nothing left behind or run."""
 import hashlib
 import io
 import json
@@ -31,7 +31,7 @@ from torchtpu_export.targets.litert import artifact as litert_format
 from torchtpu_export import models
 from torchtpu_export.errors import ArtifactError, InputError, TteError
 
-MEMORY_BOUND_MB = 300  # plus 4x the file: what the README promises for any hostile file
+MEMORY_BOUND_MB = 300  # plus 4x the file: what docs/security.md promises for any hostile file
 
 
 class Linear(torch.nn.Module):

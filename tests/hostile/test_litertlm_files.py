@@ -3,7 +3,7 @@ LiteRT-LM reads that would abort it (a Rust panic in its tokenizer, a missing Ll
 pointer in its header reader), a second section of a kind that LiteRT-LM takes in place of the first,
 a tokenizer that inflates 500x, metadata out of range, and prompts and templates LiteRT-LM fails on.
 Each goes through the CLI's run and inspect: one message and exit 5 (2 for the user's prompt), no
-signal, within the memory the README promises; the good bundle still generates."""
+signal, within the memory docs/security.md promises; the good bundle still generates."""
 import json
 import zlib
 
@@ -21,7 +21,7 @@ from torchtpu_export.targets.litertlm import artifact, checks
 from torchtpu_export.targets.litertlm.target import LitertLmBundle
 
 T = schema.AnySectionDataType
-MEMORY_BOUND_MB = 300  # plus 4x the file: what the README promises for any hostile file
+MEMORY_BOUND_MB = 300  # plus 4x the file: what docs/security.md promises for any hostile file
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Hostile NPU-compiled files, as the red team reported them: two changed bytes of a QNN context
 binary ran unnoticed (15 of 20) or crashed QNN's HTP simulator (SIGSEGV). Every file
 ``npu.compile_model`` writes now carries a sha256 of the whole file in a metadata entry that LiteRT's
-AOT path keeps in place (README, "Phone NPUs"); it is checked before any runtime is handed the file.
+AOT path keeps in place (docs/guides/npus.md); it is checked before any runtime is handed the file.
 Also the "exit 1" cases of the same report and their neighbours: ``--ai-pack`` through symlinks,
 ``run --runtime compiled_model`` on an NPU file, damaged operator tables."""
 import json

@@ -1,6 +1,6 @@
 """LiteRT quantization: every recipe on a CNN, a transformer encoder and a decoder, and pt2e models.
 
-Bounds (documented in README): weights shrink about 4x (int8, dynamic_int8) or 2x (fp16); against
+Bounds (documented in docs/guides/quantization.md): weights shrink about 4x (int8, dynamic_int8) or 2x (fp16); against
 float (torch eager) on random inputs that are not the calibration samples, dynamic_int8 keeps the
 top-1 of logits on >= 99% of rows and cosine >= 0.999, int8 keeps cosine >= 0.99, fp16 >= 0.9999.
 """
