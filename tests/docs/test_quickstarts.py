@@ -59,6 +59,8 @@ def test_every_example_of_the_getting_started_page_runs(page, tmp_path):
     text = open(os.path.join(PAGES, page), encoding="utf-8").read().replace(SERVE_PORT, str(_free_port()))
     blocks = examples(text)
     assert blocks, f"{page} has no example"
+    other = re.findall(r"^```(?!sh$|python$|text$|$)(.*)$", text, re.M)
+    assert not other, f"{page} has blocks this test would not run ({other}): write them as sh or python"
     os.symlink(os.path.join(REPO, "examples"), tmp_path / "examples")
     script = tmp_path / "examples.sh"
     script.write_text(_script(blocks, tmp_path))

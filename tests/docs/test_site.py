@@ -15,6 +15,7 @@ from tools import docs_site
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = os.path.join(REPO, "README.md")
 README_MAX_LINES = 250
+pytestmark = pytest.mark.xdist_group("docs_site")  # one worker builds the site once for every test here
 
 
 @pytest.fixture(scope="module")
