@@ -54,29 +54,19 @@ class Served:
                              hint="pass --name")
         self.program = load(self.path, trust_stored_executables=trust_stored_executables)
         self.llm = self.program.llm
-        self.engine = self.text = self.model = self.tokenizer_json = None
+        self.session = self.engine = None
         self.stop_ids: tuple = ()
+        self.model = None
         if self.llm is not None:
-            from ..engine import Engine
-            self.engine = Engine(self.program, batched=batched, prefix_cache=prefix_cache)
-            if warm:  # every device call compiled now: no request waits for the compiler
-                self.engine.warm()
+            from ..engine.session import LlmSession
+            from ..errors import ArtifactError
+            try:
+                self.session = LlmSession(self.program, batched=batched, prefix_cache=prefix_cache, warm=warm,
+                                          text_workers=text_workers, text_budget=text_budget)
+            except ArtifactError as e:
+                raise ArtifactError(f"{self.path}: {e}", hint=e.hint) from e
+            self.engine, self.stop_ids = self.session.engine, self.session.stop_ids
             self.limits = Limits.for_cache(self.engine.length)
-            self.stop_ids = tuple(self.llm.get("stop_ids", ()))
-            special = [i for i in (*self.stop_ids, self.llm.get("bos_id"), self.llm.get("pad_id")) if i is not None]
-            if any(i >= self.engine.vocab for i in special):
-                from ..errors import ArtifactError
-                raise ArtifactError(f"{self.path}: its special token ids {special} are not all below the model's "
-                                    f"vocabulary of {self.engine.vocab}")
-            tok = self.llm.get("tokenizer")
-            if tok:
-                from ..llm.textproc import TextWorkers, image_text
-                self.tokenizer_json = self.program.artifact.extras[tok].decode("utf-8", "replace")
-                self.text = TextWorkers(self.program.artifact.extras[tok], template=self.llm.get("chat_template"),
-                                        bos_id=self.llm.get("bos_id"),
-                                        eos_id=self.stop_ids[0] if self.stop_ids else None,
-                                        max_chars=self.limits.chars, workers=text_workers, time_budget=text_budget,
-                                        images=image_text(self.engine.vision), specials=self.llm.get("specials"))
         else:
             sig = self.program.signature(None)
             self.limits = Limits.for_inputs(self.program.inputs(sig))
@@ -98,10 +88,8 @@ class Served:
         return bool(self.model is not None and self.model.ready and (self.engine is None or self.engine.running))
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.stop()
-        if self.text is not None:
-            self.text.close()
+        if self.session is not None:
+            self.session.close()
 
 
 def serve(path, *, name: str | None = None, host: str = "127.0.0.1", port: int = 8080,
@@ -137,8 +125,7 @@ def serve(path, *, name: str | None = None, host: str = "127.0.0.1", port: int =
                            body_limit=served.limits.body, allow_origins=allow_origins)
         mount_health(app, served)
         if served.engine is not None:
-            openai = OpenAIServer(served.name, served.engine, served.text, served.stop_ids, served.limits,
-                                  tokenizer_json=served.tokenizer_json, image_budget=image_budget)
+            openai = OpenAIServer(served.name, served.session, served.limits, image_budget=image_budget)
             openai.mount(app)
         server = ModelServer(http_port=port, enable_grpc=False, workers=1)
         register_models(server, served.app_models(kserve))

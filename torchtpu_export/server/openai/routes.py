@@ -17,15 +17,15 @@ from .tools import requested_tools, tool_calls_of, tool_grammar
 
 
 class OpenAIServer:
-    """``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models`` over the engine. Text work
-    (tokenizing, the chat template, detokenizing) runs in ``text``'s worker processes, never on the
-    event loop."""
+    """``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models`` over a served file's
+    :class:`~torchtpu_export.engine.session.LlmSession`. Text work (tokenizing, the chat template,
+    detokenizing) runs in its text workers' processes, never on the event loop."""
 
-    def __init__(self, name: str, engine, text=None, stop_ids=(), limits: Limits | None = None,
-                 tokenizer_json: str | None = None, image_budget: float = 10.0):
-        self.name, self.engine, self.text, self.stop_ids = name, engine, text, tuple(stop_ids)
-        self.tokenizer_json, self.grammars = tokenizer_json, None  # structured outputs: llguidance's grammars
-        self._grammars_made = None  # a lock, made on the event loop
+    def __init__(self, name: str, session, limits: Limits | None = None, image_budget: float = 10.0):
+        self.name, self.session = name, session
+        engine = self.engine = session.engine
+        self.text, self.stop_ids = session.text, session.stop_ids
+        self.grammars = None  # structured outputs: llguidance's grammars (the session's), once made
         self.images = None  # a VLM's image workers
         if engine.vision is not None:
             from ...images import ImageWorkers
@@ -67,10 +67,9 @@ class OpenAIServer:
         app.add_route("/v1/models/{model_name}", model, methods=["GET"])
 
     def close(self) -> None:
-        """Ends the grammar and image workers (the text workers are the served file's)."""
-        for pool in (self.grammars, self.images):
-            if pool is not None:
-                pool.close()
+        """Ends the image workers (the text and grammar workers are the session's)."""
+        if self.images is not None:
+            self.images.close()
 
     def _model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "torchtpu-export",
@@ -152,17 +151,9 @@ class OpenAIServer:
         """A grammar matcher per choice for ``format_`` (kind, value): checked in the grammar worker, then
         compiled here off the event loop (its cost now bounded by the worker's limits)."""
         import asyncio
-        if self.tokenizer_json is None:
-            raise OpenAIError("structured outputs need the model's tokenizer, which this artifact does not carry",
-                              param="response_format")
         try:
             if self.grammars is None:  # its tokenizer loaded and its worker started off the event loop, once
-                from ...llm.grammar import Grammars
-                self._grammars_made = self._grammars_made or asyncio.Lock()
-                async with self._grammars_made:
-                    if self.grammars is None:
-                        self.grammars = await asyncio.get_running_loop().run_in_executor(
-                            None, Grammars, self.tokenizer_json, self.engine.vocab, self.stop_ids)
+                self.grammars = await asyncio.get_running_loop().run_in_executor(None, self.session.grammars)
             text = await self.grammars.compile_async(*format_)
 
             def make():

@@ -123,7 +123,7 @@ def compile_engine(program, topology_name: str) -> dict:
     call the compiler rejects."""
     import jax
 
-    from ...engine import Engine
+    from ...engine.scheduler import Engine
     from . import aot
     llm = program.manifest.get("llm")
     if llm is None:

@@ -44,6 +44,7 @@ class TpuProgram(Runnable):
         self._placed: dict = {}  # weights on the device, shared by the runners of every program
         self._state: dict = {}  # buffers the programs change in place: their current values, on the device
         self.quant_report = None  # set by export(..., quant_config=...)
+        self._llm_session = None  # generate's engine, text workers and grammars (engine.session)
 
     @property
     def manifest(self) -> dict:
@@ -193,7 +194,8 @@ class TpuProgram(Runnable):
         if llm is None:
             return super().generate(prompt)
         ids = prompt_ids(prompt)
-        text = self._text() if ids is None or llm.get("tokenizer") else None
+        session = self._session()
+        text = session.text
         pixels = self._images(images, ids is None and text is not None)
         if ids is None:
             if text is None:
@@ -206,23 +208,16 @@ class TpuProgram(Runnable):
         elif chat:
             raise InputError("chat=True takes the prompt as text (the chat template renders messages)")
         if stop is None:
-            stop = llm.get("stop_ids", ())
-        from ...engine import Engine
-        if getattr(self, "_generator", None) is None:
-            self._generator = Engine(self, batched=False)
+            stop = session.stop_ids
         constraint = None
         from ...llm.grammar import format_of
         fmt = format_of(response_format)
         if fmt is not None:
-            from ...llm.grammar import Grammars
-            if not llm.get("tokenizer"):
+            if session.tokenizer_json is None:
                 raise InputError("response_format needs the model's tokenizer, which this .tpu does not carry")
-            if getattr(self, "_grammars", None) is None:
-                self._grammars = Grammars(self.artifact.extras[llm["tokenizer"]].decode("utf-8", "replace"),
-                                          self._generator.vocab, llm.get("stop_ids", ()))
-            constraint = self._grammars.matcher(*fmt)
-        out = self._generator.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                       stop=stop, seed=seed, constraint=constraint, images=pixels)
+            constraint = session.grammars().matcher(*fmt)
+        out = session.engine.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                      stop=stop, seed=seed, constraint=constraint, images=pixels)
         reply = text.run("decode", out, 0)[1] if text is not None else None
         return Generation(reply, out, "length" if len(out) >= max_new_tokens else "stop")
 
@@ -238,17 +233,12 @@ class TpuProgram(Runnable):
         from ...images import read_images
         return read_images([(p, os.fspath(p)) for p in images], vision)
 
-    def _text(self):
-        """The artifact's tokenizer and chat template in a worker process (started once)."""
-        if getattr(self, "_text_worker", None) is None:
-            from ...llm.textproc import TextWorkers, image_text
-            llm = self.manifest["llm"]
-            stops = llm.get("stop_ids") or [None]
-            self._text_worker = TextWorkers(self.artifact.extras[llm["tokenizer"]], template=llm.get("chat_template"),
-                                            bos_id=llm.get("bos_id"), eos_id=stops[0],
-                                            max_chars=TextWorkers.chars_for(llm["cache_length"]), workers=1,
-                                            images=image_text(llm.get("vision")), specials=llm.get("specials"))
-        return self._text_worker
+    def _session(self):
+        """The engine (one slot), tokenizer and grammars of ``generate`` (made on first use, kept)."""
+        if self._llm_session is None:
+            from ...engine.session import LlmSession
+            self._llm_session = LlmSession(self, batched=False)
+        return self._llm_session
 
     def kernels(self) -> list[dict]:
         """Per hot node: the Pallas kernel chosen, or why it fell back to XLA."""
