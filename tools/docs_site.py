@@ -31,14 +31,7 @@ LINK = re.compile(r"\]\(([^)\s#]+\.md)(#[^)\s]*)?\)")
 def parsers() -> list[argparse.ArgumentParser]:
     """The converter's parser, then each subcommand's, built as ``cli.main`` builds them."""
     from torchtpu_export import cli
-    out = [cli._convert_parser()]
-    for name in sorted(cli.COMMANDS):
-        add_arguments, _, help_text = cli.COMMANDS[name]
-        p = argparse.ArgumentParser(prog=f"torchtpu-export {name}", description=help_text, add_help=True)
-        add_arguments(p)
-        cli._common(p)
-        out.append(p)
-    return out
+    return cli.parsers()
 
 
 def _cell(text: str) -> str:
@@ -67,7 +60,7 @@ def cli_reference() -> str:
     """Every command of ``torchtpu-export`` with its usage and arguments, as markdown."""
     from torchtpu_export import cli
     parts = [_render(p) for p in parsers()]
-    parts.append("## Exit codes\n\n```text\n" + cli._EPILOG.strip() + "\n```\n")
+    parts.append("## Exit codes\n\n```text\n" + cli.EXIT_CODES_HELP.strip() + "\n```\n")
     return "\n".join(parts)
 
 

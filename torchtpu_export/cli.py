@@ -36,7 +36,7 @@ from .untrusted import printable
 log = logging.getLogger("torchtpu_export")
 
 
-_EPILOG = "exit codes:\n" + "\n".join(f"  {code:>3}  {what}" for code, what in sorted(EXIT_CODES.items()))
+EXIT_CODES_HELP = "exit codes:\n" + "\n".join(f"  {code:>3}  {what}" for code, what in sorted(EXIT_CODES.items()))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,7 +74,7 @@ def _convert_parser() -> argparse.ArgumentParser:
         prog="torchtpu-export",
         description="Convert a PyTorch model to a TPU StableHLO executable (.tpu), a LiteRT flatbuffer (.tflite) "
                     "or ONNX. Other commands: " + ", ".join(f"{n} ({h})" for n, (_, _, h) in sorted(COMMANDS.items())),
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a .pt2 from torch.export.save, a TorchScript archive, package.module:factory, "
                                  "or (LLMs) a Hugging Face model folder")
     p.add_argument("--target", required=True, choices=targets.NAMES)
@@ -89,7 +89,7 @@ def _convert_parser() -> argparse.ArgumentParser:
         for flag, kwargs in t.cli_arguments:
             p.add_argument(flag, **kwargs)
     recipes = "; ".join(f"{t.name} {', '.join(t.recipes)}" for t in targets.all_targets().values() if t.recipes)
-    p.add_argument("--quantize", default=None, metavar="RECIPE", help=f"quantization recipe: {recipes} (see README)")
+    p.add_argument("--quantize", default=None, metavar="RECIPE", help=f"quantization recipe: {recipes} (see the quantization guide)")
     p.add_argument("--prefill-lengths", default=None, metavar="N,...",
                    help="LLM folders: prefill chunk lengths, one signature each (default 128)")
     p.add_argument("--cache-length", type=int, default=None, metavar="C",
@@ -640,6 +640,22 @@ def _raise_terminated(signum, frame):
     raise Terminated(signum)
 
 
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of the subcommand ``name`` (a key of ``COMMANDS``)."""
+    add_arguments, _, help_text = COMMANDS[name]
+    p = _Parser(prog=f"torchtpu-export {name}", description=help_text, epilog=EXIT_CODES_HELP,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    _common(p)
+    return p
+
+
+def parsers() -> list[argparse.ArgumentParser]:
+    """Every parser of the command line: the converter's, then each subcommand's by name (the docs' CLI
+    reference is generated from them)."""
+    return [_convert_parser(), *(command_parser(name) for name in sorted(COMMANDS))]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -649,14 +665,9 @@ def main(argv: list[str] | None = None) -> int:
             previous[sig] = signal.signal(sig, _raise_terminated)
     try:
         if argv and argv[0] in COMMANDS:
-            add_arguments, run, help_text = COMMANDS[argv[0]]
-            p = _Parser(prog=f"torchtpu-export {argv[0]}", description=help_text, epilog=_EPILOG,
-                                        formatter_class=argparse.RawDescriptionHelpFormatter)
-            add_arguments(p)
-            _common(p)
-            args = p.parse_args(argv[1:])
+            args = command_parser(argv[0]).parse_args(argv[1:])
             _setup_logging(args)
-            return run(args)
+            return COMMANDS[argv[0]][1](args)
         args = _convert_parser().parse_args(argv)
         _setup_logging(args)
         from . import progress
