@@ -45,8 +45,9 @@ a step samples are replicated, so every process sees them.
 The parts: :mod:`.request` (:class:`Request`, :class:`SamplingParams`), :mod:`.step` (the jitted device
 calls and :func:`sample`), :mod:`.prefix` (the prefix cache's index, the paged cache's pages),
 :mod:`.paged` (:class:`PagedEngine`), :mod:`.scheduler` (:class:`Engine`:
-admission, prefill budget, slots, the loop) and :mod:`.follow` (the start of each step, and the other
-processes' part).
+admission, prefill budget, slots, the loop, the start of each step), :mod:`.follow` (each step's events
+broadcast to the other processes) and :mod:`.session` (an LLM file's engine, text workers and grammars, as
+``serve`` and ``generate`` use them).
 """
 from .paged import PagedEngine
 from .request import Request, SamplingParams

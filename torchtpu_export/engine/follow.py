@@ -3,8 +3,8 @@ and broadcasts each step's events (new requests, cancels, stop) at its start; th
 the same steps (``follow``), so that all call the same programs in the same order. The tokens a step
 samples are replicated, so every process sees them.
 
-:class:`Following` is a part of :class:`~.scheduler.Engine` (a mixin): it works on the engine's own
-queues and slots."""
+:class:`StepEvents` is the engine's collaborator for this: the engine (:mod:`.scheduler`) gathers a step's
+events from its own queues and slots, and exchanges them through it."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,35 +12,21 @@ import json
 
 import numpy as np
 
-from ..errors import InputError
 from .request import Request, SamplingParams
 
 
-class Following:
-    """The start of each step (``_sync``, one process or several) and ``follow`` (processes 1..)."""
+class StepEvents:
+    """Each step's events (requests submitted, requests cancelled, stop) as every process sees them: process
+    0's (``lead``), broadcast to the others at the start of the step, so that all schedule the same steps.
+    One per engine of a program sharded over several processes."""
 
-    def _sync(self) -> bool:
-        """The start of a step: requests submitted and cancelled since the last one become the scheduler's,
-        a snapshot that nothing changes while the step runs. Under several processes process 0 takes them
-        and broadcasts them, so that every process schedules the same steps and calls its programs in the
-        same order (the multi-controller contract); the tokens a step makes are replicated, so every
-        process then sees the same. Returns False once the engine stops (process 0 says so)."""
-        with self._cv:
-            new, stopping = list(self._inbox), self._stopping
-            self._inbox.clear()
-        live = {r.id: r for r in self._waiting} | {s.request.id: s.request for s in self._slots if s.request}
-        cancelled = [i for i, r in live.items() if r.cancelled and not r.dropped]
-        if self.processes > 1:
-            new, cancelled, stopping = self._broadcast(new, cancelled, stopping)
-        for i in cancelled:
-            live[i].dropped = True
-        self._waiting.extend(new)
-        self._halted = self._halted or stopping
-        return not self._halted
+    def __init__(self, lead: bool):
+        self.lead = lead
 
-    def _broadcast(self, new: list, cancelled: list, stopping: bool):
+    def exchange(self, new: list, cancelled: list, stopping: bool):
         """Process 0's step events to every process: their length first (one small collective per step,
-        all an idle step costs), then the events themselves when there are any."""
+        all an idle step costs), then the events themselves when there are any. Returns ``(new requests,
+        cancelled ids, stopping)`` as process 0 has them (on the others, copies of its requests)."""
         from jax.experimental import multihost_utils
         msg = b""
         if self.lead and (new or cancelled or stopping):
@@ -61,13 +47,3 @@ class Following:
             r.id = rid
             requests.append(r)
         return requests, event["cancelled"], event["stop"]
-
-    def follow(self) -> None:
-        """Under several processes, on every process but 0: runs the steps process 0 schedules (the same
-        programs in the same order, over this process's devices) until process 0's engine stops."""
-        if self.lead:
-            raise InputError("follow() is for the engines of processes 1.. of a multi-process program; this one "
-                             "takes the requests itself", hint="submit() and step() or start() here")
-        while not self._halted:
-            self._guarded_step()
-        self._reset(InputError("the engine stopped"))

@@ -33,16 +33,19 @@ kernel for rows of one query (a decode step, a packed step's decode tokens), our
 chunks, a packed step's blocks)."""
 from __future__ import annotations
 
+import collections
+import threading
 
 import numpy as np
 
 from ..errors import InputError
 from ..llm.plan import DECODE_PAGED, StepPlan, mixed_chunks
+from .follow import StepEvents
 from .prefix import PagePool, page_keys
 from .request import TOP_LOGPROBS
 from .scheduler import Engine, decode_program, first_device, part_rows
-from .step import (cache_shardings, jit_decode, jit_decode_rows, jit_get_row, jit_mixed, jit_prefill, jit_set_row,
-                   jit_zeros, mask_words, output_tree, state_row, state_rows)
+from .step import (Executables, cache_shardings, devices_of, jit_decode, jit_decode_rows, jit_get_row, jit_mixed,
+                   jit_prefill, jit_set_row, jit_zeros, mask_words, output_tree, state_row, state_rows)
 
 
 class _Row:
@@ -71,9 +74,6 @@ class PagedEngine(Engine):
     def __init__(self, program, *, platform: str | None = None, batched: bool = True,
                  prefill_budget: int | None = None, prefix_cache: bool = True, prefix_pages: int | None = None,
                  page_size: int | None = None):
-        import collections
-        import threading
-
         import jax
         from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
         self._jax = jax
@@ -108,6 +108,7 @@ class PagedEngine(Engine):
         mesh = self.decode_runner.mesh
         self.processes = jax.process_count() if mesh is not None else 1
         self.lead = self.processes == 1 or jax.process_index() == 0
+        self._events = StepEvents(self.lead) if self.processes > 1 else None
         weights = self.decode_runner.weights
         self.device = first_device(weights)
         self._small = SingleDeviceSharding(self.device) if mesh is None else NamedSharding(mesh, PartitionSpec())
@@ -146,6 +147,7 @@ class PagedEngine(Engine):
                       "decode_bytes_to_device": 0, "decode_bytes_to_host": 0, "busy_slot_steps": 0,
                       "batched_prefill_calls": 0, "prefill_row_chunks": 0, "mixed_steps": 0, "most_pages_in_use": 0,
                       "preemptions": 0, "small_prefill_calls": 0, "mixed_chunks": 0, "most_chunks_in_a_step": 0}
+        self._executables = Executables(program, devices_of(self.decode_runner, self.device), self.stats)
         self._pool_zeros = jit_zeros(None, [(tuple(spec[n].shape), np.dtype(spec[n].dtype)) for n in self.cache_names],
                                      cache_shardings(self.decode_runner, self.cache_names, self._small))
         self._caches = self._made(self._pool_zeros, "pages_zeros")

@@ -1,7 +1,7 @@
 """The scheduler: :class:`Engine` admits requests into the decode batch's slots, prefills their prompts
 within a per-step token budget, runs one decode step of every slot, and hands each slot's new token to
-its request. Its device calls are built in :mod:`.step`; the start of each step and the other processes'
-part are :mod:`.follow`'s."""
+its request. Its device calls are built in :mod:`.step`; the broadcast of each step's events to the other
+processes (a program sharded over several) is :mod:`.follow`'s."""
 from __future__ import annotations
 
 import collections
@@ -18,10 +18,10 @@ from ..errors import InputError
 from ..images import MAX_IMAGES
 from ..llm.contract import has_state, prefill_chunks
 from ..llm.plan import DECODE, DECODE_BATCH, VISION, StepPlan
-from .follow import Following
+from .follow import StepEvents
 from .prefix import PAGE_SIZE, PrefixCache, default_pages, page_keys
 from .request import TOP_LOGPROBS, Request, SamplingParams, is_int
-from .step import (cache_shardings, jit_decode, jit_insert, jit_page_load, jit_page_store, jit_prefill,
+from .step import (Executables, cache_shardings, devices_of, jit_decode, jit_insert, jit_page_load, jit_page_store, jit_prefill,
                    jit_prefill_image, jit_put_rows, jit_set_row, jit_take_rows, jit_vision, jit_zeros, mask_words,
                    output_tree, put, state_row, state_rows)
 
@@ -38,7 +38,7 @@ class _Slot:
     image_rows: np.ndarray | None = None  # a request with images: each prompt position's image row (``_rows``)
 
 
-class Engine(Following):
+class Engine:
     """Continuous batching over a ``.tpu`` LLM (``prefill_<N>`` and ``decode`` / ``decode_batch`` programs).
 
     ``submit(prompt_ids, max_new_tokens, ...)`` returns a :class:`Request` at once; ``start()`` runs the
@@ -104,6 +104,10 @@ class Engine(Following):
         mesh = self.decode_runner.mesh
         self.processes = jax.process_count() if mesh is not None else 1
         self.lead = self.processes == 1 or jax.process_index() == 0
+        self._events = StepEvents(self.lead) if self.processes > 1 else None
+        self.stats = {"decode_steps": 0, "tokens": 0, "prefill_tokens": 0, "requests": 0,
+                      "decode_bytes_to_device": 0, "decode_bytes_to_host": 0, "busy_slot_steps": 0}
+        self._executables = Executables(program, devices_of(self.decode_runner, self.device), self.stats)
         self._small = SingleDeviceSharding(self.device) if mesh is None else NamedSharding(mesh, PartitionSpec())
         batch_sh = cache_shardings(self.decode_runner, self.cache_names, self._small)
         slot_sh = cache_shardings(self.runners[plan.prefill(self.lengths[0])], self.cache_names, self._small)
@@ -149,8 +153,6 @@ class Engine(Following):
         self._zeros = jit_zeros(1, self._slot_specs, slot_sh)
         self._state = self._put(state_rows(self.slots, self.vocab))
         self._everything = self._put(np.full((self.slots, mask_words(self.vocab)), -1, np.int32))  # no mask
-        self.stats = {"decode_steps": 0, "tokens": 0, "prefill_tokens": 0, "requests": 0,
-                      "decode_bytes_to_device": 0, "decode_bytes_to_host": 0, "busy_slot_steps": 0}
         self._batch_zeros = jit_zeros(self.slots, self._slot_specs, batch_sh)
         self._caches = self._made(self._batch_zeros, f"batch_zeros.{self.slots}")
         self._prefix = None
@@ -185,35 +187,9 @@ class Engine(Following):
 
     def warm(self) -> float:
         """Readies every device function the engine may call, for the shapes it calls it with, so that serving
-        compiles nothing (a server does this before it takes requests): the file's stored executables for these
-        devices (``torchtpu-export compile FILE --topology ...``) loaded where the file was loaded as trusted
-        (``trust_stored_executables``), or else each call compiled now (a file not trusted: its stored ones
-        never read, counted in ``stats["stored_executables_ignored"]``). Raises ArtifactError when a trusted
-        file stores executables that cannot run here, or lacks one this engine calls. Returns the seconds taken."""
-        import time
-
-        from ..errors import ArtifactError
-        t0 = time.perf_counter()
-        devices = self._devices()
-        self._say_ignored()
-        stored = self.program.stored_calls(devices)
-        for name, fn, args in self.calls():
-            if stored is None:
-                fn.compile(*args)
-            elif name in stored:
-                try:
-                    fn.load(stored[name], *args, devices=devices, loader=self.program.load_executable)
-                except ArtifactError as e:
-                    raise ArtifactError(f"the file's stored engine call {name!r}: {e}", hint=e.hint) from e
-            else:
-                raise ArtifactError(f"the file's stored executables lack the engine call {name!r}: they were "
-                                    "compiled for the server's defaults (batched, prefix cache), or by an older "
-                                    "torchtpu-export", hint="serve with the defaults, compile the file again "
-                                    "(torchtpu-export compile), serve without --trust-stored-executables to compile "
-                                    "every call at start, or with --no-warm to compile each on first use")
-        self.stats["warm_seconds"] = round(time.perf_counter() - t0, 3)
-        self.stats["stored_executables"] = 0 if stored is None else len(stored)
-        return self.stats["warm_seconds"]
+        compiles nothing (a server does this before it takes requests): see :meth:`.step.Executables.warm`.
+        Returns the seconds taken."""
+        return self._executables.warm(self.calls())
 
     def _host(self, shape, dtype=np.int32):
         """The abstract value of a host array that :meth:`_put` places."""
@@ -280,44 +256,8 @@ class Engine(Following):
         return put(x, self._small)
 
     def _made(self, fn, name: str):
-        """What ``fn()`` (the engine call ``name``) makes on the devices: through the file's stored executable
-        when it has one for these devices (the engine starts without compiling), abstract without chips."""
-        if self._abstract:
-            return fn.shapes()
-        blob = self._stored().get(name)
-        if blob is not None:
-            from ..errors import ArtifactError
-            try:
-                fn.load(blob, devices=self._devices(), loader=self.program.load_executable)
-            except ArtifactError as e:
-                raise ArtifactError(f"the file's stored engine call {name!r}: {e}", hint=e.hint) from e
-        return fn()
-
-    def _devices(self) -> list:
-        mesh = self.decode_runner.mesh
-        return [self.device] if mesh is None else list(mesh.devices.flat)
-
-    def _stored(self) -> dict:
-        """The file's stored executables for these devices (none where it has none, is not trusted, or has
-        none that run here: :meth:`warm` says why)."""
-        if getattr(self, "_stored_calls", None) is None:
-            from ..errors import ArtifactError
-            self._say_ignored()
-            try:
-                self._stored_calls = self.program.stored_calls(self._devices()) or {}
-            except ArtifactError:
-                self._stored_calls = {}
-        return self._stored_calls
-
-    def _say_ignored(self) -> None:
-        """The file's stored executables left unread because it is not trusted: counted in the stats, and
-        said once in the log (a user who compiled the file learns why the engine compiles)."""
-        ignored = self.program.ignored_calls()
-        if ignored and "stored_executables_ignored" not in self.stats:
-            log.warning("ignoring the file's %d stored engine executables: they are native code, loaded only from "
-                        "a file marked trusted (--trust-stored-executables; tte.load(path, "
-                        "trust_stored_executables=True)); compiling the engine's calls instead", ignored)
-        self.stats["stored_executables_ignored"] = ignored
+        """What ``fn()`` (the engine call ``name``) makes on the devices (:meth:`.step.Executables.made`)."""
+        return self._executables.made(fn, name)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -848,6 +788,38 @@ class Engine(Following):
         if self._prefix is not None:
             self._prefix.clear()
             self._pool = self._pool_zeros()
+
+    # ---- the start of each step, and the other processes' part --------------------------------
+
+    def _sync(self) -> bool:
+        """The start of a step: requests submitted and cancelled since the last one become the scheduler's,
+        a snapshot that nothing changes while the step runs. Under several processes process 0 takes them
+        and broadcasts them (:class:`~.follow.StepEvents`), so that every process schedules the same steps
+        and calls its programs in the same order (the multi-controller contract); the tokens a step makes
+        are replicated, so every process then sees the same. Returns False once the engine stops (process 0
+        says so)."""
+        with self._cv:
+            new, stopping = list(self._inbox), self._stopping
+            self._inbox.clear()
+        live = {r.id: r for r in self._waiting} | {s.request.id: s.request for s in self._slots if s.request}
+        cancelled = [i for i, r in live.items() if r.cancelled and not r.dropped]
+        if self._events is not None:
+            new, cancelled, stopping = self._events.exchange(new, cancelled, stopping)
+        for i in cancelled:
+            live[i].dropped = True
+        self._waiting.extend(new)
+        self._halted = self._halted or stopping
+        return not self._halted
+
+    def follow(self) -> None:
+        """Under several processes, on every process but 0: runs the steps process 0 schedules (the same
+        programs in the same order, over this process's devices) until process 0's engine stops."""
+        if self.lead:
+            raise InputError("follow() is for the engines of processes 1.. of a multi-process program; this one "
+                             "takes the requests itself", hint="submit() and step() or start() here")
+        while not self._halted:
+            self._guarded_step()
+        self._reset(InputError("the engine stopped"))
 
     # ---- the background thread ----------------------------------------------------------------
 

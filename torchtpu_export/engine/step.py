@@ -72,6 +72,87 @@ class Prepared:
         return self.jitted(*args)
 
 
+class Executables:
+    """How an engine's device functions get their executables: loaded from the file's stored ones for these
+    ``devices`` where the file was loaded as trusted (``trust_stored_executables``), else compiled; a file
+    not trusted has its stored ones never read (counted in ``stats["stored_executables_ignored"]`` and said
+    once in the log). Over chips not attached (``program.abstract``) nothing is made, only shapes."""
+
+    def __init__(self, program, devices: list, stats: dict):
+        self.program, self.devices, self.stats = program, devices, stats
+        self._stored: dict | None = None
+
+    def warm(self, calls) -> float:
+        """Readies each of ``calls`` (``(name, function, arguments)``, the engine's ``calls()``), so that serving
+        compiles nothing. Raises ArtifactError when a trusted file stores executables that cannot run here, or
+        lacks one of the calls. Returns the seconds taken."""
+        import time
+
+        from ..errors import ArtifactError
+        t0 = time.perf_counter()
+        self._say_ignored()
+        stored = self.program.stored_calls(self.devices)
+        for name, fn, args in calls:
+            if stored is None:
+                fn.compile(*args)
+            elif name in stored:
+                self._load(fn, name, stored[name], *args)
+            else:
+                raise ArtifactError(f"the file's stored executables lack the engine call {name!r}: they were "
+                                    "compiled for the server's defaults (batched, prefix cache), or by an older "
+                                    "torchtpu-export", hint="serve with the defaults, compile the file again "
+                                    "(torchtpu-export compile), serve without --trust-stored-executables to compile "
+                                    "every call at start, or with --no-warm to compile each on first use")
+        self.stats["warm_seconds"] = round(time.perf_counter() - t0, 3)
+        self.stats["stored_executables"] = 0 if stored is None else len(stored)
+        return self.stats["warm_seconds"]
+
+    def made(self, fn, name: str):
+        """What ``fn()`` (the engine call ``name``, of no arguments) makes on the devices: through the file's
+        stored executable when it has one for these devices (the engine starts without compiling), abstract
+        without chips."""
+        if self.program.abstract:
+            return fn.shapes()
+        blob = self._stored_here().get(name)
+        if blob is not None:
+            self._load(fn, name, blob)
+        return fn()
+
+    def _load(self, fn, name: str, blob: bytes, *args) -> None:
+        from ..errors import ArtifactError
+        try:
+            fn.load(blob, *args, devices=self.devices, loader=self.program.load_executable)
+        except ArtifactError as e:
+            raise ArtifactError(f"the file's stored engine call {name!r}: {e}", hint=e.hint) from e
+
+    def _stored_here(self) -> dict:
+        """The file's stored executables for these devices (none where it has none, is not trusted, or has
+        none that run here: :meth:`warm` says why)."""
+        if self._stored is None:
+            from ..errors import ArtifactError
+            self._say_ignored()
+            try:
+                self._stored = self.program.stored_calls(self.devices) or {}
+            except ArtifactError:
+                self._stored = {}
+        return self._stored
+
+    def _say_ignored(self) -> None:
+        """The file's stored executables left unread because it is not trusted: counted in the stats, and
+        said once in the log (a user who compiled the file learns why the engine compiles)."""
+        ignored = self.program.ignored_calls()
+        if ignored and "stored_executables_ignored" not in self.stats:
+            log.warning("ignoring the file's %d stored engine executables: they are native code, loaded only from "
+                        "a file marked trusted (--trust-stored-executables; tte.load(path, "
+                        "trust_stored_executables=True)); compiling the engine's calls instead", ignored)
+        self.stats["stored_executables_ignored"] = ignored
+
+
+def devices_of(runner, device) -> list:
+    """The devices of an engine whose decode program is ``runner``: its mesh's, or its one ``device``."""
+    return [device] if runner.mesh is None else list(runner.mesh.devices.flat)
+
+
 def _plain(o):
     import jax
     return jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=getattr(o.sharding, "sharding", o.sharding))
