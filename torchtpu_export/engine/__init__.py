@@ -44,7 +44,8 @@ a step samples are replicated, so every process sees them.
 
 The parts: :mod:`.request` (:class:`Request`, :class:`SamplingParams`), :mod:`.step` (the jitted device
 calls and :func:`sample`), :mod:`.prefix` (the prefix cache's index, the paged cache's pages),
-:mod:`.paged` (:class:`PagedEngine`), :mod:`.scheduler` (:class:`Engine`:
+:mod:`.paged` (:class:`PagedEngine`; its policy of rows and pages without JAX, :mod:`.paged_policy`),
+:mod:`.scheduler` (:class:`Engine`:
 admission, prefill budget, slots, the loop, the start of each step), :mod:`.follow` (each step's events
 broadcast to the other processes) and :mod:`.session` (an LLM file's engine, text workers and grammars, as
 ``serve`` and ``generate`` use them).

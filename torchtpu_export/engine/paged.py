@@ -20,12 +20,13 @@ processors and thread are the engine's. What differs:
   with the same tokens reads them in place and prefills only the rest. Cached pages nobody holds are
   evicted in the order they were let go when a page is wanted;
 - a request is admitted when the pool can hold its prompt (its pages reserved then) beside the pages the
-  decoding rows take at the next step; a sequence then takes pages as it grows. When a decode step needs more pages than
-  the pool has, the requests that arrived last are preempted (as vLLM does): their full pages are kept in
+  decoding rows take at the next step; a sequence then takes pages as it grows. When a decode step needs more
+  pages than the pool has, the requests that arrived last are preempted (as vLLM does): their full pages are kept in
   the pool under their tokens' hash chain, their pages let go, their decode state saved, and they go back to
   the front of the line; readmitted, they read their kept pages (or prefill their prompt and tokens again)
   and go on from their saved state, so a preempted request's tokens are those it would have made. The
-  first waiting request that does not fit waits for pages (first come, first served).
+  first waiting request that does not fit waits for pages (first come, first served). Those decisions are
+  :class:`.paged_policy.PagedPolicy`'s (no device); this class does the device work.
 
 Attention reads each row's pages through ``tte::paged_attention`` (:mod:`torchtpu_export.llm.paged`): gathered
 in sequence order by XLA, or on TPU by kernels that fetch only each row's live pages: JAX's paged attention
@@ -41,23 +42,12 @@ import numpy as np
 from ..errors import InputError
 from ..llm.plan import DECODE_PAGED, StepPlan, mixed_chunks
 from .follow import StepEvents
-from .prefix import PagePool, page_keys
+from .paged_policy import PagedPolicy
+from .prefix import PagePool
 from .request import TOP_LOGPROBS
 from .scheduler import Engine, decode_program, first_device, part_rows
 from .step import (Executables, cache_shardings, devices_of, jit_decode, jit_decode_rows, jit_get_row, jit_mixed,
                    jit_prefill, jit_set_row, jit_zeros, mask_words, output_tree, state_row, state_rows)
-
-
-class _Row:
-    """A row of the batch: its request, the tokens it prefills (the prompt; a preempted request's prompt and
-    tokens), their pages' hash chain, its pool pages in sequence order, the positions written, and the pages
-    still reserved for it."""
-
-    def __init__(self, request=None, pages=(), filled: int = 0, owed: int = 0, seq=(), keys=()):
-        self.request, self.pages, self.filled, self.owed = request, list(pages), filled, owed
-        self.seq, self.keys = list(seq), list(keys)
-        self.decoding = False
-        self.position = 0  # while decoding: the position the next decode step writes
 
 
 class PagedEngine(Engine):
@@ -153,13 +143,16 @@ class PagedEngine(Engine):
         self._caches = self._made(self._pool_zeros, "pages_zeros")
         self._pool = PagePool(self.pages, self.page_size, prefix_cache, self.stats)
         self._prefix = self._pool if prefix_cache else None
+        self._waiting = collections.deque()
+        # which requests hold the rows and which pages each holds (admission, growth, preemption)
+        self._policy = PagedPolicy(self.slots, self._pool, self._max_pages, self.stats, self._waiting,
+                                   self._next_waiting)
         self._state = self._put(state_rows(self.slots, self.vocab))
         self._everything = self._put(np.full((self.slots, mask_words(self.vocab)), -1, np.int32))
         self._everything_rows = {b: self._put(np.full((b, mask_words(self.vocab)), -1, np.int32))
                                  for b in self._buckets}
         self._everything_rows[self.slots] = self._everything
-        self._slots = [_Row() for _ in range(self.slots)]
-        self._waiting = collections.deque()
+        self._slots = self._policy.rows
         self._inbox = collections.deque()
         self._cv = threading.Condition()
         self._thread = None
@@ -174,8 +167,8 @@ class PagedEngine(Engine):
         to do."""
         if not self._sync():
             return False
-        self._admit()
-        busy = self._room([i for i, r in enumerate(self._slots) if r.decoding])
+        self._policy.admit()
+        busy = self._policy.room(self._policy.decoding(), self._save_row)
         if busy and self._filling():
             if self._mixes:
                 self._mixed(busy)
@@ -183,11 +176,11 @@ class PagedEngine(Engine):
             self._prefill_rows()
         if not busy:
             self._prefill_rows()
-            busy = self._room([i for i, r in enumerate(self._slots) if r.decoding])
+            busy = self._policy.room(self._policy.decoding(), self._save_row)
         if not busy:
             return self.busy
         top, asked = self._top(busy)
-        table = self._decode_table(busy)
+        table = self._policy.decode_table(busy)
         rows = min((b for b in self._buckets if b >= len(busy)), default=None)
         if rows is not None:
             out = self._rows_step(busy, rows, top, table)
@@ -215,7 +208,7 @@ class PagedEngine(Engine):
         lanes = min(b for m, b, k in self._mixes if m == n and k == blocks and b >= len(busy))
         sig, size = self._mixes[n, lanes, blocks], n // blocks
         table = np.zeros((lanes + blocks, self._max_pages), np.int32)
-        table[:len(busy)] = self._decode_table(busy)[busy]
+        table[:len(busy)] = self._policy.decode_table(busy)[busy]
         tokens = np.zeros(n, np.int32)
         positions = np.tile(np.arange(size, dtype=np.int32), blocks)  # a block taking no part: page 0
         taken, takes, used = [], {}, 0  # used: blocks given
@@ -227,7 +220,7 @@ class PagedEngine(Engine):
             at = used * size
             tokens[at:at + take] = r.seq[r.filled:r.filled + take]
             positions[at:at + whole] = r.filled + np.arange(whole)
-            self._grow(r, r.filled + take)
+            self._policy.grow(r, r.filled + take)
             table[lanes + used:lanes + used + whole // size, :len(r.pages)] = r.pages
             taken.append((i, r))
             used += whole // size
@@ -315,16 +308,6 @@ class PagedEngine(Engine):
                  if self._slots[i].request.params.logprobs is not None]
         return (TOP_LOGPROBS if any(asked) else 0), bool(asked)
 
-    def _decode_table(self, busy: list[int]) -> np.ndarray:
-        """The page table of a decode step: each decoding row's pages (one more taken where its next position
-        starts a page), the other rows' page 0."""
-        table = np.zeros((self.slots, self._max_pages), np.int32)
-        for i in busy:
-            row = self._slots[i]
-            self._grow(row, row.position + 1)
-            table[i, :len(row.pages)] = row.pages
-        return table
-
     def _allowed(self):
         mask = self._mask()
         return self._everything if mask is None else self._put(mask)
@@ -344,77 +327,10 @@ class PagedEngine(Engine):
                                                               zip(logprobs[2][i][:k], logprobs[1][i][:k])])
             self._deliver(i, row, int(tokens[i]), lp)
 
-    def _admit(self) -> None:
-        """Waiting requests into free rows, first come first served, while the pool can hold each one's prompt
-        and its first new token, and the pages the decoding rows start at the next step."""
-        for i, row in enumerate(self._slots):
-            if row.request is not None:
-                continue
-            request = self._next_waiting()
-            if request is None:
-                return
-            seq = request.prompt if request.resume is None else request.resume[0]
-            if request.page_keys is None:  # the full pages of what is prefilled (all but the last token)
-                request.page_keys = page_keys(seq[:-1], self.page_size)[:self._max_pages]
-            hit = self._pool.match(request.page_keys)
-            owed = -(-len(seq) // self.page_size) - len(hit)
-            if owed + self._short([j for j, r in enumerate(self._slots) if r.decoding]) > self._pool.available():
-                self._pool.release(hit)
-                return  # it waits for pages (and those after it wait for it)
-            self._waiting.popleft()
-            if request.siblings:  # n > 1: each choice a request of its own, next in line
-                self._waiting.extendleft(reversed(request.siblings))
-                request.siblings = []
-            self._pool.reserved += owed
-            self._slots[i] = _Row(request, hit, len(hit) * self.page_size, owed, seq, request.page_keys)
-            self.stats["prefix_hit_tokens"] += len(hit) * self.page_size
-
-    def _room(self, busy: list[int]) -> list[int]:
-        """The decoding rows ``busy`` that this step's pages are there for: where more of them start a page than
-        the pool has pages to take, the requests that arrived last (decoding or filling) are preempted
-        (:meth:`_preempt`) until the rest fit; the first to arrive always does (the pool holds a sequence of
-        the whole cache)."""
-        while busy and self._short(busy) > self._pool.available():
-            victim = max((i for i, r in enumerate(self._slots) if r.request is not None),
-                         key=lambda i: self._slots[i].request.id)
-            self._preempt(victim)
-            busy = [i for i in busy if i != victim]
-        return busy
-
-    def _short(self, busy: list[int]) -> int:
-        """How many of the decoding rows ``busy`` start a page at their next position beyond their reservation."""
-        return sum(1 for i in busy if self._slots[i].owed == 0
-                   and self._slots[i].position + 1 > len(self._slots[i].pages) * self.page_size)
-
-    def _preempt(self, i: int) -> None:
-        """Row ``i``'s request out of the batch, back to the front of the line: the full pages it has written
-        kept in the pool under their hash chain (its readmission reads them), its pages let go; a decoding
-        request's decode state row saved, to go on from where it was."""
-        row, r = self._slots[i], self._slots[i].request
-        if row.decoding:  # its state row alone to the host
-            state = self._jax.device_get(self._get_row(self._state, self._put(np.int32(i))))
-            seq = r.prompt + r.tokens  # its next decode input is the last of them, at position len(seq) - 1
-            r.resume, written = (seq, tuple(np.asarray(x) for x in state)), seq[:-1]
-        else:  # still filling: its prompt (or its earlier preemption's tokens) again, from what is written
-            written = row.seq[:row.filled]
-        for key, page in zip(page_keys(written, self.page_size), row.pages):
-            self._pool.publish(key, page)
-        self._pool.release(row.pages)
-        self._pool.reserved -= row.owed
-        r.page_keys = None
-        self._slots[i] = _Row()
-        self._waiting.appendleft(r)
-        self.stats["preemptions"] += 1
-
-    def _grow(self, row: _Row, positions: int) -> None:
-        """Pages for ``row``'s first ``positions`` positions: from its reservation, then from the pool (which
-        :meth:`_room` made sure has them)."""
-        while len(row.pages) * self.page_size < positions:
-            row.pages.append(self._pool.take())
-            if row.owed:
-                row.owed -= 1
-                self._pool.reserved -= 1
-        self.stats["most_pages_in_use"] = max(self.stats["most_pages_in_use"], self._pool.in_use())
+    def _save_row(self, i: int) -> tuple:
+        """Row ``i``'s decode state, on the host (a preempted request's, to go on from where it was)."""
+        state = self._jax.device_get(self._get_row(self._state, self._put(np.int32(i))))
+        return tuple(np.asarray(x) for x in state)
 
     def _filling(self) -> list:
         """The rows with prompt tokens left to prefill, as ``(row index, row)``; on the way, cancelled requests
@@ -446,7 +362,7 @@ class PagedEngine(Engine):
             takes[i] = take = min(n, left[i])
             tokens[i, :take] = r.seq[r.filled:r.filled + take]
             start[i] = r.filled
-            self._grow(r, r.filled + take)
+            self._policy.grow(r, r.filled + take)
             table[i, :len(r.pages)] = r.pages
         return n, tokens, start, table, takes
 
@@ -481,7 +397,7 @@ class PagedEngine(Engine):
                 self._filled(rows, takes)
                 self.stats["batched_prefill_calls"] += 1
 
-    def _activate(self, i: int, row: _Row) -> None:
+    def _activate(self, i: int, row) -> None:
         """A prefilled request into the decode batch: its state row set (a preempted request's saved one), its
         full prompt pages kept for later prompts."""
         r = row.request
@@ -490,16 +406,11 @@ class PagedEngine(Engine):
         else:
             state = state_row(r.params, r.prompt, 0 if r.params.seed is None else int(r.params.seed), self.vocab)
         self._state = self._set_row(self._state, self._put(np.int32(i)), self._put(state))
-        for key, page in zip(row.keys, row.pages):
-            self._pool.publish(key, page)
-        row.decoding, row.position = True, len(row.seq) - 1
+        self._policy.activated(row)
 
     def _free(self, i: int, reason: str, error: BaseException | None = None) -> None:
-        row = self._slots[i]
-        row.request.finish(reason, error)
-        self._pool.release(row.pages)
-        self._pool.reserved -= row.owed
-        self._slots[i] = _Row()
+        self._slots[i].request.finish(reason, error)
+        self._policy.release(i)
 
     def _lost(self) -> None:
         if any(getattr(x, "is_deleted", lambda: False)() for x in self._caches):  # the pool went with a failed call
