@@ -412,3 +412,24 @@ def test_a_server_compiles_nothing_once_started_and_loads_stored_executables(llm
     assert "compiled by jax 0.0.1" in r.stderr and "Traceback" not in r.stderr
     r = cli("compile", path, "--topology", "cpu", "--signature", "decode_batch", "-o", tmp_path / "one.tpu")
     assert r.returncode == 2 and "the cpu topology compiles an LLM's serving engine" in r.stderr
+
+
+def test_a_file_whose_special_ids_its_vocabulary_lacks_is_refused_before_compiling(llm, tmp_path, monkeypatch):
+    """serve (and generate) refuse a file naming a stop token past the model's vocabulary, with the file's
+    path, before the engine's calls are compiled (warm)."""
+    from torchtpu_export.engine.scheduler import Engine as SlotEngine
+    from torchtpu_export.server.app import Served
+    prog = tte.load(llm[3])
+    vocab = llm[0].config.vocab_size
+    prog.manifest["llm"]["stop_ids"] = [vocab + 7]
+    bad = tmp_path / "bad-stop.tpu"
+    prog.save(bad)
+
+    def warm(self):
+        raise AssertionError("compiled before the refusal")
+    monkeypatch.setattr(SlotEngine, "warm", warm)
+    with pytest.raises(tte.ArtifactError, match=rf"bad-stop.tpu: its special token ids \[{vocab + 7}, .*\] are not "
+                                                rf"all below the model's vocabulary of {vocab}"):
+        Served(str(bad), warm=True)
+    with pytest.raises(tte.ArtifactError, match="not all below"):
+        tte.load(bad).generate([1, 2, 3], 2)

@@ -25,13 +25,13 @@ class LlmSession:
             raise InputError("an LLM session needs an LLM's programs (tte.export_llm)")
         self.llm = llm
         self.engine = Engine(program, batched=batched, prefix_cache=prefix_cache)
-        if warm:  # every device call compiled now: no request waits for the compiler
-            self.engine.warm()
         self.stop_ids = tuple(llm.get("stop_ids", ()))
         special = [i for i in (*self.stop_ids, llm.get("bos_id"), llm.get("pad_id")) if i is not None]
-        if any(i >= self.engine.vocab for i in special):
+        if any(i >= self.engine.vocab for i in special):  # said before warm's compiling, not after it
             raise ArtifactError(f"its special token ids {special} are not all below the model's vocabulary of "
                                 f"{self.engine.vocab}")
+        if warm:  # every device call compiled now: no request waits for the compiler
+            self.engine.warm()
         self.tokenizer_json = self.text = None
         self._grammars = None
         self._grammars_made = threading.Lock()
